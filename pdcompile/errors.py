@@ -1,0 +1,64 @@
+"""The errors pdcompile raises on purpose: one base class, one subclass per phase.
+
+Every message says what was observed, which node, module or option is at fault, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CodegenError",
+    "CostError",
+    "PartitionError",
+    "PdcompileError",
+    "PipelineTimeoutError",
+    "ScheduleError",
+    "SpecError",
+    "StageCommError",
+    "TraceError",
+    "TraceWarning",
+]
+
+
+class PdcompileError(Exception):
+    """Base class of every error pdcompile raises deliberately."""
+
+
+class SpecError(PdcompileError, ValueError):
+    """A model spec (`package.module:factory` or `file.py:factory`) cannot be loaded."""
+
+
+class TraceError(PdcompileError, RuntimeError):
+    """The model cannot be captured into a graph (by any path that was tried)."""
+
+
+class CostError(PdcompileError, RuntimeError):
+    """A cost pass (profiling, analytic costs, coarsening) cannot label the graph."""
+
+
+class PartitionError(PdcompileError, ValueError):
+    """No plan exists for the given costs, cluster and options, or a plan is malformed."""
+
+
+class CodegenError(PdcompileError, RuntimeError):
+    """Stage modules cannot be generated from a graph and a plan."""
+
+
+class ScheduleError(PdcompileError, ValueError):
+    """A schedule is invalid (unmatched send/receive, missing backward, deadlock)."""
+
+
+class StageCommError(PdcompileError, RuntimeError):
+    """Communication between stages failed or delivered something unexpected."""
+
+
+class CheckpointError(PdcompileError, RuntimeError):
+    """A checkpoint cannot be written, or is partial, altered or incompatible."""
+
+
+class PipelineTimeoutError(StageCommError, TimeoutError):
+    """A collective or point-to-point operation waited longer than its timeout."""
+
+
+class TraceWarning(UserWarning):
+    """Capture succeeded with a compromise (for example a submodule turned into a leaf)."""

@@ -1,0 +1,145 @@
+"""Capture through `torch.export` (non-strict), for models symbolic tracing cannot follow.
+
+The fx graph of `ExportedProgram.module()` is used as the IR: parameters are `get_attr` nodes under
+their original names, every node's module path is in `node.meta["nn_module_stack"]`, and the
+output structure is restored by the graph's code generator. The batch dimension (dim 0 of every
+tensor input) is dynamic, so one graph serves every microbatch size; every other dimension is
+fixed, and a call with another size gets a `TraceError` instead of a failed guard.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.export import Dim
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+
+from pdcompile.errors import TraceError
+from pdcompile.fx_capture import describe_failure
+from pdcompile.inputs import BoundInputs
+
+
+class ExportedGraphModule(fx.GraphModule):
+    """A GraphModule captured by `torch.export`: fixed train/eval mode, checked input shapes.
+
+    The graph bakes in the mode it was captured in (dropout on or off, BatchNorm statistics used
+    or updated), so switching mode raises instead of silently computing the other mode.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        graph: fx.Graph,
+        class_name: str,
+        input_specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        training: bool,
+    ) -> None:
+        super().__init__(root, graph, class_name)
+        self._input_specs = input_specs
+        self._captured_training = training
+        self.training = training
+        self.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+
+    def train(self, mode: bool = True) -> ExportedGraphModule:
+        if mode != self._captured_training:
+            captured = "train" if self._captured_training else "eval"
+            wanted = "train" if mode else "eval"
+            raise TraceError(
+                f"this graph was captured by torch.export in {captured} mode and computes that "
+                f"mode only; to get {wanted} mode, call model.{wanted}() and pdcompile.trace again"
+            )
+        return self
+
+
+def _check_inputs(module: ExportedGraphModule, args: tuple, kwargs: dict) -> None:
+    names = list(module._input_specs)
+    given = dict(zip(names, args)) | kwargs
+    for name, (shape, dtype) in module._input_specs.items():
+        value = given.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise TraceError(f"input {name!r} is missing or not a tensor (got {type(value).__name__})")
+        if value.dim() != len(shape) or tuple(value.shape[1:]) != shape[1:]:
+            expected = ", ".join(["batch", *map(str, shape[1:])])
+            raise TraceError(
+                f"input {name!r} has shape {list(value.shape)}, but this graph was captured by "
+                f"torch.export for shape [{expected}]: only the batch dimension is dynamic. "
+                "Capture again with an example of the new size (pdcompile.trace)"
+            )
+        if value.dtype != dtype:
+            raise TraceError(
+                f"input {name!r} has dtype {value.dtype}, but the graph was captured for {dtype}"
+            )
+
+
+def _dynamic_shapes(inputs: BoundInputs, batch: Dim) -> dict[str, Any]:
+    """The `dynamic_shapes` argument: dim 0 of every tensor is the shared `batch` dimension."""
+    spec: dict[str, Any] = {}
+    for name, value in inputs.arguments.items():
+        kind = inputs.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            spec[name] = {k: {0: batch} if isinstance(v, torch.Tensor) else None for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            spec[name] = tuple({0: batch} if isinstance(v, torch.Tensor) else None for v in value)
+        else:
+            spec[name] = {0: batch} if isinstance(value, torch.Tensor) else None
+    return spec
+
+
+def _widened(inputs: BoundInputs) -> BoundInputs:
+    """Example inputs of at least 2 rows: export specialises a dimension of size 1 to the constant 1."""
+    if inputs.batch_size >= 2:
+        return inputs
+    tensors = {k: torch.cat([v, v]) if v.dim() and v.shape[0] == 1 else v for k, v in inputs.tensors.items()}
+    args, kwargs = inputs.call(tensors)
+    bound = inputs.signature.bind(*args, **kwargs)
+    return BoundInputs(inputs.signature, dict(bound.arguments), tensors, inputs.constants)
+
+
+def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule:
+    """Export `model` with a dynamic batch dimension and return its fx graph.
+
+    Raises:
+        TraceError: export fails, or the model fixes the batch dimension.
+    """
+    inputs = _widened(inputs)
+    args, kwargs = inputs.call(inputs.tensors)
+    try:
+        program = torch.export.export(
+            model,
+            args,
+            kwargs,
+            dynamic_shapes=_dynamic_shapes(inputs, Dim("batch")),
+            strict=False,
+        )
+    except Exception as e:
+        raise TraceError(
+            f"torch.export of {type(model).__name__} failed: {describe_failure(e)}. If the model "
+            "fixes the batch size (dim 0 of every input), make it use x.shape[0] instead"
+        ) from e
+    exported = program.module()
+    graph = exported.graph
+    for node in list(graph.nodes):
+        # The export guards are replaced by _check_inputs, whose errors say what to do.
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+    for node in list(graph.find_nodes(op="placeholder")):
+        if node.target not in inputs.tensors:
+            if node.users:
+                raise TraceError(f"constant argument {node.target!r} is used by the exported graph")
+            graph.erase_node(node)
+    names = [p.target for p in graph.find_nodes(op="placeholder")]
+    out_spec = graph._codegen.pytree_info.out_spec
+    graph._codegen = _PyTreeCodeGen(
+        _PyTreeInfo(names, pytree.tree_structure(list(names)), out_spec)
+    )
+    specs = {n: (tuple(inputs.tensors[n].shape), inputs.tensors[n].dtype) for n in names}
+    gm = ExportedGraphModule(exported, graph, type(model).__name__, specs, model.training)
+    gm._in_spec = graph._codegen.pytree_info.in_spec
+    gm._out_spec = out_spec
+    gm.recompile()
+    return gm

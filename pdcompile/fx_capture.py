@@ -1,0 +1,114 @@
+"""Capture by torch.fx symbolic tracing, with the leaf policy and automatic leaves.
+
+A submodule whose own code cannot be traced (control flow on tensor values, calls fx cannot see
+through) is found as the innermost module being traced when tracing failed; with `auto_leaf` it
+becomes a leaf and tracing starts again, so every leaf sits as deep in the hierarchy as possible.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+from typing import Any
+
+import torch.fx as fx
+import torch.nn as nn
+
+from pdcompile.errors import TraceError
+from pdcompile.inputs import BoundInputs
+from pdcompile.leaf_policy import TRACEABLE_FORWARDS, LeafPolicy
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(fx.__file__))
+_MAX_AUTO_LEAVES = 256
+
+
+class _Untraceable(Exception):
+    """Raised out of the innermost traced-through module whose forward failed."""
+
+    def __init__(self, qualified_name: str, reason: str) -> None:
+        super().__init__(qualified_name, reason)
+        self.qualified_name = qualified_name
+        self.reason = reason
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line: the error and the innermost source line outside torch that led to it."""
+    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_TORCH_DIR)
+    ]
+    if frames:
+        f = frames[-1]
+        message += f" (at {f.filename}:{f.lineno}: {(f.line or '').strip()})"
+    return message
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, policy: LeafPolicy, inputs: BoundInputs) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.policy = policy
+        self.inputs = inputs
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self.policy.is_leaf(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        override = TRACEABLE_FORWARDS.get(type(m))
+        if override is not None:
+            forward = functools.partial(override, m)
+        name = self.path_of_module(m)
+        if self.is_leaf_module(m, name):
+            return super().call_module(m, forward, args, kwargs)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except _Untraceable:
+            raise
+        except Exception as e:
+            raise _Untraceable(name, describe_failure(e)) from e
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None):
+        # One placeholder per tensor input; every other argument keeps its value (see BoundInputs).
+        placeholders = {
+            name: self.create_proxy("placeholder", name, (), {}) for name in self.inputs.tensors
+        }
+        args, kwargs = self.inputs.call(placeholders)
+
+        def traced(root: nn.Module) -> Any:
+            return root_fn(root, *args, **kwargs)
+
+        return traced, [self.root]
+
+
+def capture_fx(
+    model: nn.Module, inputs: BoundInputs, policy: LeafPolicy, auto_leaf: bool
+) -> tuple[fx.GraphModule, dict[str, str]]:
+    """Trace `model` symbolically; return the GraphModule and the automatic leaves with reasons.
+
+    Raises:
+        TraceError: tracing fails in the model's own `forward` (or, without `auto_leaf`, anywhere).
+    """
+    for _ in range(_MAX_AUTO_LEAVES):
+        tracer = _Tracer(policy, inputs)
+        try:
+            graph = tracer.trace(model)
+        except _Untraceable as e:
+            if not auto_leaf:
+                raise TraceError(
+                    f"symbolic tracing cannot follow submodule {e.qualified_name!r} of "
+                    f"{type(model).__name__}: {e.reason}. Remedies: auto_leaf=True, "
+                    f"leaf_modules=[{e.qualified_name!r}], or method='export'"
+                ) from e
+            policy = policy.with_auto_leaf(e.qualified_name, e.reason)
+            continue
+        except Exception as e:
+            raise TraceError(
+                f"symbolic tracing of {type(model).__name__}.forward failed: {describe_failure(e)}"
+            ) from e
+        name = type(model).__name__
+        return fx.GraphModule(model, graph, class_name=name), dict(policy.auto)
+    raise TraceError(
+        f"symbolic tracing of {type(model).__name__} needed more than {_MAX_AUTO_LEAVES} automatic "
+        "leaves; use method='export' or name leaf modules"
+    )

@@ -1,0 +1,119 @@
+"""The IR: a `torch.fx.GraphModule` whose `node.meta` and `gm.meta` carry namespaced, immutable values.
+
+Passes write the keys below and tools read them back; docs/architecture.md has the full table.
+Values are frozen dataclasses, tuples and strings, because fx copies `meta` shallowly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+# node.meta keys
+SCOPE = "pdcompile.scope"  # tuple[(qualified name, module type), ...], outermost module first
+OUTPUTS = "pdcompile.outputs"  # tuple[TensorSpec, ...]: every tensor in the node's output value
+OUTPUT_BYTES = "pdcompile.output_bytes"  # int: sum of OUTPUTS' bytes
+PARAMS = "pdcompile.params"  # tuple[str, ...]: canonical names of the parameters/buffers the node uses
+
+# gm.meta keys
+CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph
+TRAINING = "pdcompile.training"  # bool: the model's mode when it was captured
+INPUTS = "pdcompile.inputs"  # tuple[str, ...]: names of the graph's tensor inputs, in call order
+CONSTANTS = "pdcompile.constants"  # tuple[(argument, repr of value), ...] bound into the graph
+AUTO_LEAVES = "pdcompile.auto_leaves"  # tuple[(qualified name, reason), ...]
+PARAM_TABLE = "pdcompile.param_table"  # tuple[ParamInfo, ...], one per distinct tensor
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and size of one tensor a node produces."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), dtype_name(tensor.dtype), tensor.numel() * tensor.element_size())
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter or buffer tensor of the original model.
+
+    `names` holds every fully qualified name under which the model exposes the tensor (several
+    when parameters are tied, e.g. a GPT's embedding and LM head); `names[0]` is canonical.
+    `users` are the graph nodes that use it (none for a tensor the forward pass never touches).
+    """
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    is_buffer: bool
+    requires_grad: bool
+    users: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> `"float32"`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def iter_tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(path, tensor)` for every tensor inside nested tuples, lists, dicts and dataclasses.
+
+    Dict-like outputs (including Hugging Face `ModelOutput`) are walked in insertion order;
+    `None` fields are skipped, like `ModelOutput.to_tuple()` does.
+    """
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from iter_tensors(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from iter_tensors(item, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            item = getattr(value, field.name)
+            yield from iter_tensors(item, f"{path}.{field.name}" if path else field.name)
+
+
+def param_table(gm: fx.GraphModule) -> dict[str, ParamInfo]:
+    """The parameter ownership table of a captured graph, keyed by canonical name."""
+    return {p.name: p for p in gm.meta.get(PARAM_TABLE, ())}
+
+
+def owned_params(gm: fx.GraphModule, node: fx.Node) -> tuple[ParamInfo, ...]:
+    """The parameters and buffers `node` uses, from the ownership table."""
+    table = param_table(gm)
+    return tuple(table[name] for name in node.meta.get(PARAMS, ()))
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost module `node` was traced in ("" for the root)."""
+    scope = node.meta.get(SCOPE, ())
+    return scope[-1][0] if scope else ""

@@ -1,0 +1,214 @@
+"""`pdcompile.trace`: capture an `nn.Module` as a torch.fx GraphModule, the IR of every later phase."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from pdcompile.errors import TraceError, TraceWarning
+from pdcompile.export_capture import capture_export
+from pdcompile.fx_capture import capture_fx
+from pdcompile.inputs import BoundInputs, bind_inputs
+from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter_tensors
+from pdcompile.leaf_policy import LeafPolicy
+from pdcompile.passes import annotate_params, annotate_scope, annotate_shapes
+from pdcompile.passes.shapes import preserved_state
+
+METHODS = ("auto", "fx", "export")
+# An automatic leaf holding more than this share of the parameters defeats pipelining: try export.
+DOMINANT_LEAF_SHARE = 0.5
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    method: str = "auto",
+    leaf_modules: Iterable[type[nn.Module] | str] = (),
+    auto_leaf: bool = True,
+    check: bool = True,
+) -> fx.GraphModule:
+    """Capture `model` as a GraphModule annotated with shapes, bytes, scopes and parameter ownership.
+
+    Args:
+        model: the model, in the mode (train or eval) the graph should compute.
+        example_inputs: positional arguments of one example call (a tensor or a tuple).
+        example_kwargs: keyword arguments of that call. Tensor arguments become graph inputs;
+            every other argument, and every optional argument not passed, is bound as a constant.
+        method: "auto" (symbolic tracing, falling back to torch.export when tracing fails at the
+            top level or leaves one automatic leaf holding most parameters), "fx" or "export".
+        leaf_modules: extra leaves: module classes or qualified names.
+        auto_leaf: turn submodules symbolic tracing cannot follow into leaves (with a warning).
+        check: run the graph and the model on the example and compare their outputs.
+
+    Returns:
+        A GraphModule, called with the tensor inputs only (by position or by name), returning what
+        the model returns. `gm.meta` and `node.meta` carry the keys listed in `pdcompile.ir`.
+
+    Raises:
+        TraceError: no path captures the model, or a captured graph computes something else.
+
+    Example:
+        >>> model, inputs = pdcompile.zoo.mlp()
+        >>> gm = pdcompile.trace(model, inputs)
+        >>> gm.meta["pdcompile.capture"]
+        'fx'
+    """
+    if method not in METHODS:
+        raise TraceError(f"method must be one of {METHODS}, got {method!r}")
+    inputs = bind_inputs(model, example_inputs, example_kwargs)
+    policy = LeafPolicy.from_user(model, leaf_modules)
+    failures: list[str] = []
+    fallback: tuple[fx.GraphModule, dict[str, str]] | None = None
+
+    if method in ("auto", "fx"):
+        try:
+            gm, auto = capture_fx(model, inputs, policy, auto_leaf)
+        except TraceError as e:
+            if method == "fx":
+                raise
+            failures.append(f"fx: {e}")
+        else:
+            dominant = _dominant_leaf(model, auto) if method == "auto" else None
+            if dominant is None:
+                try:
+                    return _finish(gm, model, inputs, "fx", auto, check)
+                except TraceError as e:
+                    if method == "fx":
+                        raise
+                    failures.append(f"fx: {e}")
+            else:
+                failures.append(f"fx: {dominant}")
+                fallback = gm, auto
+
+    try:
+        gm = capture_export(model, inputs)
+        return _finish(gm, model, inputs, "export", {}, check)
+    except TraceError as e:
+        if fallback is not None:
+            return _finish(*fallback[:1], model, inputs, "fx", fallback[1], check)
+        if not failures:
+            raise
+        failures.append(f"export: {e}")
+        raise TraceError(
+            f"no path could capture {type(model).__name__}:\n  - "
+            + "\n  - ".join(failures)
+            + "\nRemedies: make the failing module traceable (no control flow on tensor values), "
+            "name it in leaf_modules, or pass example inputs the model accepts"
+        ) from e
+
+
+def _dominant_leaf(model: nn.Module, auto: Mapping[str, str]) -> str | None:
+    total = sum(p.numel() for p in model.parameters())
+    for name in auto:
+        share = sum(p.numel() for p in model.get_submodule(name).parameters()) / max(total, 1)
+        if share > DOMINANT_LEAF_SHARE:
+            return (
+                f"submodule {name!r} had to become a leaf ({auto[name]}) and holds "
+                f"{share:.0%} of the parameters"
+            )
+    return None
+
+
+def _finish(
+    gm: fx.GraphModule,
+    model: nn.Module,
+    inputs: BoundInputs,
+    capture: str,
+    auto: Mapping[str, str],
+    check: bool,
+) -> fx.GraphModule:
+    """Complete the module's state, run the capture passes, check the graph against the model."""
+    _complete_state(gm, model)
+    gm.meta[CAPTURE] = capture
+    gm.meta[TRAINING] = model.training
+    gm.meta[INPUTS] = tuple(inputs.tensors)
+    gm.meta[CONSTANTS] = tuple((k, repr(v)) for k, v in inputs.constants.items())
+    gm.meta[AUTO_LEAVES] = tuple(auto.items())
+    gm.graph.lint()
+    annotate_scope(gm)
+    annotate_shapes(gm, inputs.tensors)
+    annotate_params(gm)
+    if check:
+        _check_outputs(gm, model, inputs, capture)
+    if auto:
+        lines = "\n".join(f"  {name}: {reason}" for name, reason in auto.items())
+        warnings.warn(
+            f"{len(auto)} submodule(s) of {type(model).__name__} became leaves because symbolic "
+            f"tracing cannot follow them:\n{lines}",
+            TraceWarning,
+            stacklevel=3,
+        )
+    return gm
+
+
+def _complete_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give `gm` every parameter and buffer of `model` under every original name.
+
+    fx copies only the attributes its graph uses and export keeps one name per tied tensor; the
+    missing names are registered again (same tensors), so `gm.state_dict()` has the model's keys.
+    Missing paths only run through modules fx created fresh, never through the user's modules.
+    """
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        owner_name, _, attr = name.rpartition(".")
+        try:
+            if _has_tensor(gm.get_submodule(owner_name), attr):
+                continue
+        except AttributeError:
+            pass
+        owner = gm
+        for part in owner_name.split(".") if owner_name else []:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(attr, tensor)
+        else:
+            source = model.get_submodule(owner_name)
+            owner.register_buffer(attr, tensor, persistent=attr not in source._non_persistent_buffers_set)
+
+
+def _has_tensor(module: nn.Module, attr: str) -> bool:
+    return attr in module._parameters or attr in module._buffers
+
+
+def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, capture: str) -> None:
+    """Compare the graph's outputs with the model's on the example (same RNG, state restored)."""
+    if any(t.device.type == "meta" for t in inputs.tensors.values()):
+        return
+    args, kwargs = inputs.call(inputs.tensors)
+    with preserved_state(model), preserved_state(gm), torch.enable_grad():
+        torch.manual_seed(0)
+        expected = list(iter_tensors(model(*args, **kwargs)))
+        torch.manual_seed(0)
+        actual = list(iter_tensors(gm(**inputs.tensors)))
+    name = type(model).__name__
+    if [p for p, _ in actual] != [p for p, _ in expected]:
+        raise TraceError(
+            f"the graph captured by {capture} returns tensors {[p for p, _ in actual]}, but "
+            f"{name} returns {[p for p, _ in expected]}"
+        )
+    for (path, a), (_, e) in zip(actual, expected):
+        if a.shape != e.shape or a.dtype != e.dtype:
+            raise TraceError(
+                f"output {path or 'output'} of the graph captured by {capture} is "
+                f"{a.dtype}{list(a.shape)}, but {name} gives {e.dtype}{list(e.shape)}"
+            )
+        if a.is_floating_point() and not torch.allclose(a, e, rtol=1e-4, atol=1e-5, equal_nan=True):
+            diff = (a.detach() - e.detach()).abs().max().item()
+            raise TraceError(
+                f"output {path or 'output'} of the graph captured by {capture} differs from "
+                f"{name}'s by up to {diff:.3g}: the model's Python takes a path the graph does "
+                "not record (e.g. a branch on a global flag); use method='export' or leaf_modules"
+            )
+        if not a.is_floating_point() and not torch.equal(a, e):
+            raise TraceError(f"output {path or 'output'} of the graph captured by {capture} differs")
