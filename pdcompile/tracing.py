@@ -160,25 +160,19 @@ def _complete_state(gm: fx.GraphModule, model: nn.Module) -> None:
         *model.named_buffers(remove_duplicate=False),
     ]:
         owner_name, _, attr = name.rpartition(".")
-        try:
-            if _has_tensor(gm.get_submodule(owner_name), attr):
-                continue
-        except AttributeError:
-            pass
         owner = gm
         for part in owner_name.split(".") if owner_name else []:
             if not hasattr(owner, part):
                 owner.add_module(part, nn.Module())
             owner = getattr(owner, part)
-        if isinstance(tensor, nn.Parameter):
+        persistent = attr not in model.get_submodule(owner_name)._non_persistent_buffers_set
+        if attr in owner._parameters or attr in owner._buffers:
+            if not persistent:  # fx and export copy every buffer as persistent
+                owner._non_persistent_buffers_set.add(attr)
+        elif isinstance(tensor, nn.Parameter):
             owner.register_parameter(attr, tensor)
         else:
-            source = model.get_submodule(owner_name)
-            owner.register_buffer(attr, tensor, persistent=attr not in source._non_persistent_buffers_set)
-
-
-def _has_tensor(module: nn.Module, attr: str) -> bool:
-    return attr in module._parameters or attr in module._buffers
+            owner.register_buffer(attr, tensor, persistent=persistent)
 
 
 def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, capture: str) -> None:

@@ -1,0 +1,224 @@
+"""Views of a captured graph for people and tools: a rich table, JSON, Graphviz DOT, SVG and PNG."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from rich.table import Table
+
+from pdcompile.errors import PdcompileError
+from pdcompile.ir import (
+    AUTO_LEAVES,
+    CAPTURE,
+    CONSTANTS,
+    INPUTS,
+    OUTPUT_BYTES,
+    OUTPUTS,
+    TRAINING,
+    module_path,
+    owned_params,
+    param_table,
+)
+
+GRAPHVIZ_HINT = (
+    "Graphviz's `dot` program was not found; install Graphviz (Debian/Ubuntu: "
+    "apt-get install graphviz; macOS: brew install graphviz) or use --format dot"
+)
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One node of the graph as the reports show it."""
+
+    name: str
+    op: str
+    target: str
+    module: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    bytes: int
+    param_count: int
+    param_bytes: int
+    shared_params: tuple[str, ...]  # owned parameters that other nodes use too (tied)
+
+    @property
+    def shape_text(self) -> str:
+        return "; ".join(f"[{', '.join(map(str, s))}]" for s in self.shapes)
+
+
+def target_name(node: fx.Node) -> str:
+    """A short readable name of what the node calls: `torch.cat`, `aten.linear.default`, ..."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    name = getattr(target, "__name__", None) or str(target)
+    for prefix, namespace in (("torch", torch), ("torch.nn.functional", F)):
+        if getattr(namespace, name, None) is target:
+            return f"{prefix}.{name}"
+    module = getattr(target, "__module__", None) or ""
+    if module == "builtins":
+        return name
+    return f"{module.replace('_operator', 'operator')}.{name}" if module else name
+
+
+def node_rows(gm: fx.GraphModule) -> list[NodeRow]:
+    """One row per node, in graph order."""
+    rows = []
+    for node in gm.graph.nodes:
+        params = [p for p in owned_params(gm, node) if not p.is_buffer]
+        outputs = node.meta.get(OUTPUTS, ())
+        rows.append(
+            NodeRow(
+                name=node.name,
+                op=node.op,
+                target=target_name(node),
+                module=module_path(node),
+                shapes=tuple(s.shape for s in outputs),
+                dtypes=tuple(s.dtype for s in outputs),
+                bytes=node.meta.get(OUTPUT_BYTES, 0),
+                param_count=sum(p.numel for p in params),
+                param_bytes=sum(p.nbytes for p in params),
+                shared_params=tuple(p.name for p in params if len(p.users) > 1),
+            )
+        )
+    return rows
+
+
+def totals(gm: fx.GraphModule) -> dict[str, int]:
+    """Whole-graph sums; each tied parameter is counted once."""
+    table = param_table(gm).values()
+    params = [p for p in table if not p.is_buffer]
+    return {
+        "nodes": len(gm.graph.nodes),
+        "output_bytes": sum(n.meta.get(OUTPUT_BYTES, 0) for n in gm.graph.nodes),
+        "param_count": sum(p.numel for p in params),
+        "param_bytes": sum(p.nbytes for p in params),
+        "buffer_bytes": sum(p.nbytes for p in table if p.is_buffer),
+        "unused_tensors": sum(1 for p in table if not p.users),
+    }
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def to_table(gm: fx.GraphModule, title: str) -> Table:
+    """A rich table: one row per node, totals at the bottom."""
+    table = Table(title=title, show_footer=True, header_style="bold")
+    t = totals(gm)
+    table.add_column("name", footer=f"{t['nodes']} nodes")
+    table.add_column("op")
+    table.add_column("target")
+    table.add_column("output", footer="")
+    table.add_column("dtype")
+    table.add_column("bytes", justify="right", footer=_human(t["output_bytes"]))
+    table.add_column("params", justify="right", footer=f"{t['param_count']:,}")
+    table.add_column("param bytes", justify="right", footer=_human(t["param_bytes"]))
+    for row in node_rows(gm):
+        shared = " (tied)" if row.shared_params else ""
+        table.add_row(
+            row.name,
+            row.op,
+            row.target,
+            row.shape_text,
+            ", ".join(dict.fromkeys(row.dtypes)),
+            _human(row.bytes) if row.shapes else "",
+            f"{row.param_count:,}{shared}" if row.param_count else "",
+            _human(row.param_bytes) if row.param_count else "",
+        )
+    captured = gm.meta.get(CAPTURE, "?")
+    mode = "train" if gm.meta.get(TRAINING, True) else "eval"
+    table.caption = f"captured by {captured} in {mode} mode"
+    return table
+
+
+def to_json(gm: fx.GraphModule, model_name: str) -> str:
+    """The table's content, machine-readable."""
+    doc: dict[str, Any] = {
+        "model": model_name,
+        "capture": gm.meta.get(CAPTURE),
+        "training": gm.meta.get(TRAINING),
+        "inputs": list(gm.meta.get(INPUTS, ())),
+        "constants": dict(gm.meta.get(CONSTANTS, ())),
+        "auto_leaves": dict(gm.meta.get(AUTO_LEAVES, ())),
+        "nodes": [
+            {
+                "name": r.name,
+                "op": r.op,
+                "target": r.target,
+                "module": r.module,
+                "shapes": [list(s) for s in r.shapes],
+                "dtypes": list(r.dtypes),
+                "bytes": r.bytes,
+                "param_count": r.param_count,
+                "param_bytes": r.param_bytes,
+                "shared_params": list(r.shared_params),
+                "args": [a.name for a in node.all_input_nodes],
+            }
+            for r, node in zip(node_rows(gm), gm.graph.nodes)
+        ],
+        "params": [p.to_json() for p in param_table(gm).values()],
+        "totals": totals(gm),
+    }
+    return json.dumps(doc, indent=2)
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+_NODE_STYLE = {
+    "placeholder": 'shape=ellipse, style=filled, fillcolor="#d9ead3"',
+    "output": 'shape=ellipse, style=filled, fillcolor="#d9ead3"',
+    "call_module": 'shape=box, style="rounded,filled", fillcolor="#cfe2f3"',
+    "get_attr": 'shape=note, style=filled, fillcolor="#fff2cc"',
+}
+
+
+def to_dot(gm: fx.GraphModule, model_name: str) -> str:
+    """Graphviz text: one box per node, edges labelled with the shape of the tensor they carry."""
+    rows = {r.name: r for r in node_rows(gm)}
+    lines = [
+        f"digraph {_quote(model_name)} {{",
+        "  rankdir=TB;",
+        '  node [fontname="Helvetica", fontsize=10];',
+        '  edge [fontname="Helvetica", fontsize=9];',
+    ]
+    for node in gm.graph.nodes:
+        row = rows[node.name]
+        label = f"{row.name}\n{row.op}: {row.target}"
+        if row.param_count:
+            label += f"\nparams {row.param_count:,}"
+        style = _NODE_STYLE.get(node.op, "shape=box")
+        lines.append(f"  {_quote(node.name)} [label={_quote(label)}, {style}];")
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            shape = rows[arg.name].shape_text
+            label = f" [label={_quote(shape)}]" if shape else ""
+            lines.append(f"  {_quote(arg.name)} -> {_quote(node.name)}{label};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def render_dot(dot_text: str, fmt: str) -> bytes:
+    """Draw DOT text as `svg` or `png` with Graphviz's `dot` program."""
+    exe = shutil.which("dot")
+    if exe is None:
+        raise PdcompileError(GRAPHVIZ_HINT)
+    done = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, check=False)
+    if done.returncode != 0:
+        raise PdcompileError(f"Graphviz's dot failed: {done.stderr.decode(errors='replace').strip()}")
+    return done.stdout
