@@ -37,7 +37,8 @@ def annotate_params(gm: fx.GraphModule) -> fx.GraphModule:
             owned = [n for n, _ in _named_tensors(gm.get_submodule(node.target), node.target)]
         else:
             owned = [
-                arg.target for arg in node.all_input_nodes
+                arg.target
+                for arg in node.all_input_nodes
                 if arg.op == "get_attr" and arg.target in canonical
             ]
         mine = list(dict.fromkeys(canonical[n] for n in owned))

@@ -23,7 +23,9 @@ def _stack_scope(node: fx.Node) -> tuple[tuple[str, str], ...]:
     scope = []
     for qualified_name, module_type in (node.meta.get("nn_module_stack") or {}).values():
         # export names the root "" (or "L__self__") and tags some nodes with a hook's name
-        if qualified_name and not qualified_name.startswith(("L__self__", "_empty_nn_module_stack")):
+        if qualified_name and not qualified_name.startswith(
+            ("L__self__", "_empty_nn_module_stack")
+        ):
             scope.append((qualified_name, _type_name(module_type)))
     return tuple(scope)
 

@@ -4,6 +4,7 @@ Capture a model (`trace`), label its graph with costs, cut it into pipeline stag
 module per stage and run them with the 1F1B schedule. See README.md and docs/.
 """
 
+from pdcompile import ir, zoo
 from pdcompile.errors import (
     CheckpointError,
     CodegenError,
@@ -33,5 +34,7 @@ __all__ = [
     "StageCommError",
     "TraceError",
     "TraceWarning",
+    "ir",
     "trace",
+    "zoo",
 ]

@@ -1,6 +1,6 @@
 """The `pdcompile` command. Thin: every flag maps to an API argument.
 
-    pdcompile graph SPEC [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
+pdcompile graph SPEC [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
 """
 
 from __future__ import annotations
@@ -83,11 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Capture a model and show its graph: one row per node with output shapes, "
         "bytes and the parameters it owns.",
     )
-    graph.add_argument("spec", metavar="SPEC", help="package.module:factory or path/file.py:factory")
+    graph.add_argument(
+        "spec", metavar="SPEC", help="package.module:factory or path/file.py:factory"
+    )
     graph.add_argument("--format", choices=FORMATS, default="txt")
     graph.add_argument("--out", metavar="FILE", help="write here instead of standard output")
     graph.add_argument(
-        "--leaf", nargs="+", default=[], metavar="NAME",
+        "--leaf",
+        nargs="+",
+        default=[],
+        metavar="NAME",
         help="extra leaf modules: qualified names or class names",
     )
     graph.add_argument("--method", choices=METHODS, default="auto", help="capture path")

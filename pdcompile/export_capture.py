@@ -21,48 +21,35 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from pdcompile.errors import TraceError
 from pdcompile.fx_capture import describe_failure
+from pdcompile.graph_module import CapturedGraphModule
 from pdcompile.inputs import BoundInputs
 
 
-class ExportedGraphModule(fx.GraphModule):
-    """A GraphModule captured by `torch.export`: fixed train/eval mode, checked input shapes.
-
-    The graph bakes in the mode it was captured in (dropout on or off, BatchNorm statistics used
-    or updated), so switching mode raises instead of silently computing the other mode.
-    """
+class ExportedGraphModule(CapturedGraphModule):
+    """A graph captured by `torch.export`; calls with another non-batch shape get a `TraceError`."""
 
     def __init__(
         self,
         root: nn.Module,
         graph: fx.Graph,
         class_name: str,
-        input_specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
         training: bool,
+        input_specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
     ) -> None:
-        super().__init__(root, graph, class_name)
+        super().__init__(root, graph, class_name, training)
         self._input_specs = input_specs
-        self._captured_training = training
-        self.training = training
         self.register_forward_pre_hook(_check_inputs, with_kwargs=True)
-
-    def train(self, mode: bool = True) -> ExportedGraphModule:
-        if mode != self._captured_training:
-            captured = "train" if self._captured_training else "eval"
-            wanted = "train" if mode else "eval"
-            raise TraceError(
-                f"this graph was captured by torch.export in {captured} mode and computes that "
-                f"mode only; to get {wanted} mode, call model.{wanted}() and pdcompile.trace again"
-            )
-        return self
 
 
 def _check_inputs(module: ExportedGraphModule, args: tuple, kwargs: dict) -> None:
     names = list(module._input_specs)
-    given = dict(zip(names, args)) | kwargs
+    given = dict(zip(names, args, strict=False)) | kwargs
     for name, (shape, dtype) in module._input_specs.items():
         value = given.get(name)
         if not isinstance(value, torch.Tensor):
-            raise TraceError(f"input {name!r} is missing or not a tensor (got {type(value).__name__})")
+            raise TraceError(
+                f"input {name!r} is missing or not a tensor (got {type(value).__name__})"
+            )
         if value.dim() != len(shape) or tuple(value.shape[1:]) != shape[1:]:
             expected = ", ".join(["batch", *map(str, shape[1:])])
             raise TraceError(
@@ -82,7 +69,9 @@ def _dynamic_shapes(inputs: BoundInputs, batch: Dim) -> dict[str, Any]:
     for name, value in inputs.arguments.items():
         kind = inputs.signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            spec[name] = {k: {0: batch} if isinstance(v, torch.Tensor) else None for k, v in value.items()}
+            spec[name] = {
+                k: {0: batch} if isinstance(v, torch.Tensor) else None for k, v in value.items()
+            }
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             spec[name] = tuple({0: batch} if isinstance(v, torch.Tensor) else None for v in value)
         else:
@@ -91,10 +80,13 @@ def _dynamic_shapes(inputs: BoundInputs, batch: Dim) -> dict[str, Any]:
 
 
 def _widened(inputs: BoundInputs) -> BoundInputs:
-    """Example inputs of at least 2 rows: export specialises a dimension of size 1 to the constant 1."""
+    """Example inputs of at least 2 rows: export turns a dimension of size 1 into the constant 1."""
     if inputs.batch_size >= 2:
         return inputs
-    tensors = {k: torch.cat([v, v]) if v.dim() and v.shape[0] == 1 else v for k, v in inputs.tensors.items()}
+    tensors = {
+        k: torch.cat([v, v]) if v.dim() and v.shape[0] == 1 else v
+        for k, v in inputs.tensors.items()
+    }
     args, kwargs = inputs.call(tensors)
     bound = inputs.signature.bind(*args, **kwargs)
     return BoundInputs(inputs.signature, dict(bound.arguments), tensors, inputs.constants)
@@ -138,7 +130,7 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
         _PyTreeInfo(names, pytree.tree_structure(list(names)), out_spec)
     )
     specs = {n: (tuple(inputs.tensors[n].shape), inputs.tensors[n].dtype) for n in names}
-    gm = ExportedGraphModule(exported, graph, type(model).__name__, specs, model.training)
+    gm = ExportedGraphModule(exported, graph, type(model).__name__, model.training, specs)
     gm._in_spec = graph._codegen.pytree_info.in_spec
     gm._out_spec = out_spec
     gm.recompile()

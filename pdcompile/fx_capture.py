@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from pdcompile.errors import TraceError
+from pdcompile.graph_module import CapturedGraphModule
 from pdcompile.inputs import BoundInputs
 from pdcompile.leaf_policy import TRACEABLE_FORWARDS, LeafPolicy
 
@@ -36,7 +37,9 @@ def describe_failure(error: BaseException) -> str:
     """One line: the error and the innermost source line outside torch that led to it."""
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
     frames = [
-        f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_TORCH_DIR)
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith(_TORCH_DIR)
     ]
     if frames:
         f = frames[-1]
@@ -107,7 +110,7 @@ def capture_fx(
                 f"symbolic tracing of {type(model).__name__}.forward failed: {describe_failure(e)}"
             ) from e
         name = type(model).__name__
-        return fx.GraphModule(model, graph, class_name=name), dict(policy.auto)
+        return CapturedGraphModule(model, graph, name, model.training), dict(policy.auto)
     raise TraceError(
         f"symbolic tracing of {type(model).__name__} needed more than {_MAX_AUTO_LEAVES} automatic "
         "leaves; use method='export' or name leaf modules"

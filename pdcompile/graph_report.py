@@ -168,7 +168,7 @@ def to_json(gm: fx.GraphModule, model_name: str) -> str:
                 "shared_params": list(r.shared_params),
                 "args": [a.name for a in node.all_input_nodes],
             }
-            for r, node in zip(node_rows(gm), gm.graph.nodes)
+            for r, node in zip(node_rows(gm), gm.graph.nodes, strict=True)
         ],
         "params": [p.to_json() for p in param_table(gm).values()],
         "totals": totals(gm),
@@ -218,7 +218,11 @@ def render_dot(dot_text: str, fmt: str) -> bytes:
     exe = shutil.which("dot")
     if exe is None:
         raise PdcompileError(GRAPHVIZ_HINT)
-    done = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, check=False)
+    done = subprocess.run(
+        [exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, check=False
+    )
     if done.returncode != 0:
-        raise PdcompileError(f"Graphviz's dot failed: {done.stderr.decode(errors='replace').strip()}")
+        raise PdcompileError(
+            f"Graphviz's dot failed: {done.stderr.decode(errors='replace').strip()}"
+        )
     return done.stdout

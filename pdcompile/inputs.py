@@ -1,4 +1,4 @@
-"""The example call of a model, split into graph inputs (tensors) and constants bound into the graph."""
+"""The example call of a model, split into graph inputs (tensors) and bound constants."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ class BoundInputs:
                     for i, v in enumerate(value)
                 )
             elif kind is inspect.Parameter.VAR_KEYWORD:
-                value = {k: values[k] if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+                value = {
+                    k: values[k] if isinstance(v, torch.Tensor) else v for k, v in value.items()
+                }
             elif isinstance(value, torch.Tensor):
                 value = values[name]
             bound.arguments[name] = value

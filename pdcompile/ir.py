@@ -1,4 +1,4 @@
-"""The IR: a `torch.fx.GraphModule` whose `node.meta` and `gm.meta` carry namespaced, immutable values.
+"""The IR: a `torch.fx.GraphModule` whose `node.meta` and `gm.meta` carry namespaced values.
 
 Passes write the keys below and tools read them back; docs/architecture.md has the full table.
 Values are frozen dataclasses, tuples and strings, because fx copies `meta` shallowly.
@@ -18,7 +18,9 @@ import torch.fx as fx
 SCOPE = "pdcompile.scope"  # tuple[(qualified name, module type), ...], outermost module first
 OUTPUTS = "pdcompile.outputs"  # tuple[TensorSpec, ...]: every tensor in the node's output value
 OUTPUT_BYTES = "pdcompile.output_bytes"  # int: sum of OUTPUTS' bytes
-PARAMS = "pdcompile.params"  # tuple[str, ...]: canonical names of the parameters/buffers the node uses
+PARAMS = (
+    "pdcompile.params"  # tuple[str, ...]: canonical names of the parameters/buffers the node uses
+)
 
 # gm.meta keys
 CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph
@@ -39,7 +41,9 @@ class TensorSpec:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSpec:
-        return cls(tuple(tensor.shape), dtype_name(tensor.dtype), tensor.numel() * tensor.element_size())
+        return cls(
+            tuple(tensor.shape), dtype_name(tensor.dtype), tensor.numel() * tensor.element_size()
+        )
 
     def __str__(self) -> str:
         return f"{self.dtype}[{', '.join(map(str, self.shape))}]"

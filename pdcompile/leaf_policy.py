@@ -65,7 +65,9 @@ class LeafPolicy:
         return LeafPolicy(self.types, self.names, {**self.auto, qualified_name: reason})
 
     @classmethod
-    def from_user(cls, model: nn.Module, leaf_modules: Iterable[type[nn.Module] | str]) -> LeafPolicy:
+    def from_user(
+        cls, model: nn.Module, leaf_modules: Iterable[type[nn.Module] | str]
+    ) -> LeafPolicy:
         """Validate `leaf_modules` (classes or qualified names) against `model`.
 
         Raises:

@@ -68,7 +68,8 @@ def load_model_spec(spec: str) -> ModelSpec:
     factory = getattr(module, attr, None)
     if factory is None:
         functions = sorted(
-            n for n, v in vars(module).items()
+            n
+            for n, v in vars(module).items()
             if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
         )
         raise SpecError(
@@ -76,7 +77,9 @@ def load_model_spec(spec: str) -> ModelSpec:
             f"(functions there: {', '.join(functions[:12]) or 'none'})"
         )
     if not callable(factory):
-        raise SpecError(f"model spec {spec!r}: {attr!r} is a {type(factory).__name__}, not a factory")
+        raise SpecError(
+            f"model spec {spec!r}: {attr!r} is a {type(factory).__name__}, not a factory"
+        )
     try:
         result = factory()
     except Exception as e:

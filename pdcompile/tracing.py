@@ -1,4 +1,4 @@
-"""`pdcompile.trace`: capture an `nn.Module` as a torch.fx GraphModule, the IR of every later phase."""
+"""`pdcompile.trace`: capture an `nn.Module` as a torch.fx GraphModule, the IR of later phases."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def trace(
     auto_leaf: bool = True,
     check: bool = True,
 ) -> fx.GraphModule:
-    """Capture `model` as a GraphModule annotated with shapes, bytes, scopes and parameter ownership.
+    """Capture `model` as a GraphModule annotated with shapes, bytes, scopes and parameters.
 
     Args:
         model: the model, in the mode (train or eval) the graph should compute.
@@ -191,7 +191,7 @@ def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, ca
             f"the graph captured by {capture} returns tensors {[p for p, _ in actual]}, but "
             f"{name} returns {[p for p, _ in expected]}"
         )
-    for (path, a), (_, e) in zip(actual, expected):
+    for (path, a), (_, e) in zip(actual, expected, strict=True):
         if a.shape != e.shape or a.dtype != e.dtype:
             raise TraceError(
                 f"output {path or 'output'} of the graph captured by {capture} is "
@@ -205,4 +205,6 @@ def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, ca
                 "not record (e.g. a branch on a global flag); use method='export' or leaf_modules"
             )
         if not a.is_floating_point() and not torch.equal(a, e):
-            raise TraceError(f"output {path or 'output'} of the graph captured by {capture} differs")
+            raise TraceError(
+                f"output {path or 'output'} of the graph captured by {capture} differs"
+            )

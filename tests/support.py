@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import pdcompile
+from pdcompile import zoo
 from pdcompile.inputs import bind_inputs
 from pdcompile.ir import iter_tensors
-from pdcompile import zoo
 
 
 def example(name: str, *, eval_mode: bool = False) -> tuple[torch.nn.Module, tuple, dict]:
@@ -24,7 +24,9 @@ def example(name: str, *, eval_mode: bool = False) -> tuple[torch.nn.Module, tup
     return model, args, (rest[0] if rest else {})
 
 
-def fresh_like(tensors: dict[str, torch.Tensor], batch: int, seed: int = 1) -> dict[str, torch.Tensor]:
+def fresh_like(
+    tensors: dict[str, torch.Tensor], batch: int, seed: int = 1
+) -> dict[str, torch.Tensor]:
     """New values of the same kinds and trailing shapes, with `batch` rows."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -54,5 +56,10 @@ def captured(name: str, *, eval_mode: bool = True, **options: Any):
             warnings.simplefilter("always")
             gm = pdcompile.trace(model, args, example_kwargs=kwargs, **options)
         bound = bind_inputs(model, args, kwargs)
-        _CACHE[key] = (model, gm, bound, [w for w in caught if w.category is pdcompile.TraceWarning])
+        _CACHE[key] = (
+            model,
+            gm,
+            bound,
+            [w for w in caught if w.category is pdcompile.TraceWarning],
+        )
     return _CACHE[key]

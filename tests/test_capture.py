@@ -1,4 +1,4 @@
-"""Capture: both paths, the leaf policy, auto-leaf, constants, and equality with the original model."""
+"""Capture: both paths, leaf policy, auto-leaf, constants, equality with the original model."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ def test_zoo_model_captures_by_fx_and_matches_on_fresh_inputs(name: str) -> None
         with torch.no_grad():
             expected, actual = flat(model(*args, **kwargs)), flat(gm(**fresh))
         assert len(actual) == len(expected) > 0
-        for a, e in zip(actual, expected):
+        for a, e in zip(actual, expected, strict=True):
             torch.testing.assert_close(a, e)
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet", "unet"])
 def test_train_mode_graph_matches_outputs_and_gradients(name: str) -> None:
-    """Dropout and BatchNorm in train mode: same RNG stream, same outputs and parameter gradients."""
+    """Dropout and BatchNorm in train mode: same RNG stream, same outputs and gradients."""
     model, gm, bound, _ = captured(name, eval_mode=False)
     assert gm.meta[TRAINING] is True
     fresh = fresh_like(bound.tensors, 3)
@@ -49,7 +49,7 @@ def test_train_mode_graph_matches_outputs_and_gradients(name: str) -> None:
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         results.append((out, grads))
     (out_a, grads_a), (out_b, grads_b) = results
-    for a, b in zip(out_a, out_b):
+    for a, b in zip(out_a, out_b, strict=True):
         torch.testing.assert_close(a, b)
     assert grads_a.keys() == grads_b.keys()
     for key in grads_a:
@@ -83,7 +83,9 @@ def test_transformer_encoder_with_padding_mask_matches() -> None:
     mask[:, -3:] = True
     gm = pdcompile.trace(model, args, example_kwargs={"src_key_padding_mask": mask})
     assert gm.meta[INPUTS] == ("tokens", "src_key_padding_mask")
-    with torch.enable_grad():  # the eager fast path (no grad) zeroes padded rows; compare slow paths
+    with (
+        torch.enable_grad()
+    ):  # the eager fast path (no grad) zeroes padded rows; compare slow paths
         torch.testing.assert_close(gm(args[0], mask), model(args[0], src_key_padding_mask=mask))
 
 
@@ -196,7 +198,8 @@ def test_auto_falls_back_to_export_when_one_auto_leaf_holds_most_parameters() ->
     x = torch.randn(3, 16)
     gm = pdcompile.trace(model, (x,))
     assert gm.meta[CAPTURE] == "export"
-    forced = pdcompile.trace(model, (x,), method="fx")
+    with pytest.warns(pdcompile.TraceWarning, match="inner: TypeError"):
+        forced = pdcompile.trace(model, (x,), method="fx")
     assert forced.meta[CAPTURE] == "fx" and dict(forced.meta[AUTO_LEAVES]).keys() == {"inner"}
     torch.testing.assert_close(gm(x), model(x))
 
@@ -263,3 +266,10 @@ def test_warning_free_capture_of_traceable_models() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", pdcompile.TraceWarning)
         pdcompile.trace(model, args)
+
+
+def test_fx_graph_refuses_to_switch_mode_and_leaves_the_model_mode_alone() -> None:
+    model, gm, _, _ = captured("gpt", eval_mode=False)
+    with pytest.raises(pdcompile.TraceError, match="captured in train mode.*model.eval"):
+        gm.eval()
+    assert gm.training and model.training and model.drop.training

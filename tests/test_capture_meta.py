@@ -100,4 +100,4 @@ def test_scopes_name_the_module_path(name: str) -> None:
     assert in_block and all(n.meta[SCOPE][0][0] == outermost for n in in_block)
     for node in scoped:
         names = [q for q, _ in node.meta[SCOPE]]
-        assert all(b.startswith(a) for a, b in zip(names, names[1:])), names
+        assert all(b.startswith(a) for a, b in zip(names, names[1:], strict=False)), names

@@ -33,7 +33,9 @@ def test_txt_table_lists_every_node_with_totals(capsys) -> None:
 
 def test_json_is_the_same_content_machine_readable(capsys, tmp_path: Path) -> None:
     target = tmp_path / "g.json"
-    code, out, _ = run(capsys, "graph", "pdcompile.zoo:hf_gpt2", "--format", "json", "--out", str(target))
+    code, out, _ = run(
+        capsys, "graph", "pdcompile.zoo:hf_gpt2", "--format", "json", "--out", str(target)
+    )
     assert code == 0 and out == ""
     doc = json.loads(target.read_text())
     assert doc["capture"] == "export" and doc["model"] == "GPT2LMHeadModel"
@@ -41,9 +43,13 @@ def test_json_is_the_same_content_machine_readable(capsys, tmp_path: Path) -> No
     assert doc["totals"]["param_count"] == sum(p.numel() for p in model.parameters())
     assert len(doc["nodes"]) == doc["totals"]["nodes"]
     tied = [p for p in doc["params"] if len(p["names"]) == 2]
-    assert {tuple(sorted(p["names"])) for p in tied} == {("lm_head.weight", "transformer.wte.weight")}
+    assert {tuple(sorted(p["names"])) for p in tied} == {
+        ("lm_head.weight", "transformer.wte.weight")
+    }
     linear = [n for n in doc["nodes"] if n["target"] == "aten.linear.default"][-1]
-    assert linear["shapes"] == [[4, 16, 128]] and linear["shared_params"] == ["transformer.wte.weight"]
+    assert linear["shapes"] == [[4, 16, 128]] and linear["shared_params"] == [
+        "transformer.wte.weight"
+    ]
 
 
 def test_dot_labels_edges_with_shapes(capsys) -> None:
@@ -73,7 +79,9 @@ def test_binary_formats_need_an_output_file(capsys) -> None:
 
 
 def test_leaf_by_class_name_and_by_qualified_name(capsys) -> None:
-    code, out, _ = run(capsys, "graph", "pdcompile.zoo:gpt", "--format", "json", "--leaf", "Block", "lm_head")
+    code, out, _ = run(
+        capsys, "graph", "pdcompile.zoo:gpt", "--format", "json", "--leaf", "Block", "lm_head"
+    )
     assert code == 0
     modules = [n["target"] for n in json.loads(out)["nodes"] if n["op"] == "call_module"]
     assert [m for m in modules if m.startswith("h.")] == ["h.0", "h.1", "h.2", "h.3"]
@@ -84,7 +92,10 @@ def test_leaf_by_class_name_and_by_qualified_name(capsys) -> None:
 def test_auto_leaves_are_reported_on_stderr(capsys) -> None:
     code, out, err = run(capsys, "graph", "pdcompile.zoo:data_dependent")
     assert code == 0 and "router" in out
-    assert err.startswith("warning: 1 submodule(s) of DataDependent became leaves") and "x.mean() > 0" in err
+    assert (
+        err.startswith("warning: 1 submodule(s) of DataDependent became leaves")
+        and "x.mean() > 0" in err
+    )
 
 
 FACTORIES = textwrap.dedent(
@@ -137,7 +148,9 @@ def test_file_spec_works(capsys, factories: Path) -> None:
         ("{file}:bad_kwargs", "example_kwargs is a list, not a dict"),
     ],
 )
-def test_bad_spec_is_one_line_exit_2_without_traceback(capsys, factories: Path, spec: str, words: str) -> None:
+def test_bad_spec_is_one_line_exit_2_without_traceback(
+    capsys, factories: Path, spec: str, words: str
+) -> None:
     spec = spec.format(file=factories, dir=factories.parent)
     code, out, err = run(capsys, "graph", spec)
     assert code == 2 and out == ""

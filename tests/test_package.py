@@ -47,8 +47,8 @@ def test_wheel_maps_passes_and_runtime_under_pdcompile(tmp_path: Path) -> None:
 def test_public_names() -> None:
     for name in pdcompile.__all__:
         assert hasattr(pdcompile, name), name
-    for error in ("TraceError", "CostError", "PartitionError", "CodegenError", "ScheduleError",
-                  "StageCommError", "CheckpointError", "PipelineTimeoutError", "SpecError"):  # fmt: skip
+    errors = "Trace Cost Partition Codegen Schedule StageComm Checkpoint PipelineTimeout Spec"
+    for error in (f"{e}Error" for e in errors.split()):
         assert issubclass(getattr(pdcompile, error), pdcompile.PdcompileError)
 
 
@@ -63,3 +63,9 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert blocks[0] in ci
     assert "torch==2.13.0" in blocks[0] and ".[test,hf,plot]" in blocks[0]
+
+
+def test_readme_example_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    exec(compile(example, "README.md", "exec"), {})

@@ -1,0 +1,33 @@
+"""The GraphModule type `trace` returns: a graph that computes the mode it was captured in."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+import torch.nn as nn
+
+from pdcompile.errors import TraceError
+
+
+class CapturedGraphModule(fx.GraphModule):
+    """A captured graph, fixed to the train or eval mode of the model when it was captured.
+
+    Capture evaluates `self.training` checks in traced-through code (and torch.export also bakes
+    dropout and BatchNorm behaviour into the graph), so a graph cannot honestly switch mode:
+    `train()`/`eval()` to the other mode raise instead of computing a mixture. Capture once per
+    mode instead.
+    """
+
+    def __init__(self, root: nn.Module, graph: fx.Graph, class_name: str, training: bool) -> None:
+        super().__init__(root, graph, class_name)
+        self._captured_training = training
+        self.training = training
+
+    def train(self, mode: bool = True) -> CapturedGraphModule:
+        if mode != self._captured_training:
+            captured = "train" if self._captured_training else "eval"
+            wanted = "train" if mode else "eval"
+            raise TraceError(
+                f"this graph was captured in {captured} mode and computes that mode only; to get "
+                f"{wanted} mode, call model.{wanted}() and pdcompile.trace again"
+            )
+        return self
