@@ -69,3 +69,11 @@ def test_readme_example_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     exec(compile(example, "README.md", "exec"), {})
+
+
+def test_code_is_ruff_clean() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
