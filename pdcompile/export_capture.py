@@ -9,6 +9,7 @@ fixed, and a call with another size gets a `TraceError` instead of a failed guar
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -23,6 +24,7 @@ from pdcompile.errors import TraceError
 from pdcompile.fx_capture import describe_failure
 from pdcompile.graph_module import CapturedGraphModule
 from pdcompile.inputs import BoundInputs
+from pdcompile.passes.shapes import preserved_state
 
 
 class ExportedGraphModule(CapturedGraphModule):
@@ -92,6 +94,23 @@ def _widened(inputs: BoundInputs) -> BoundInputs:
     return BoundInputs(inputs.signature, dict(bound.arguments), tensors, inputs.constants)
 
 
+def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Register the model's dataclass outputs as pytrees, which export needs to flatten them."""
+    with preserved_state(model), torch.no_grad():
+        output = model(*args, **kwargs)
+    pending = [output]
+    while pending:
+        value = pending.pop()
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if type(value) not in pytree.SUPPORTED_NODES:
+                torch.export.register_dataclass(type(value))
+            pending.extend(getattr(value, f.name) for f in dataclasses.fields(value))
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, (tuple, list)):
+            pending.extend(value)
+
+
 def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule:
     """Export `model` with a dynamic batch dimension and return its fx graph.
 
@@ -100,6 +119,7 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
     """
     inputs = _widened(inputs)
     args, kwargs = inputs.call(inputs.tensors)
+    _register_output_dataclasses(model, args, kwargs)
     try:
         program = torch.export.export(
             model,
@@ -109,9 +129,14 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
             strict=False,
         )
     except Exception as e:
+        hint = ""
+        if "batch" in str(e):
+            hint = (
+                ". The model fixes the batch size (dim 0 of every input): make it use "
+                "x.shape[0] instead of a number"
+            )
         raise TraceError(
-            f"torch.export of {type(model).__name__} failed: {describe_failure(e)}. If the model "
-            "fixes the batch size (dim 0 of every input), make it use x.shape[0] instead"
+            f"torch.export of {type(model).__name__} failed: {describe_failure(e)}{hint}"
         ) from e
     exported = program.module()
     graph = exported.graph

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -273,3 +274,31 @@ def test_fx_graph_refuses_to_switch_mode_and_leaves_the_model_mode_alone() -> No
     with pytest.raises(pdcompile.TraceError, match="captured in train mode.*model.eval"):
         gm.eval()
     assert gm.training and model.training and model.drop.training
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...]
+
+
+class _Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> _Out:
+        h = self.fc(x)
+        return _Out(h * 2, (h, [h + y]) if y is not None else (h,))
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_dataclass_and_nested_outputs_keep_their_structure(method: str) -> None:
+    model = _Structured()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    gm = pdcompile.trace(model, (x,), example_kwargs={"y": y}, method=method)
+    x3, y3 = torch.randn(3, 4), torch.randn(3, 4)
+    out, expected = gm(x3, y3), model(x3, y=y3)
+    assert isinstance(out, _Out) and isinstance(out.hidden[1], list)
+    for a, e in zip(flat(out), flat(expected), strict=True):
+        torch.testing.assert_close(a, e)
