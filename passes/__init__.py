@@ -1,11 +1,28 @@
-"""Analysis and partitioning passes over the captured GraphModule (installed as `pdcompile.passes`).
+"""Analysis and partitioning passes over the captured graph (installed as `pdcompile.passes`).
 
-Each pass is a function `annotate_x(gm, ...) -> gm` that writes documented `node.meta` keys
-(see `pdcompile.ir` and docs/architecture.md) and never changes what the graph computes.
+Each analysis pass is a function `annotate_x(gm, ...) -> gm` that writes documented `node.meta`
+keys (see `pdcompile.ir` and docs/architecture.md) and never changes what the graph computes.
+Passes over the torch-free CostGraph (coarsening, the solvers) import without torch, so this
+package imports its members lazily.
 """
 
-from pdcompile.passes.params import annotate_params
-from pdcompile.passes.scope import annotate_scope
-from pdcompile.passes.shapes import annotate_shapes
+from __future__ import annotations
 
-__all__ = ["annotate_params", "annotate_scope", "annotate_shapes"]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "annotate_params": "pdcompile.passes.params",
+    "annotate_scope": "pdcompile.passes.scope",
+    "annotate_shapes": "pdcompile.passes.shapes",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pdcompile.passes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -1,10 +1,17 @@
 """pdcompile: a compiler for pipeline-parallel training in PyTorch.
 
-Capture a model (`trace`), label its graph with costs, cut it into pipeline stages, generate one
-module per stage and run them with the 1F1B schedule. See README.md and docs/.
+Capture a model (`trace`), label its graph with costs (`analyze`), cut it into pipeline stages,
+generate one module per stage and run them with the 1F1B schedule. See README.md and docs/.
+
+Imports are lazy: `import pdcompile` and the torch-free parts (`CostGraph`, the errors, the
+solvers) work on a machine without torch; torch is imported when a name that needs it is used.
 """
 
-from pdcompile import ir, zoo
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from pdcompile.errors import (
     CheckpointError,
     CodegenError,
@@ -18,14 +25,24 @@ from pdcompile.errors import (
     TraceError,
     TraceWarning,
 )
-from pdcompile.tracing import trace
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "trace": "pdcompile.tracing",
+    "analyze": "pdcompile.analysis",
+    "CostGraph": "pdcompile.cost_graph",
+    "DeviceModel": "pdcompile.passes.device_model",
+}
+_SUBMODULES = ("ir", "zoo", "passes", "runtime")
 
 __all__ = [
     "CheckpointError",
     "CodegenError",
     "CostError",
+    "CostGraph",
+    "DeviceModel",
     "PartitionError",
     "PdcompileError",
     "PipelineTimeoutError",
@@ -34,7 +51,23 @@ __all__ = [
     "StageCommError",
     "TraceError",
     "TraceWarning",
+    "analyze",
     "ir",
     "trace",
     "zoo",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"pdcompile.{name}")
+    else:
+        raise AttributeError(f"module 'pdcompile' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -42,6 +42,13 @@ class ExportedGraphModule(CapturedGraphModule):
         self._input_specs = input_specs
         self.register_forward_pre_hook(_check_inputs, with_kwargs=True)
 
+    def __deepcopy__(self, memo: dict) -> ExportedGraphModule:
+        copied = super().__deepcopy__(memo)
+        copied._input_specs = self._input_specs
+        if _check_inputs not in copied._forward_pre_hooks.values():
+            copied.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+        return copied
+
 
 def _check_inputs(module: ExportedGraphModule, args: tuple, kwargs: dict) -> None:
     names = list(module._input_specs)

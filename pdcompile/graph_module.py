@@ -31,3 +31,8 @@ class CapturedGraphModule(fx.GraphModule):
                 f"{wanted} mode, call model.{wanted}() and pdcompile.trace again"
             )
         return self
+
+    def __deepcopy__(self, memo: dict) -> CapturedGraphModule:
+        copied = super().__deepcopy__(memo)  # fx rebuilds the module without calling __init__
+        copied._captured_training = self._captured_training
+        return copied

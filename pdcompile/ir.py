@@ -18,9 +18,18 @@ import torch.fx as fx
 SCOPE = "pdcompile.scope"  # tuple[(qualified name, module type), ...], outermost module first
 OUTPUTS = "pdcompile.outputs"  # tuple[TensorSpec, ...]: every tensor in the node's output value
 OUTPUT_BYTES = "pdcompile.output_bytes"  # int: sum of OUTPUTS' bytes
-PARAMS = (
-    "pdcompile.params"  # tuple[str, ...]: canonical names of the parameters/buffers the node uses
+PARAMS = "pdcompile.params"  # tuple[str, ...]: canonical names of parameters/buffers it uses
+PARAM_BYTES = "pdcompile.param_bytes"  # int: parameters the node owns (a tied one: its first user)
+GRAD_BYTES = "pdcompile.grad_bytes"  # int: gradients of the trainable parameters it owns
+OPTIMIZER_BYTES = "pdcompile.optimizer_bytes"  # int: optimizer state of those parameters
+BUFFER_BYTES = "pdcompile.buffer_bytes"  # int: buffers the node owns
+ACTIVATION_BYTES = "pdcompile.activation_bytes"  # int: tensors autograd keeps for its backward
+FLOPS = (
+    "pdcompile.flops"  # (forward, backward): floating-point operations, torch.utils.flop_counter
 )
+BYTES_MOVED = "pdcompile.bytes_moved"  # (forward, backward): bytes read and written
+ANALYTIC_S = "pdcompile.analytic_s"  # (forward, backward): roofline seconds on the device model
+MEASURED_S = "pdcompile.measured_s"  # (forward, backward): profiled seconds, medians
 
 # gm.meta keys
 CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph
@@ -29,6 +38,9 @@ INPUTS = "pdcompile.inputs"  # tuple[str, ...]: names of the graph's tensor inpu
 CONSTANTS = "pdcompile.constants"  # tuple[(argument, repr of value), ...] bound into the graph
 AUTO_LEAVES = "pdcompile.auto_leaves"  # tuple[(qualified name, reason), ...]
 PARAM_TABLE = "pdcompile.param_table"  # tuple[ParamInfo, ...], one per distinct tensor
+OPTIMIZER = "pdcompile.optimizer"  # "sgd" | "momentum" | "adam": what OPTIMIZER_BYTES assumes
+DEVICE_MODEL = "pdcompile.device_model"  # DeviceModel behind ANALYTIC_S
+PROFILE = "pdcompile.profile"  # ProfileSettings behind MEASURED_S
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from pdcompile.fx_capture import capture_fx
 from pdcompile.inputs import BoundInputs, bind_inputs
 from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter_tensors
 from pdcompile.leaf_policy import LeafPolicy
-from pdcompile.passes import annotate_params, annotate_scope, annotate_shapes
-from pdcompile.passes.shapes import preserved_state
+from pdcompile.passes.params import annotate_params
+from pdcompile.passes.scope import annotate_scope
+from pdcompile.passes.shapes import annotate_shapes, preserved_state
 
 METHODS = ("auto", "fx", "export")
 # An automatic leaf holding more than this share of the parameters defeats pipelining: try export.

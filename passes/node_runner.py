@@ -1,0 +1,98 @@
+"""Run the nodes of a captured graph one at a time, as the cost passes need.
+
+`record_values` runs the whole graph once (autograd on, model state restored) and keeps every
+node's value. `NodeCall` then re-runs one node on those values, with the inputs that required
+grad in the real run made fresh leaves that require grad, so the node's backward can be run and
+timed in isolation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate, map_arg
+
+from pdcompile.ir import iter_tensors
+from pdcompile.passes.shapes import preserved_state
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+
+
+def record_values(gm: fx.GraphModule, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Every node's value in one forward pass with autograd on (node name -> value)."""
+    values: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            values[n.name] = result = super().run_node(n)
+            return result
+
+    args = [inputs[p.target] for p in gm.graph.find_nodes(op="placeholder")]
+    with preserved_state(gm), torch.enable_grad():
+        Recorder(gm).run(*args)
+    return values
+
+
+def is_inplace(node: fx.Node, module: torch.nn.Module | None) -> bool:
+    """Whether the node writes into its first input (`relu_`, `x += y`, `ReLU(inplace=True)`)."""
+    if module is not None:
+        return bool(getattr(module, "inplace", False))
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+class _Fresh:
+    """Copies arguments so an in-place node cannot corrupt the recorded values; the copies of
+    tensors that required grad in the real run are leaves requiring grad (passed behind a clone
+    when the node writes into its input)."""
+
+    def __init__(self, inplace: bool) -> None:
+        self.inplace = inplace
+        self.leaves: list[torch.Tensor] = []
+
+    def __call__(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        fresh = value.detach().clone()
+        if not (value.requires_grad and fresh.is_floating_point()):
+            return fresh
+        self.leaves.append(fresh.requires_grad_())
+        return fresh.clone() if self.inplace else fresh
+
+
+class NodeCall:
+    """One compute node, runnable on the values `record_values` recorded."""
+
+    def __init__(self, gm: fx.GraphModule, node: fx.Node, values: Mapping[str, Any]) -> None:
+        if node.op not in COMPUTE_OPS:
+            raise ValueError(f"node {node.name} ({node.op}) computes nothing")
+        self.node = node
+        self.module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        self.args, self.kwargs = map_arg((node.args, node.kwargs), lambda n: values[n.name])
+
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+        """Fresh copies of the node's arguments, and the leaves its backward differentiates."""
+        fresh = _Fresh(is_inplace(self.node, self.module))
+        args, kwargs = map_aggregate((self.args, self.kwargs), fresh)
+        params = [p for p in self.module.parameters() if p.requires_grad] if self.module else []
+        return args, kwargs, fresh.leaves + params
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return invoke(self.node, self.module, args, kwargs)
+
+
+def invoke(node: fx.Node, module: torch.nn.Module | None, args: tuple, kwargs: dict) -> Any:
+    """Do what a compute node does, on the given arguments (`module` for `call_module` nodes)."""
+    if module is not None:
+        return module(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def differentiable_outputs(output: Any) -> list[torch.Tensor]:
+    """The output tensors that carry gradient (those a backward pass starts from)."""
+    return [t for _, t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None]

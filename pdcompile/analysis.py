@@ -1,0 +1,136 @@
+"""`pdcompile.analyze`: label every node with what it costs and derive the CostGraph."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pdcompile.cost_graph import CostGraph
+from pdcompile.errors import CostError, PdcompileError
+from pdcompile.ir import CAPTURE, INPUTS, OPTIMIZER
+from pdcompile.passes.analytic import annotate_analytic
+from pdcompile.passes.coarsen import coarsen as coarsen_layers
+from pdcompile.passes.cost_view import to_cost_graph
+from pdcompile.passes.device_model import DeviceModel
+from pdcompile.passes.memory import annotate_memory
+from pdcompile.passes.profile import annotate_profile
+
+
+def graph_inputs(
+    gm: fx.GraphModule, example_inputs: Any, example_kwargs: Mapping[str, Any] | None
+) -> dict[str, torch.Tensor]:
+    """The example call's tensors by graph input name (constants are already in the graph).
+
+    Raises:
+        CostError: a graph input has no tensor in the call.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    names = list(gm.meta.get(INPUTS) or [p.target for p in gm.graph.find_nodes(op="placeholder")])
+    kwargs = dict(example_kwargs or {})
+    positional = [v for v in example_inputs if isinstance(v, torch.Tensor)]
+    found = {n: v for n, v in kwargs.items() if n in names and isinstance(v, torch.Tensor)}
+    found.update(zip([n for n in names if n not in found], positional, strict=False))
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise CostError(
+            f"no example tensor for graph input(s) {missing}; pass the example call given to "
+            "pdcompile.trace (positional tensors in order, keyword tensors by name)"
+        )
+    return {n: found[n] for n in names}
+
+
+def default_device_model(device: torch.device) -> DeviceModel:
+    """The preset closest to `device`: `h100`/`a100` by CUDA device name, else `cpu`."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        return DeviceModel.get("h100" if "h100" in name or "h200" in name else "a100")
+    return DeviceModel.get("cpu")
+
+
+def analyze(
+    gm: fx.GraphModule,
+    example_inputs: Any,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    profile: bool = True,
+    device: str | torch.device | None = None,
+    optimizer: str = "sgd",
+    device_model: str | DeviceModel | None = None,
+    coarsen: int | None = None,
+    cache: bool | str = True,
+    num_threads: int = 1,
+    progress: bool = True,
+) -> CostGraph:
+    """Run the cost passes on a captured graph and return its CostGraph.
+
+    Args:
+        gm: a graph from `pdcompile.trace`.
+        example_inputs, example_kwargs: the example call given to `trace`.
+        profile: measure times on `device`; False prices nodes with `device_model` only (works
+            for models on the meta device).
+        device: where to profile (default: where the example inputs are). The graph is copied
+            there; the model itself is never moved.
+        optimizer: "sgd", "momentum" or "adam" (sizes optimizer state only).
+        device_model: preset name or DeviceModel for the analytic costs (default: nearest preset).
+        coarsen: group nodes into at most this many layers.
+        cache: profile cache: True (default directory), a directory, or False.
+        num_threads: CPU threads while profiling.
+        progress: show a progress bar while profiling.
+
+    Returns:
+        The CostGraph; its `meta` records the model, capture path, device, optimizer and source.
+
+    Raises:
+        CostError: a pass failed (named) or an argument is wrong.
+
+    Example:
+        >>> model, inputs = pdcompile.zoo.mlp()
+        >>> costs = pdcompile.analyze(pdcompile.trace(model, inputs), inputs)
+        >>> costs.batch_size, len(costs.nodes)
+        (4, 12)
+    """
+    inputs = graph_inputs(gm, example_inputs, example_kwargs)
+    target = torch.device(device) if device is not None else next(iter(inputs.values())).device
+    if profile and target.type == "meta":
+        raise CostError("a model on the meta device cannot be profiled; pass profile=False")
+    if any(t.device != target for t in [*inputs.values(), *gm.parameters()]):
+        gm = copy.deepcopy(gm).to(target)
+        inputs = {k: v.to(target) for k, v in inputs.items()}
+    model = DeviceModel.get(device_model) if device_model else default_device_model(target)
+
+    passes: list[tuple[str, Callable[[], Any]]] = [
+        ("memory", lambda: annotate_memory(gm, inputs, optimizer)),
+        ("analytic", lambda: annotate_analytic(gm, inputs, model)),
+    ]
+    if profile:
+        passes.append(
+            ("profile", lambda: annotate_profile(gm, inputs, num_threads=num_threads,
+                                                 cache=cache, progress=progress))
+        )  # fmt: skip
+    for name, run in passes:
+        try:
+            run()
+        except PdcompileError:
+            raise
+        except Exception as e:
+            raise CostError(f"cost pass {name!r} failed on {type(gm).__name__}: {e!r}") from e
+        gm.graph.lint()
+
+    batch = next(iter(inputs.values()))
+    meta = {
+        "model": type(gm).__name__,
+        "capture": gm.meta.get(CAPTURE),
+        "source": "profile" if profile else "analytic",
+        "device": str(target),
+        "device_model": model.name,
+        "optimizer": gm.meta[OPTIMIZER],
+        "num_threads": num_threads if profile and target.type == "cpu" else None,
+        "torch_version": torch.__version__,
+    }
+    graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta)
+    return coarsen_layers(graph, coarsen) if coarsen else graph

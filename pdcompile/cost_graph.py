@@ -1,0 +1,748 @@
+"""CostGraph: the solvers' torch-free view of a model, with JSON and PipeDream `graph.txt` I/O.
+
+A CostGraph wraps a networkx DiGraph whose node insertion order is a topological order. Every
+node carries all of `NODE_ATTRS` (seconds and bytes for one batch of `batch_size` rows), every
+edge carries `bytes`. This module imports only the standard library and networkx, so solvers and
+the CLI can plan on a machine without torch. See docs/cost_graph.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import re
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from pdcompile.errors import CostError
+
+__all__ = ["FLOAT_ATTRS", "INT_ATTRS", "KINDS", "NODE_ATTRS", "CostGraph"]
+
+KINDS = ("input", "compute", "output")
+FLOAT_ATTRS = ("forward_s", "backward_s", "flops_forward", "flops_backward")
+INT_ATTRS = (
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "output_bytes",
+    "memory_bytes",
+)
+_MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+NODE_ATTRS = (
+    "kind",
+    *FLOAT_ATTRS[:2],
+    *INT_ATTRS,
+    *FLOAT_ATTRS[2:],
+    "description",
+    "scope",
+    "members",
+    "activation_sizes",
+)
+_SETTABLE = tuple(a for a in NODE_ATTRS if a != "memory_bytes")
+FORMAT = "pdcompile.costgraph"
+VERSION = 1
+
+
+def _check_attr(node: str, name: str, value: Any) -> Any:
+    """The normalized value of one node attribute; CostError naming the node if it is wrong."""
+
+    def bad(expected: str) -> CostError:
+        return CostError(f"node {node!r}: attribute {name!r} must be {expected}, got {value!r}")
+
+    def number(x: Any) -> bool:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+    if name in FLOAT_ATTRS:
+        if not number(value) or value < 0:
+            raise bad("a finite number >= 0 (seconds or flops)")
+        return float(value) + 0.0  # + 0.0 turns -0.0 into 0.0
+    if name in INT_ATTRS:
+        if not number(value) or value < 0 or not float(value).is_integer():
+            raise bad("a whole number of bytes >= 0")
+        return int(value)
+    if name == "kind":
+        if value not in KINDS:
+            raise bad(f"one of {', '.join(KINDS)}")
+        return value
+    if name in ("description", "scope"):
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if name == "members":
+        if not isinstance(value, (list, tuple)) or not value:
+            raise bad("a non-empty tuple of node ids")
+        if not all(isinstance(m, str) and m for m in value):
+            raise bad("a tuple of non-empty strings")
+        return tuple(value)
+    if name == "activation_sizes":
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(number(x) and x >= 0 for x in value):
+            raise bad("None or a tuple of byte counts >= 0")
+        return tuple(int(x) if isinstance(x, numbers.Integral) else float(x) for x in value)
+    raise CostError(
+        f"node {node!r}: unknown attribute {name!r}; node attributes are {', '.join(_SETTABLE)}"
+    )
+
+
+def _check_bytes(u: str, v: str, value: Any) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or not float(value).is_integer()
+    ):
+        raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+def _check_batch_size(batch_size: Any) -> int | None:
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise CostError(f"batch_size must be None or an integer >= 1, got {batch_size!r}")
+    return batch_size
+
+
+def _check_meta(meta: Any) -> dict[str, Any]:
+    """A deep, JSON-normalized copy of `meta` (tuples become lists), so JSON round trips are exact."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise CostError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise CostError(f"meta must be JSON-serializable (str keys, no NaN): {e}") from None
+
+
+class CostGraph:
+    """A DAG of per-node costs for one batch: what the solvers read.
+
+    Args:
+        graph: optional networkx DiGraph to copy; its node insertion order must be topological.
+            Missing node attributes take their defaults (see `add_node`); edges need `bytes`.
+        batch_size: rows of the batch the costs are for (None if unknown).
+        meta: JSON-serializable provenance (`source`, model, device, optimizer, ...).
+
+    Raises:
+        CostError: an attribute is unknown or ill-typed, or the order is not topological.
+
+    Example:
+        >>> g = CostGraph(batch_size=8)
+        >>> g.add_node("x", kind="input", output_bytes=64)
+        >>> g.add_node("fc", forward_s=1e-3, backward_s=2e-3, param_bytes=400, output_bytes=32)
+        >>> g.add_edge("x", "fc", bytes=64)
+        >>> g.nodes, g.graph.nodes["fc"]["memory_bytes"]
+        (['x', 'fc'], 400)
+    """
+
+    def __init__(
+        self,
+        graph: nx.DiGraph | None = None,
+        batch_size: int | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.graph = nx.DiGraph()
+        self.batch_size = _check_batch_size(batch_size)
+        self.meta = _check_meta(meta)
+        self._index: dict[str, int] = {}
+        if graph is None:
+            return
+        for node, data in graph.nodes(data=True):
+            attrs = dict(data)
+            memory = attrs.pop("memory_bytes", None)
+            self.add_node(node, **attrs)
+            if memory is not None and memory != self.graph.nodes[node]["memory_bytes"]:
+                raise CostError(
+                    f"node {node!r}: memory_bytes={memory!r} is not param + grad + optimizer + "
+                    f"activation bytes ({self.graph.nodes[node]['memory_bytes']}); it is derived: "
+                    "drop it"
+                )
+        for u, v, data in graph.edges(data=True):
+            if set(data) != {"bytes"}:
+                raise CostError(
+                    f"edge {u!r} -> {v!r}: edges carry exactly one attribute, 'bytes'; got "
+                    f"{sorted(data)}"
+                )
+            self.add_edge(u, v, data["bytes"])
+
+    # -- building -------------------------------------------------------------------------
+
+    def add_node(self, node_id: str, **attrs: Any) -> None:
+        """Append a node (after every node added so far in the topological order).
+
+        Args:
+            node_id: unique non-empty string.
+            **attrs: any of `kind` ("compute"), `forward_s`, `backward_s`, `flops_forward`,
+                `flops_backward` (0.0), `param_bytes`, `grad_bytes`, `optimizer_bytes`,
+                `activation_bytes`, `output_bytes` (0), `description`, `scope` (""), `members`
+                ((node_id,)), `activation_sizes` (None). `memory_bytes` is derived.
+
+        Raises:
+            CostError: duplicate id, unknown attribute, `memory_bytes` given, or a bad value.
+        """
+        if not isinstance(node_id, str) or not node_id:
+            raise CostError(f"node ids must be non-empty strings, got {node_id!r}")
+        if node_id in self.graph:
+            raise CostError(f"node {node_id!r} is already in the CostGraph; ids must be unique")
+        if "memory_bytes" in attrs:
+            raise CostError(
+                f"node {node_id!r}: memory_bytes is derived (param + grad + optimizer + "
+                "activation bytes); set those instead"
+            )
+        data: dict[str, Any] = {"kind": "compute", "forward_s": 0.0, "backward_s": 0.0}
+        data.update(dict.fromkeys(INT_ATTRS, 0))
+        data.update(flops_forward=0.0, flops_backward=0.0, description="", scope="")
+        data.update(members=(node_id,), activation_sizes=None)
+        for name, value in attrs.items():
+            data[name] = _check_attr(node_id, name, value)
+        data["memory_bytes"] = sum(data[k] for k in _MEMORY_PARTS)
+        self.graph.add_node(node_id, **{name: data[name] for name in NODE_ATTRS})
+        self._index[node_id] = len(self._index)
+
+    def add_edge(self, u: str, v: str, bytes: int) -> None:  # noqa: A002 (the attribute's name)
+        """Add the edge `u -> v` carrying `bytes` per batch; `u` must come before `v`.
+
+        Raises:
+            CostError: an endpoint is missing, the edge exists, or it goes backwards in the order.
+        """
+        if len(self._index) != self.graph.number_of_nodes():
+            self._index = {n: i for i, n in enumerate(self.graph)}
+        for end in (u, v):
+            if end not in self._index:
+                raise CostError(f"edge {u!r} -> {v!r}: node {end!r} is not in the CostGraph")
+        if self.graph.has_edge(u, v):
+            raise CostError(f"edge {u!r} -> {v!r} already exists; add each edge once")
+        if self._index[u] >= self._index[v]:
+            raise CostError(
+                f"edge {u!r} -> {v!r} goes backwards in the node order (node {v!r} was added "
+                f"before {u!r}); add nodes in a topological order (e.g. networkx.topological_sort)"
+            )
+        self.graph.add_edge(u, v, bytes=_check_bytes(u, v, bytes))
+
+    def copy(self) -> CostGraph:
+        """An equal, independent CostGraph."""
+        return CostGraph(self.graph, self.batch_size, self.meta)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[str]:
+        """Node ids in the (topological) order."""
+        return list(self.graph.nodes)
+
+    def totals(self) -> dict[str, float]:
+        """Sums over all nodes (`math.fsum`) of every time, byte and flop attribute."""
+        data = [d for _, d in self.graph.nodes(data=True)]
+        names = (*FLOAT_ATTRS[:2], *INT_ATTRS, *FLOAT_ATTRS[2:])
+        return {name: math.fsum(d[name] for d in data) for name in names}
+
+    def validate(self) -> None:
+        """Check the graph after direct edits of `.graph`.
+
+        Raises:
+            CostError: a cycle, an order that is not topological, a missing, unknown or
+                ill-typed attribute, a negative number or a stale `memory_bytes`.
+        """
+        pos = {n: i for i, n in enumerate(self.graph)}
+        for node, data in self.graph.nodes(data=True):
+            if not isinstance(node, str) or not node:
+                raise CostError(f"node ids must be non-empty strings, got {node!r}")
+            missing = [a for a in NODE_ATTRS if a not in data]
+            unknown = sorted(set(data) - set(NODE_ATTRS))
+            if missing or unknown:
+                raise CostError(
+                    f"node {node!r}: missing attributes {missing}, unknown attributes "
+                    f"{unknown}; build nodes with CostGraph.add_node"
+                )
+            for name in NODE_ATTRS:
+                value = _check_attr(node, name, data[name])
+                if type(value) is not type(data[name]) or value != data[name]:
+                    raise CostError(
+                        f"node {node!r}: attribute {name!r} is {data[name]!r} of type "
+                        f"{type(data[name]).__name__}; expected {type(value).__name__}"
+                    )
+            derived = sum(data[k] for k in _MEMORY_PARTS)
+            if data["memory_bytes"] != derived:
+                raise CostError(
+                    f"node {node!r}: memory_bytes is {data['memory_bytes']} but param + grad + "
+                    f"optimizer + activation bytes is {derived}; rebuild the node with add_node"
+                )
+        if not nx.is_directed_acyclic_graph(self.graph):
+            cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(self.graph))
+            raise CostError(f"the CostGraph has a cycle ({cycle}); a CostGraph must be a DAG")
+        for u, v, data in self.graph.edges(data=True):
+            if set(data) != {"bytes"}:
+                raise CostError(f"edge {u!r} -> {v!r}: expected only 'bytes', got {sorted(data)}")
+            _check_bytes(u, v, data["bytes"])
+            if type(data["bytes"]) is not int:
+                raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be an int")
+            if pos[u] > pos[v]:
+                raise CostError(
+                    f"edge {u!r} -> {v!r} goes backwards in the node order; the insertion order "
+                    "must be topological: rebuild with nodes in networkx.topological_sort order"
+                )
+        _check_batch_size(self.batch_size)
+        _check_meta(self.meta)
+
+    def scaled(self, batch_size: int) -> CostGraph:
+        """The costs for another batch size, assuming they grow linearly with the batch.
+
+        Times, flops, activation and output bytes, `activation_sizes` and edge bytes scale by
+        `batch_size / self.batch_size` (integers rounded half up); parameter, gradient and
+        optimizer bytes do not; `memory_bytes` is re-derived.
+
+        Raises:
+            CostError: this graph has no batch size, or `batch_size` is not an integer >= 1.
+        """
+        if self.batch_size is None:
+            raise CostError(
+                "scaled(): this CostGraph has no batch_size (PipeDream files record none); "
+                "pass batch_size= to CostGraph.from_pipedream or set .batch_size first"
+            )
+        new = _check_batch_size(batch_size)
+        if new is None:
+            raise CostError("scaled(): batch_size must be an integer >= 1, got None")
+        old, factor = self.batch_size, new / self.batch_size
+
+        def whole(x: int) -> int:
+            return (2 * x * new + old) // (2 * old)
+
+        out = CostGraph(batch_size=new, meta=self.meta)
+        for node, data in self.graph.nodes(data=True):
+            attrs = {name: data[name] for name in _SETTABLE}
+            for name in FLOAT_ATTRS:
+                attrs[name] = data[name] * factor
+            for name in ("activation_bytes", "output_bytes"):
+                attrs[name] = whole(data[name])
+            if data["activation_sizes"] is not None:
+                attrs["activation_sizes"] = tuple(
+                    whole(x) if isinstance(x, int) else x * factor for x in data["activation_sizes"]
+                )
+            out.add_node(node, **attrs)
+        for u, v, b in self.graph.edges(data="bytes"):
+            out.add_edge(u, v, whole(b))
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CostGraph):
+            return NotImplemented
+        return (
+            self.batch_size == other.batch_size
+            and self.meta == other.meta
+            and list(self.graph.nodes(data=True)) == list(other.graph.nodes(data=True))
+            and dict(((u, v), d) for u, v, d in self.graph.edges(data=True))
+            == dict(((u, v), d) for u, v, d in other.graph.edges(data=True))
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return (
+            f"<CostGraph {self.graph.number_of_nodes()} nodes, {self.graph.number_of_edges()} "
+            f"edges, batch_size={self.batch_size}>"
+        )
+
+    def __str__(self) -> str:
+        t = self.totals()
+        source = self.meta.get("source", "unknown")
+        batch = "unknown" if self.batch_size is None else str(self.batch_size)
+        return "\n".join(
+            [
+                f"CostGraph ({source}): {self.graph.number_of_nodes()} nodes, "
+                f"{self.graph.number_of_edges()} edges, batch size {batch}",
+                f"  time per batch: forward {_seconds(t['forward_s'])}, "
+                f"backward {_seconds(t['backward_s'])}",
+                f"  memory {_bytes(t['memory_bytes'])}: parameters {_bytes(t['param_bytes'])}, "
+                f"gradients {_bytes(t['grad_bytes'])}, optimizer {_bytes(t['optimizer_bytes'])}, "
+                f"activations {_bytes(t['activation_bytes'])}",
+                f"  flops: forward {_flops(t['flops_forward'])}, "
+                f"backward {_flops(t['flops_backward'])}",
+            ]
+        )
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """The graph as JSON (one node or edge per line); `from_json` reads it back exactly."""
+
+        def dump(obj: Any) -> str:
+            return json.dumps(obj, allow_nan=False)
+
+        nodes = [
+            dump(
+                {
+                    "id": n,
+                    **{
+                        k: list(v) if isinstance(v, tuple) else v
+                        for k, v in self.graph.nodes[n].items()
+                    },
+                }
+            )
+            for n in self.graph
+        ]
+        edges = [dump({"src": u, "dst": v, "bytes": b}) for u, v, b in self.graph.edges(data="bytes")]
+        return (
+            f'{{"format": "{FORMAT}", "version": {VERSION}, '
+            f'"batch_size": {dump(self.batch_size)},\n'
+            f' "meta": {dump(self.meta)},\n'
+            f' "nodes": [{"".join(chr(10) + "  " + n + "," for n in nodes).rstrip(",")}\n ],\n'
+            f' "edges": [{"".join(chr(10) + "  " + e + "," for e in edges).rstrip(",")}\n ]\n}}\n'
+        )
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<string>") -> CostGraph:
+        """Read a graph written by `to_json`.
+
+        Args:
+            text: the JSON text.
+            source: where it came from, for error messages (a path).
+
+        Raises:
+            CostError: corrupt or truncated JSON (with line and column), wrong format or version,
+                or a missing, unknown or ill-typed field (naming the node or edge).
+        """
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CostError(
+                f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the file is truncated "
+                "or corrupt: write it again with CostGraph.save()"
+            ) from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise CostError(
+                f"{source}: not a CostGraph file (format is {found!r}, expected {FORMAT!r})"
+            )
+        if doc.get("version") != VERSION:
+            raise CostError(
+                f"{source}: CostGraph format version {doc.get('version')!r}; this pdcompile reads "
+                f"version {VERSION}: upgrade pdcompile or write the file again with this version"
+            )
+        fields = {"format", "version", "batch_size", "meta", "nodes", "edges"}
+        if set(doc) != fields:
+            raise CostError(
+                f"{source}: top-level fields must be {sorted(fields)}; missing "
+                f"{sorted(fields - set(doc))}, unknown {sorted(set(doc) - fields)}"
+            )
+        if not isinstance(doc["nodes"], list) or not isinstance(doc["edges"], list):
+            raise CostError(f"{source}: 'nodes' and 'edges' must be lists")
+        try:
+            graph = cls(batch_size=doc["batch_size"], meta=doc["meta"])
+            for i, record in enumerate(doc["nodes"]):
+                _add_json_node(graph, i, record)
+            for i, record in enumerate(doc["edges"]):
+                if not isinstance(record, dict) or set(record) != {"src", "dst", "bytes"}:
+                    raise CostError(
+                        f"edge #{i} must be an object with exactly 'src', 'dst' and 'bytes', "
+                        f"got {record!r}"
+                    )
+                graph.add_edge(record["src"], record["dst"], record["bytes"])
+        except CostError as e:
+            raise CostError(f"{source}: {e}") from None
+        return graph
+
+    def save(self, path: str | Path) -> None:
+        """Write `to_json()` to `path`.
+
+        Raises:
+            CostError: the file cannot be written.
+        """
+        try:
+            Path(path).write_text(self.to_json(), encoding="utf-8")
+        except OSError as e:
+            raise CostError(f"cannot write CostGraph file {path}: {e.strerror or e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostGraph:
+        """Read a file written by `save`.
+
+        Raises:
+            CostError: the file cannot be read or is not a valid CostGraph file.
+        """
+        return cls.from_json(_read_text(path, "CostGraph"), source=str(path))
+
+    # -- PipeDream -------------------------------------------------------------------------
+
+    @classmethod
+    def from_pipedream(cls, path: str | Path, batch_size: int | None = None) -> CostGraph:
+        """Import a PipeDream profile (`graph.txt`); docs/cost_graph.md has the mapping.
+
+        Args:
+            path: the profile.
+            batch_size: the minibatch the profile was taken with (files do not record it).
+
+        Raises:
+            CostError: the file cannot be read, a line is malformed (file, line number and
+                text), a node is defined twice, an edge names an unknown node, or there is a cycle.
+        """
+        return _read_pipedream(Path(path), batch_size)
+
+    def to_pipedream(self, path: str | Path) -> None:
+        """Write the graph in PipeDream's `graph.txt` format (times in milliseconds).
+
+        Files imported with `from_pipedream` are written back with the same lines in the same
+        order and numbers that read back exactly.
+
+        Raises:
+            CostError: a node id or description cannot be written in that format.
+        """
+        text = _format_pipedream(self)
+        try:
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise CostError(f"cannot write PipeDream file {path}: {e.strerror or e}") from None
+
+
+def _add_json_node(graph: CostGraph, index: int, record: Any) -> None:
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        raise CostError(f"node #{index} must be an object with a string 'id', got {record!r}")
+    node = record["id"]
+    missing = [a for a in NODE_ATTRS if a not in record]
+    unknown = sorted(set(record) - {"id", *NODE_ATTRS})
+    if missing or unknown:
+        raise CostError(
+            f"node #{index} {node!r}: missing fields {missing}, unknown fields {unknown}; "
+            "write the file with CostGraph.to_json"
+        )
+    graph.add_node(node, **{a: record[a] for a in _SETTABLE})
+    memory = _check_attr(node, "memory_bytes", record["memory_bytes"])
+    if memory != graph.graph.nodes[node]["memory_bytes"]:
+        raise CostError(
+            f"node #{index} {node!r}: field 'memory_bytes' is {memory} but param + grad + "
+            f"optimizer + activation bytes is {graph.graph.nodes[node]['memory_bytes']}"
+        )
+
+
+def _read_text(path: str | Path, what: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise CostError(f"cannot read {what} file {path}: {reason}") from None
+
+
+# -- PipeDream graph.txt -------------------------------------------------------------------
+
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_COSTS = re.compile(
+    rf"forward_compute_time=({_NUM}),\s*backward_compute_time=({_NUM}),\s*"
+    rf"activation_size=(\[[^\]]*\]|{_NUM}),\s*parameter_size=({_NUM})"
+)
+_STAGE = re.compile(r"stage_id=(\d+)")
+_NODE_LINE = (
+    "node4 -- Conv2d(3, 64) -- forward_compute_time=22.307, backward_compute_time=24.613, "
+    "activation_size=1644167168.0, parameter_size=7168.0"
+)
+_EDGE_LINE = "<TAB>node4 -- node5"
+
+
+def _parse_node(where: str, line: str) -> tuple[str, dict[str, Any], int | None]:
+    """One node line -> (id, attributes, stage id or None)."""
+    tokens = line.split(" -- ")
+    stage = None
+    if len(tokens) >= 4 and _STAGE.fullmatch(tokens[-1].strip()):
+        stage = int(_STAGE.fullmatch(tokens[-1].strip()).group(1))  # type: ignore[union-attr]
+        tokens = tokens[:-1]
+    costs = _COSTS.fullmatch(tokens[-1].strip()) if len(tokens) >= 3 else None
+    node = tokens[0]
+    if costs is None or not node or any(c.isspace() for c in node):
+        raise CostError(
+            f"{where}: malformed node line {line!r}; a node line looks like {_NODE_LINE!r}"
+        )
+    forward, backward, activation, param = costs.groups()
+    if activation.startswith("["):
+        inner = activation[1:-1].strip()
+        items = [s.strip() for s in inner.split(";")] if inner else []
+        if not all(re.fullmatch(_NUM, s) for s in items):
+            raise CostError(
+                f"{where}: malformed activation_size list {activation!r} in {line!r}; "
+                "write it as [a; b; c]"
+            )
+        sizes: tuple[float, ...] | None = tuple(float(s) for s in items)
+        total = math.fsum(sizes)  # type: ignore[arg-type]
+    else:
+        sizes, total = None, float(activation)
+    values = [float(forward), float(backward), total, float(param), *(sizes or ())]
+    if any(x < 0 for x in values):
+        raise CostError(f"{where}: negative time or size in {line!r}; all must be >= 0")
+    description = " -- ".join(tokens[1:-1])
+    attrs = {
+        "kind": "input" if description.startswith("Input") else "compute",
+        "forward_s": float(forward) / 1000.0,
+        "backward_s": float(backward) / 1000.0,
+        "activation_bytes": round(total),
+        "output_bytes": round(total),
+        "param_bytes": round(float(param)),
+        "description": description,
+        "activation_sizes": sizes,
+    }
+    return node, attrs, stage
+
+
+def _read_pipedream(path: Path, batch_size: int | None) -> CostGraph:
+    nodes: dict[str, tuple[dict[str, Any], int]] = {}
+    edges: dict[tuple[str, str], int] = {}
+    stages: dict[str, int] = {}
+    for lineno, raw in enumerate(_read_text(path, "PipeDream").splitlines(), start=1):
+        where, line = f"{path}:{lineno}", raw.rstrip("\r\n")
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            node, attrs, stage = _parse_node(where, line)
+            if node in nodes:
+                raise CostError(
+                    f"{where}: node {node!r} is already defined on line {nodes[node][1]}; "
+                    "node ids must be unique"
+                )
+            nodes[node] = (attrs, lineno)
+            if stage is not None:
+                stages[node] = stage
+            continue
+        pair = line.strip().split(" -- ")
+        if len(pair) != 2 or not all(p and not any(c.isspace() for c in p) for p in pair):
+            raise CostError(
+                f"{where}: malformed edge line {line!r}; an edge line looks like {_EDGE_LINE!r}"
+            )
+        edges.setdefault((pair[0], pair[1]), lineno)
+        if edges[(pair[0], pair[1])] != lineno:
+            raise CostError(f"{where}: duplicate edge {line.strip()!r}; list each edge once")
+    if not nodes:
+        raise CostError(f"{path}: no node lines; is this a PipeDream graph.txt?")
+    for (u, v), lineno in edges.items():
+        for end in (u, v):
+            if end not in nodes:
+                raise CostError(
+                    f"{path}:{lineno}: edge {u} -- {v} names node {end!r}, which has no node "
+                    "line; add the node line or remove the edge"
+                )
+        if u == v:
+            raise CostError(f"{path}:{lineno}: edge {u} -- {v} is a self-loop; remove it")
+    file_order = list(nodes)
+    order = _topological(path, file_order, list(edges))
+    graph = CostGraph(batch_size=batch_size)
+    for node in order:
+        graph.add_node(node, **nodes[node][0])
+    for u, v in edges:
+        graph.add_edge(u, v, graph.graph.nodes[u]["output_bytes"])
+    extra: dict[str, Any] = {}
+    if order != file_order:
+        extra["node_order"] = file_order
+    if [list(e) for e in edges] != _default_edge_order(graph, file_order):
+        extra["edge_order"] = [list(e) for e in edges]
+    if stages:
+        extra["stage_ids"] = stages
+    graph.meta = _check_meta({"source": "pipedream", **({"pipedream": extra} if extra else {})})
+    return graph
+
+
+def _topological(path: Path, file_order: list[str], edges: list[tuple[str, str]]) -> list[str]:
+    """The file's node order if it is topological, else the topological order closest to it."""
+    pos = {n: i for i, n in enumerate(file_order)}
+    if all(pos[u] < pos[v] for u, v in edges):
+        return file_order
+    dag = nx.DiGraph()
+    dag.add_nodes_from(file_order)
+    dag.add_edges_from(edges)
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = " -- ".join(u for u, _ in nx.find_cycle(dag))
+        raise CostError(f"{path}: the edges form a cycle ({cycle}); remove one of its edges")
+    return list(nx.lexicographical_topological_sort(dag, key=pos.__getitem__))
+
+
+def _default_edge_order(graph: CostGraph, node_order: list[str]) -> list[list[str]]:
+    """Edges grouped by source in `node_order`, each source's in insertion order."""
+    return [[u, v] for u in node_order for v in graph.graph.successors(u)]
+
+
+def _ms_text(seconds: float) -> str:
+    """The shortest decimal milliseconds string `t` with `float(t) / 1000 == seconds`."""
+    guess = seconds * 1000.0
+    candidates, up, down = [guess], guess, guess
+    for _ in range(4):
+        up, down = math.nextafter(up, math.inf), math.nextafter(down, -math.inf)
+        candidates += [up, down]
+    texts = [repr(c) for c in candidates if c / 1000.0 == seconds]
+    if not texts:  # no float maps exactly onto `seconds`: the nearest one
+        return repr(guess)
+    return min(texts, key=lambda t: (len(t), abs(float(t) - guess)))
+
+
+def _size_text(x: float | int) -> str:
+    return repr(x) if isinstance(x, float) else f"{x}.0"
+
+
+def _format_pipedream(cost_graph: CostGraph) -> str:
+    g = cost_graph.graph
+    extra = cost_graph.meta.get("pipedream")
+    extra = extra if isinstance(extra, dict) else {}
+    order = extra.get("node_order")
+    if not (isinstance(order, list) and len(order) == len(g) and set(order) == set(g)):
+        order = list(g)
+    edge_order = extra.get("edge_order")
+    edge_set = {[*e] == [*e] and (e[0], e[1]) for e in edge_order or [] if len(e) == 2}
+    if not (
+        isinstance(edge_order, list)
+        and len(edge_order) == g.number_of_edges()
+        and edge_set == set(g.edges)
+    ):
+        edge_order = _default_edge_order(cost_graph, order)
+    stages = extra.get("stage_ids") if isinstance(extra.get("stage_ids"), dict) else {}
+    lines = []
+    for node in order:
+        d = g.nodes[node]
+        if any(c.isspace() for c in node) or " -- " in node:
+            raise CostError(
+                f"node {node!r}: PipeDream node ids cannot contain whitespace; rename the node"
+            )
+        if "\n" in d["description"] or "\r" in d["description"]:
+            raise CostError(
+                f"node {node!r}: its description spans lines, which PipeDream's one-line-per-"
+                "node format cannot hold; put it on one line"
+            )
+        sizes = d["activation_sizes"]
+        if sizes is not None and round(math.fsum(sizes)) == d["output_bytes"]:
+            activation = "[" + "; ".join(_size_text(x) for x in sizes) + "]"
+        else:
+            activation = _size_text(d["output_bytes"])
+        line = (
+            f"{node} -- {d['description']} -- forward_compute_time={_ms_text(d['forward_s'])}, "
+            f"backward_compute_time={_ms_text(d['backward_s'])}, activation_size={activation}, "
+            f"parameter_size={_size_text(d['param_bytes'])}"
+        )
+        if isinstance(stages.get(node), int):
+            line += f" -- stage_id={stages[node]}"
+        lines.append(line)
+    lines += [f"\t{u} -- {v}" for u, v in edge_order]
+    return "\n".join(lines) + "\n"
+
+
+# -- human units ---------------------------------------------------------------------------
+
+
+def _seconds(s: float) -> str:
+    if s == 0 or s >= 1:
+        return f"{s:.4g} s"
+    return f"{s * 1e3:.4g} ms" if s >= 1e-3 else f"{s * 1e6:.4g} us"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n:.4g} TiB"
+
+
+def _flops(f: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if f < 1000:
+            return f"{f:.4g} {unit}FLOP"
+        f /= 1000
+    return f"{f:.4g} PFLOP"
