@@ -158,6 +158,11 @@ def _grad_call_overhead(device: torch.device, timer: Callable, warmup: int, repe
     )
 
 
+def _backward_time(timer: Callable, outputs: list[torch.Tensor]) -> float:
+    grads = [torch.ones_like(t) for t in outputs]
+    return timer(lambda: torch.autograd.backward(outputs, grads)) if outputs else 0.0
+
+
 def _measure(
     gm: fx.GraphModule,
     inputs: Mapping[str, torch.Tensor],
@@ -179,8 +184,7 @@ def _measure(
             interpreter = _TimedInterpreter(gm, timer)
             with torch.enable_grad():
                 outputs = differentiable_outputs(interpreter.run(*args))
-            grads = [torch.ones_like(t) for t in outputs]
-            backward_s = timer(lambda: torch.autograd.backward(outputs, grads)) if outputs else 0.0
+            backward_s = _backward_time(timer, outputs)
             for p in params:
                 p.grad = None
             if i >= warmup:

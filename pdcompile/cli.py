@@ -1,27 +1,29 @@
 """The `pdcompile` command. Thin: every flag maps to an API argument.
 
-pdcompile graph SPEC [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
+pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
+pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
+                       [--out costs.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
-import torch.nn as nn
 from rich.console import Console
+from rich.table import Table
 
 from pdcompile.errors import PdcompileError, SpecError
-from pdcompile.graph_report import render_dot, to_dot, to_json, to_table
-from pdcompile.model_spec import load_model_spec
-from pdcompile.tracing import METHODS, trace
 
 FORMATS = ("txt", "json", "dot", "svg", "png")
+METHODS = ("auto", "fx", "export")
 
 
-def _leaf_modules(model: nn.Module, names: Sequence[str]) -> list[type[nn.Module] | str]:
+def _leaf_modules(model: Any, names: Sequence[str]) -> list[Any]:
     """`--leaf` values: a submodule's qualified name, else the class name of some submodule."""
     modules = dict(model.named_modules())
     types = {}
@@ -32,7 +34,11 @@ def _leaf_modules(model: nn.Module, names: Sequence[str]) -> list[type[nn.Module
     return [name if name in modules or name not in types else types[name] for name in names]
 
 
-def _graph(args: argparse.Namespace) -> int:
+def _trace_spec(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Load the SPEC and capture it; automatic leaves are reported on standard error."""
+    from pdcompile.model_spec import load_model_spec
+    from pdcompile.tracing import trace
+
     spec = load_model_spec(args.spec)
     if args.eval:
         spec.model.eval()
@@ -47,28 +53,102 @@ def _graph(args: argparse.Namespace) -> int:
         )
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    name = type(spec.model).__name__
-    if args.format == "txt":
-        if args.out:
-            with open(args.out, "w") as f:
-                Console(file=f, width=200).print(to_table(gm, name))
-        else:
-            Console(width=None if sys.stdout.isatty() else 200).print(to_table(gm, name))
-        return 0
-    if args.format == "json":
-        data: str | bytes = to_json(gm, name)
-    elif args.format == "dot":
-        data = to_dot(gm, name)
+    return spec, gm
+
+
+def _cost_file(path: str) -> Any:
+    """The CostGraph in a `.json` or PipeDream `graph.txt` named on the command line, else None."""
+    from pdcompile.cost_graph import CostGraph
+
+    if path.endswith(".json"):
+        loader = CostGraph.load
+    elif path.endswith(".txt"):
+        loader = CostGraph.from_pipedream
     else:
-        if not args.out:
-            raise PdcompileError(f"--format {args.format} writes a binary file: give --out FILE")
-        data = render_dot(to_dot(gm, name), args.format)
-    if args.out:
-        with open(args.out, "wb" if isinstance(data, bytes) else "w") as f:
+        return None
+    if not os.path.isfile(path):
+        raise SpecError(f"no such file {path!r} (expected a CostGraph .json or a PipeDream .txt)")
+    return loader(path)
+
+
+def _print_table(table: Table, out: str | None) -> None:
+    if out:
+        with open(out, "w") as f:
+            Console(file=f, width=200).print(table)
+    else:
+        Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def _write(data: str | bytes, out: str | None) -> None:
+    if out:
+        with open(out, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
+    elif isinstance(data, bytes):
+        raise PdcompileError("this format writes a binary file: give --out FILE")
     else:
         sys.stdout.write(data)
+
+
+def _graph(args: argparse.Namespace) -> int:
+    from pdcompile.cost_report import cost_dot, cost_table
+
+    costs = _cost_file(args.spec)
+    if costs is not None:
+        name = os.path.basename(os.path.dirname(os.path.abspath(args.spec))) or args.spec
+        views = (lambda: cost_table(costs, name), costs.to_json, lambda: cost_dot(costs, name))
+    else:
+        from pdcompile.graph_report import to_dot, to_json, to_table
+
+        spec, gm = _trace_spec(args)
+        name = type(spec.model).__name__
+        views = (lambda: to_table(gm, name), lambda: to_json(gm, name), lambda: to_dot(gm, name))
+    table, as_json, dot = views
+    if args.format == "txt":
+        _print_table(table(), args.out)
+    elif args.format == "json":
+        _write(as_json(), args.out)
+    elif args.format == "dot":
+        _write(dot(), args.out)
+    else:
+        from pdcompile.graph_report import render_dot
+
+        if not args.out:
+            raise PdcompileError(f"--format {args.format} writes a binary file: give --out FILE")
+        _write(render_dot(dot(), args.format), args.out)
     return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pdcompile.analysis import analyze
+    from pdcompile.cost_report import cost_table
+
+    spec, gm = _trace_spec(args)
+    costs = analyze(
+        gm,
+        spec.example_inputs,
+        example_kwargs=spec.example_kwargs,
+        profile=not args.analytic,
+        device=args.device,
+        optimizer=args.optimizer,
+        device_model=args.device_model,
+        coarsen=args.coarsen,
+        num_threads=args.threads,
+        cache=not args.no_cache,
+    )
+    _print_table(cost_table(costs, type(spec.model).__name__, top=args.top), None)
+    if args.out:
+        costs.save(args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_capture_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--leaf", nargs="+", default=[], metavar="NAME",
+        help="extra leaf modules: qualified names or class names",
+    )  # fmt: skip
+    parser.add_argument("--method", choices=METHODS, default="auto", help="capture path")
+    parser.add_argument("--eval", action="store_true", help="capture the model in eval mode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,27 +157,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True)
+
     graph = commands.add_parser(
         "graph",
-        help="capture a model and show its graph",
-        description="Capture a model and show its graph: one row per node with output shapes, "
-        "bytes and the parameters it owns.",
+        help="show a model's captured graph, or a CostGraph",
+        description="Show a graph: a model's captured graph (one row per node with output "
+        "shapes, bytes and the parameters it owns), or the nodes of a CostGraph JSON or "
+        "PipeDream graph.txt with their costs.",
     )
     graph.add_argument(
-        "spec", metavar="SPEC", help="package.module:factory or path/file.py:factory"
-    )
+        "spec", metavar="INPUT",
+        help="package.module:factory, path/file.py:factory, costs.json or PipeDream graph.txt",
+    )  # fmt: skip
     graph.add_argument("--format", choices=FORMATS, default="txt")
     graph.add_argument("--out", metavar="FILE", help="write here instead of standard output")
-    graph.add_argument(
-        "--leaf",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="extra leaf modules: qualified names or class names",
-    )
-    graph.add_argument("--method", choices=METHODS, default="auto", help="capture path")
-    graph.add_argument("--eval", action="store_true", help="capture the model in eval mode")
+    _add_capture_options(graph)
     graph.set_defaults(run=_graph)
+
+    profile = commands.add_parser(
+        "profile",
+        help="measure (or estimate) what every node costs and write the CostGraph",
+        description="Capture a model, label every node with forward/backward time, FLOPs and "
+        "memory, print the costliest nodes and the totals, and write the CostGraph.",
+    )
+    profile.add_argument("spec", metavar="SPEC", help="package.module:factory or file.py:factory")
+    profile.add_argument("--device", help="where to profile: cpu, cuda, cuda:1 (default: cpu)")
+    profile.add_argument("--analytic", action="store_true", help="roofline estimates, no runs")
+    profile.add_argument("--device-model", help="roofline preset: cpu, a100, h100")
+    profile.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd")
+    profile.add_argument("--coarsen", type=int, metavar="N", help="group into at most N layers")
+    profile.add_argument("--threads", type=int, default=1, help="CPU threads while profiling")
+    profile.add_argument("--top", type=int, default=15, help="rows in the table")
+    profile.add_argument("--no-cache", action="store_true", help="profile again, skip the cache")
+    profile.add_argument("--out", metavar="FILE", help="write the CostGraph JSON here")
+    _add_capture_options(profile)
+    profile.set_defaults(run=_profile)
     return parser
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import re
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
 from pdcompile.errors import CostError
+from pdcompile.text import human_bytes, human_seconds
 
 __all__ = ["FLOAT_ATTRS", "INT_ATTRS", "KINDS", "NODE_ATTRS", "CostGraph"]
 
@@ -89,7 +89,7 @@ def _check_attr(node: str, name: str, value: Any) -> Any:
     )
 
 
-def _check_bytes(u: str, v: str, value: Any) -> int:
+def _checkhuman_bytes(u: str, v: str, value: Any) -> int:
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
@@ -109,8 +109,8 @@ def _check_batch_size(batch_size: Any) -> int | None:
     return batch_size
 
 
-def _check_meta(meta: Any) -> dict[str, Any]:
-    """A deep, JSON-normalized copy of `meta` (tuples become lists), so JSON round trips are exact."""
+def check_meta(meta: Any) -> dict[str, Any]:
+    """A deep JSON-normalized copy of `meta` (tuples become lists): JSON round trips are exact."""
     if meta is None:
         return {}
     if not isinstance(meta, dict):
@@ -150,7 +150,7 @@ class CostGraph:
     ) -> None:
         self.graph = nx.DiGraph()
         self.batch_size = _check_batch_size(batch_size)
-        self.meta = _check_meta(meta)
+        self.meta = check_meta(meta)
         self._index: dict[str, int] = {}
         if graph is None:
             return
@@ -206,7 +206,7 @@ class CostGraph:
         self.graph.add_node(node_id, **{name: data[name] for name in NODE_ATTRS})
         self._index[node_id] = len(self._index)
 
-    def add_edge(self, u: str, v: str, bytes: int) -> None:  # noqa: A002 (the attribute's name)
+    def add_edge(self, u: str, v: str, bytes: int) -> None:
         """Add the edge `u -> v` carrying `bytes` per batch; `u` must come before `v`.
 
         Raises:
@@ -224,7 +224,7 @@ class CostGraph:
                 f"edge {u!r} -> {v!r} goes backwards in the node order (node {v!r} was added "
                 f"before {u!r}); add nodes in a topological order (e.g. networkx.topological_sort)"
             )
-        self.graph.add_edge(u, v, bytes=_check_bytes(u, v, bytes))
+        self.graph.add_edge(u, v, bytes=_checkhuman_bytes(u, v, bytes))
 
     def copy(self) -> CostGraph:
         """An equal, independent CostGraph."""
@@ -280,7 +280,7 @@ class CostGraph:
         for u, v, data in self.graph.edges(data=True):
             if set(data) != {"bytes"}:
                 raise CostError(f"edge {u!r} -> {v!r}: expected only 'bytes', got {sorted(data)}")
-            _check_bytes(u, v, data["bytes"])
+            _checkhuman_bytes(u, v, data["bytes"])
             if type(data["bytes"]) is not int:
                 raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be an int")
             if pos[u] > pos[v]:
@@ -289,7 +289,7 @@ class CostGraph:
                     "must be topological: rebuild with nodes in networkx.topological_sort order"
                 )
         _check_batch_size(self.batch_size)
-        _check_meta(self.meta)
+        check_meta(self.meta)
 
     def scaled(self, batch_size: int) -> CostGraph:
         """The costs for another batch size, assuming they grow linearly with the batch.
@@ -355,13 +355,15 @@ class CostGraph:
         batch = "unknown" if self.batch_size is None else str(self.batch_size)
         return "\n".join(
             [
-                f"CostGraph ({source}): {self.graph.number_of_nodes()} nodes, "
-                f"{self.graph.number_of_edges()} edges, batch size {batch}",
-                f"  time per batch: forward {_seconds(t['forward_s'])}, "
-                f"backward {_seconds(t['backward_s'])}",
-                f"  memory {_bytes(t['memory_bytes'])}: parameters {_bytes(t['param_bytes'])}, "
-                f"gradients {_bytes(t['grad_bytes'])}, optimizer {_bytes(t['optimizer_bytes'])}, "
-                f"activations {_bytes(t['activation_bytes'])}",
+                f"CostGraph ({source}): {_count(self.graph.number_of_nodes(), 'node')}, "
+                f"{_count(self.graph.number_of_edges(), 'edge')}, batch size {batch}",
+                f"  time per batch: forward {human_seconds(t['forward_s'])}, "
+                f"backward {human_seconds(t['backward_s'])}",
+                f"  memory {human_bytes(t['memory_bytes'])}: "
+                f"parameters {human_bytes(t['param_bytes'])}, "
+                f"gradients {human_bytes(t['grad_bytes'])}, "
+                f"optimizer {human_bytes(t['optimizer_bytes'])}, "
+                f"activations {human_bytes(t['activation_bytes'])}",
                 f"  flops: forward {_flops(t['flops_forward'])}, "
                 f"backward {_flops(t['flops_backward'])}",
             ]
@@ -375,25 +377,22 @@ class CostGraph:
         def dump(obj: Any) -> str:
             return json.dumps(obj, allow_nan=False)
 
-        nodes = [
-            dump(
-                {
-                    "id": n,
-                    **{
-                        k: list(v) if isinstance(v, tuple) else v
-                        for k, v in self.graph.nodes[n].items()
-                    },
-                }
-            )
-            for n in self.graph
+        def rows(items: list[str]) -> str:
+            return ",".join("\n  " + item for item in items)
+
+        nodes = []
+        for node, data in self.graph.nodes(data=True):
+            record = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+            nodes.append(dump({"id": node, **record}))
+        edges = [
+            dump({"src": u, "dst": v, "bytes": b}) for u, v, b in self.graph.edges(data="bytes")
         ]
-        edges = [dump({"src": u, "dst": v, "bytes": b}) for u, v, b in self.graph.edges(data="bytes")]
+        head = {"format": FORMAT, "version": VERSION, "batch_size": self.batch_size}
         return (
-            f'{{"format": "{FORMAT}", "version": {VERSION}, '
-            f'"batch_size": {dump(self.batch_size)},\n'
+            f"{dump(head)[:-1]},\n"
             f' "meta": {dump(self.meta)},\n'
-            f' "nodes": [{"".join(chr(10) + "  " + n + "," for n in nodes).rstrip(",")}\n ],\n'
-            f' "edges": [{"".join(chr(10) + "  " + e + "," for e in edges).rstrip(",")}\n ]\n}}\n'
+            f' "nodes": [{rows(nodes)}\n ],\n'
+            f' "edges": [{rows(edges)}\n ]\n}}\n'
         )
 
     @classmethod
@@ -466,7 +465,7 @@ class CostGraph:
         Raises:
             CostError: the file cannot be read or is not a valid CostGraph file.
         """
-        return cls.from_json(_read_text(path, "CostGraph"), source=str(path))
+        return cls.from_json(read_text(path, "CostGraph"), source=str(path))
 
     # -- PipeDream -------------------------------------------------------------------------
 
@@ -482,7 +481,9 @@ class CostGraph:
             CostError: the file cannot be read, a line is malformed (file, line number and
                 text), a node is defined twice, an edge names an unknown node, or there is a cycle.
         """
-        return _read_pipedream(Path(path), batch_size)
+        from pdcompile.pipedream_format import read_pipedream
+
+        return read_pipedream(Path(path), batch_size)
 
     def to_pipedream(self, path: str | Path) -> None:
         """Write the graph in PipeDream's `graph.txt` format (times in milliseconds).
@@ -493,7 +494,9 @@ class CostGraph:
         Raises:
             CostError: a node id or description cannot be written in that format.
         """
-        text = _format_pipedream(self)
+        from pdcompile.pipedream_format import format_pipedream
+
+        text = format_pipedream(self)
         try:
             Path(path).write_text(text, encoding="utf-8")
         except OSError as e:
@@ -520,7 +523,7 @@ def _add_json_node(graph: CostGraph, index: int, record: Any) -> None:
         )
 
 
-def _read_text(path: str | Path, what: str) -> str:
+def read_text(path: str | Path, what: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -528,216 +531,8 @@ def _read_text(path: str | Path, what: str) -> str:
         raise CostError(f"cannot read {what} file {path}: {reason}") from None
 
 
-# -- PipeDream graph.txt -------------------------------------------------------------------
-
-_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-_COSTS = re.compile(
-    rf"forward_compute_time=({_NUM}),\s*backward_compute_time=({_NUM}),\s*"
-    rf"activation_size=(\[[^\]]*\]|{_NUM}),\s*parameter_size=({_NUM})"
-)
-_STAGE = re.compile(r"stage_id=(\d+)")
-_NODE_LINE = (
-    "node4 -- Conv2d(3, 64) -- forward_compute_time=22.307, backward_compute_time=24.613, "
-    "activation_size=1644167168.0, parameter_size=7168.0"
-)
-_EDGE_LINE = "<TAB>node4 -- node5"
-
-
-def _parse_node(where: str, line: str) -> tuple[str, dict[str, Any], int | None]:
-    """One node line -> (id, attributes, stage id or None)."""
-    tokens = line.split(" -- ")
-    stage = None
-    if len(tokens) >= 4 and _STAGE.fullmatch(tokens[-1].strip()):
-        stage = int(_STAGE.fullmatch(tokens[-1].strip()).group(1))  # type: ignore[union-attr]
-        tokens = tokens[:-1]
-    costs = _COSTS.fullmatch(tokens[-1].strip()) if len(tokens) >= 3 else None
-    node = tokens[0]
-    if costs is None or not node or any(c.isspace() for c in node):
-        raise CostError(
-            f"{where}: malformed node line {line!r}; a node line looks like {_NODE_LINE!r}"
-        )
-    forward, backward, activation, param = costs.groups()
-    if activation.startswith("["):
-        inner = activation[1:-1].strip()
-        items = [s.strip() for s in inner.split(";")] if inner else []
-        if not all(re.fullmatch(_NUM, s) for s in items):
-            raise CostError(
-                f"{where}: malformed activation_size list {activation!r} in {line!r}; "
-                "write it as [a; b; c]"
-            )
-        sizes: tuple[float, ...] | None = tuple(float(s) for s in items)
-        total = math.fsum(sizes)  # type: ignore[arg-type]
-    else:
-        sizes, total = None, float(activation)
-    values = [float(forward), float(backward), total, float(param), *(sizes or ())]
-    if any(x < 0 for x in values):
-        raise CostError(f"{where}: negative time or size in {line!r}; all must be >= 0")
-    description = " -- ".join(tokens[1:-1])
-    attrs = {
-        "kind": "input" if description.startswith("Input") else "compute",
-        "forward_s": float(forward) / 1000.0,
-        "backward_s": float(backward) / 1000.0,
-        "activation_bytes": round(total),
-        "output_bytes": round(total),
-        "param_bytes": round(float(param)),
-        "description": description,
-        "activation_sizes": sizes,
-    }
-    return node, attrs, stage
-
-
-def _read_pipedream(path: Path, batch_size: int | None) -> CostGraph:
-    nodes: dict[str, tuple[dict[str, Any], int]] = {}
-    edges: dict[tuple[str, str], int] = {}
-    stages: dict[str, int] = {}
-    for lineno, raw in enumerate(_read_text(path, "PipeDream").splitlines(), start=1):
-        where, line = f"{path}:{lineno}", raw.rstrip("\r\n")
-        if not line.strip():
-            continue
-        if not line[0].isspace():
-            node, attrs, stage = _parse_node(where, line)
-            if node in nodes:
-                raise CostError(
-                    f"{where}: node {node!r} is already defined on line {nodes[node][1]}; "
-                    "node ids must be unique"
-                )
-            nodes[node] = (attrs, lineno)
-            if stage is not None:
-                stages[node] = stage
-            continue
-        pair = line.strip().split(" -- ")
-        if len(pair) != 2 or not all(p and not any(c.isspace() for c in p) for p in pair):
-            raise CostError(
-                f"{where}: malformed edge line {line!r}; an edge line looks like {_EDGE_LINE!r}"
-            )
-        edges.setdefault((pair[0], pair[1]), lineno)
-        if edges[(pair[0], pair[1])] != lineno:
-            raise CostError(f"{where}: duplicate edge {line.strip()!r}; list each edge once")
-    if not nodes:
-        raise CostError(f"{path}: no node lines; is this a PipeDream graph.txt?")
-    for (u, v), lineno in edges.items():
-        for end in (u, v):
-            if end not in nodes:
-                raise CostError(
-                    f"{path}:{lineno}: edge {u} -- {v} names node {end!r}, which has no node "
-                    "line; add the node line or remove the edge"
-                )
-        if u == v:
-            raise CostError(f"{path}:{lineno}: edge {u} -- {v} is a self-loop; remove it")
-    file_order = list(nodes)
-    order = _topological(path, file_order, list(edges))
-    graph = CostGraph(batch_size=batch_size)
-    for node in order:
-        graph.add_node(node, **nodes[node][0])
-    for u, v in edges:
-        graph.add_edge(u, v, graph.graph.nodes[u]["output_bytes"])
-    extra: dict[str, Any] = {}
-    if order != file_order:
-        extra["node_order"] = file_order
-    if [list(e) for e in edges] != _default_edge_order(graph, file_order):
-        extra["edge_order"] = [list(e) for e in edges]
-    if stages:
-        extra["stage_ids"] = stages
-    graph.meta = _check_meta({"source": "pipedream", **({"pipedream": extra} if extra else {})})
-    return graph
-
-
-def _topological(path: Path, file_order: list[str], edges: list[tuple[str, str]]) -> list[str]:
-    """The file's node order if it is topological, else the topological order closest to it."""
-    pos = {n: i for i, n in enumerate(file_order)}
-    if all(pos[u] < pos[v] for u, v in edges):
-        return file_order
-    dag = nx.DiGraph()
-    dag.add_nodes_from(file_order)
-    dag.add_edges_from(edges)
-    if not nx.is_directed_acyclic_graph(dag):
-        cycle = " -- ".join(u for u, _ in nx.find_cycle(dag))
-        raise CostError(f"{path}: the edges form a cycle ({cycle}); remove one of its edges")
-    return list(nx.lexicographical_topological_sort(dag, key=pos.__getitem__))
-
-
-def _default_edge_order(graph: CostGraph, node_order: list[str]) -> list[list[str]]:
-    """Edges grouped by source in `node_order`, each source's in insertion order."""
-    return [[u, v] for u in node_order for v in graph.graph.successors(u)]
-
-
-def _ms_text(seconds: float) -> str:
-    """The shortest decimal milliseconds string `t` with `float(t) / 1000 == seconds`."""
-    guess = seconds * 1000.0
-    candidates, up, down = [guess], guess, guess
-    for _ in range(4):
-        up, down = math.nextafter(up, math.inf), math.nextafter(down, -math.inf)
-        candidates += [up, down]
-    texts = [repr(c) for c in candidates if c / 1000.0 == seconds]
-    if not texts:  # no float maps exactly onto `seconds`: the nearest one
-        return repr(guess)
-    return min(texts, key=lambda t: (len(t), abs(float(t) - guess)))
-
-
-def _size_text(x: float | int) -> str:
-    return repr(x) if isinstance(x, float) else f"{x}.0"
-
-
-def _format_pipedream(cost_graph: CostGraph) -> str:
-    g = cost_graph.graph
-    extra = cost_graph.meta.get("pipedream")
-    extra = extra if isinstance(extra, dict) else {}
-    order = extra.get("node_order")
-    if not (isinstance(order, list) and len(order) == len(g) and set(order) == set(g)):
-        order = list(g)
-    edge_order = extra.get("edge_order")
-    edge_set = {[*e] == [*e] and (e[0], e[1]) for e in edge_order or [] if len(e) == 2}
-    if not (
-        isinstance(edge_order, list)
-        and len(edge_order) == g.number_of_edges()
-        and edge_set == set(g.edges)
-    ):
-        edge_order = _default_edge_order(cost_graph, order)
-    stages = extra.get("stage_ids") if isinstance(extra.get("stage_ids"), dict) else {}
-    lines = []
-    for node in order:
-        d = g.nodes[node]
-        if any(c.isspace() for c in node) or " -- " in node:
-            raise CostError(
-                f"node {node!r}: PipeDream node ids cannot contain whitespace; rename the node"
-            )
-        if "\n" in d["description"] or "\r" in d["description"]:
-            raise CostError(
-                f"node {node!r}: its description spans lines, which PipeDream's one-line-per-"
-                "node format cannot hold; put it on one line"
-            )
-        sizes = d["activation_sizes"]
-        if sizes is not None and round(math.fsum(sizes)) == d["output_bytes"]:
-            activation = "[" + "; ".join(_size_text(x) for x in sizes) + "]"
-        else:
-            activation = _size_text(d["output_bytes"])
-        line = (
-            f"{node} -- {d['description']} -- forward_compute_time={_ms_text(d['forward_s'])}, "
-            f"backward_compute_time={_ms_text(d['backward_s'])}, activation_size={activation}, "
-            f"parameter_size={_size_text(d['param_bytes'])}"
-        )
-        if isinstance(stages.get(node), int):
-            line += f" -- stage_id={stages[node]}"
-        lines.append(line)
-    lines += [f"\t{u} -- {v}" for u, v in edge_order]
-    return "\n".join(lines) + "\n"
-
-
-# -- human units ---------------------------------------------------------------------------
-
-
-def _seconds(s: float) -> str:
-    if s == 0 or s >= 1:
-        return f"{s:.4g} s"
-    return f"{s * 1e3:.4g} ms" if s >= 1e-3 else f"{s * 1e6:.4g} us"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} B" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n:.4g} TiB"
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _flops(f: float) -> str:

@@ -26,6 +26,7 @@ from pdcompile.ir import (
     owned_params,
     param_table,
 )
+from pdcompile.text import dot_quote, human_bytes
 
 GRAPHVIZ_HINT = (
     "Graphviz's `dot` program was not found; install Graphviz (Debian/Ubuntu: "
@@ -107,14 +108,6 @@ def totals(gm: fx.GraphModule) -> dict[str, int]:
     }
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def to_table(gm: fx.GraphModule, title: str) -> Table:
     """A rich table: one row per node, totals at the bottom."""
     table = Table(title=title, show_footer=True, header_style="bold")
@@ -124,9 +117,9 @@ def to_table(gm: fx.GraphModule, title: str) -> Table:
     table.add_column("target")
     table.add_column("output", footer="")
     table.add_column("dtype")
-    table.add_column("bytes", justify="right", footer=_human(t["output_bytes"]))
+    table.add_column("bytes", justify="right", footer=human_bytes(t["output_bytes"]))
     table.add_column("params", justify="right", footer=f"{t['param_count']:,}")
-    table.add_column("param bytes", justify="right", footer=_human(t["param_bytes"]))
+    table.add_column("param bytes", justify="right", footer=human_bytes(t["param_bytes"]))
     for row in node_rows(gm):
         shared = " (tied)" if row.shared_params else ""
         table.add_row(
@@ -135,9 +128,9 @@ def to_table(gm: fx.GraphModule, title: str) -> Table:
             row.target,
             row.shape_text,
             ", ".join(dict.fromkeys(row.dtypes)),
-            _human(row.bytes) if row.shapes else "",
+            human_bytes(row.bytes) if row.shapes else "",
             f"{row.param_count:,}{shared}" if row.param_count else "",
-            _human(row.param_bytes) if row.param_count else "",
+            human_bytes(row.param_bytes) if row.param_count else "",
         )
     captured = gm.meta.get(CAPTURE, "?")
     mode = "train" if gm.meta.get(TRAINING, True) else "eval"
@@ -176,10 +169,6 @@ def to_json(gm: fx.GraphModule, model_name: str) -> str:
     return json.dumps(doc, indent=2)
 
 
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
 _NODE_STYLE = {
     "placeholder": 'shape=ellipse, style=filled, fillcolor="#d9ead3"',
     "output": 'shape=ellipse, style=filled, fillcolor="#d9ead3"',
@@ -192,7 +181,7 @@ def to_dot(gm: fx.GraphModule, model_name: str) -> str:
     """Graphviz text: one box per node, edges labelled with the shape of the tensor they carry."""
     rows = {r.name: r for r in node_rows(gm)}
     lines = [
-        f"digraph {_quote(model_name)} {{",
+        f"digraph {dot_quote(model_name)} {{",
         "  rankdir=TB;",
         '  node [fontname="Helvetica", fontsize=10];',
         '  edge [fontname="Helvetica", fontsize=9];',
@@ -203,12 +192,12 @@ def to_dot(gm: fx.GraphModule, model_name: str) -> str:
         if row.param_count:
             label += f"\nparams {row.param_count:,}"
         style = _NODE_STYLE.get(node.op, "shape=box")
-        lines.append(f"  {_quote(node.name)} [label={_quote(label)}, {style}];")
+        lines.append(f"  {dot_quote(node.name)} [label={dot_quote(label)}, {style}];")
     for node in gm.graph.nodes:
         for arg in node.all_input_nodes:
             shape = rows[arg.name].shape_text
-            label = f" [label={_quote(shape)}]" if shape else ""
-            lines.append(f"  {_quote(arg.name)} -> {_quote(node.name)}{label};")
+            label = f" [label={dot_quote(shape)}]" if shape else ""
+            lines.append(f"  {dot_quote(arg.name)} -> {dot_quote(node.name)}{label};")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,71 @@
+"""Views of a CostGraph for people: a table of the costliest nodes, Graphviz DOT (torch-free)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from pdcompile.cost_graph import CostGraph
+from pdcompile.text import dot_quote, human_bytes, human_seconds
+
+
+def cost_table(graph: CostGraph, title: str, top: int | None = None) -> Table:
+    """One row per node (the `top` costliest by forward + backward time), totals at the bottom."""
+    nodes = graph.nodes
+    if top is not None:
+        cost = {
+            n: graph.graph.nodes[n]["forward_s"] + graph.graph.nodes[n]["backward_s"] for n in nodes
+        }
+        nodes = sorted(nodes, key=lambda n: -cost[n])[:top]
+    t = graph.totals()
+    table = Table(title=title, show_footer=True, header_style="bold")
+    shown = (
+        f"{len(nodes)} of {len(graph.nodes)} nodes" if top is not None else f"{len(nodes)} nodes"
+    )
+    table.add_column("node", footer=shown)
+    table.add_column("kind")
+    table.add_column("module or layer")
+    table.add_column("forward", justify="right", footer=human_seconds(t["forward_s"]))
+    table.add_column("backward", justify="right", footer=human_seconds(t["backward_s"]))
+    table.add_column(
+        "GFLOP", justify="right", footer=f"{(t['flops_forward'] + t['flops_backward']) / 1e9:.3f}"
+    )
+    table.add_column("params", justify="right", footer=human_bytes(t["param_bytes"]))
+    table.add_column("activations", justify="right", footer=human_bytes(t["activation_bytes"]))
+    table.add_column("output", justify="right")
+    for name in nodes:
+        a = graph.graph.nodes[name]
+        table.add_row(
+            name,
+            a["kind"],
+            a["scope"] or a["description"][:48],
+            human_seconds(a["forward_s"]),
+            human_seconds(a["backward_s"]),
+            f"{(a['flops_forward'] + a['flops_backward']) / 1e9:.3f}",
+            human_bytes(a["param_bytes"]) if a["param_bytes"] else "",
+            human_bytes(a["activation_bytes"]) if a["activation_bytes"] else "",
+            human_bytes(a["output_bytes"]) if a["output_bytes"] else "",
+        )
+    source = graph.meta.get("source", "?")
+    memory = human_bytes(t["memory_bytes"])
+    table.caption = f"costs from {source}, batch size {graph.batch_size}; memory total {memory}"
+    return table
+
+
+def cost_dot(graph: CostGraph, name: str) -> str:
+    """Graphviz text: nodes with their times, edges with the bytes they carry."""
+    lines = [
+        f"digraph {dot_quote(name)} {{",
+        '  node [shape=box, fontname="Helvetica", fontsize=10];',
+    ]
+    for node in graph.nodes:
+        a = graph.graph.nodes[node]
+        times = f"fwd {human_seconds(a['forward_s'])}, bwd {human_seconds(a['backward_s'])}"
+        label = f"{node}\n{a['description']}\n{times}"
+        style = ', style=filled, fillcolor="#d9ead3"' if a["kind"] != "compute" else ""
+        lines.append(f"  {dot_quote(node)} [label={dot_quote(label)}{style}];")
+    for u, v, data in graph.graph.edges(data=True):
+        lines.append(
+            f"  {dot_quote(u)} -> {dot_quote(v)} [label={dot_quote(human_bytes(data['bytes']))}];"
+        )
+    lines.append("}")
+    return "\n".join(lines) + "\n"
