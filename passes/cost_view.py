@@ -1,8 +1,7 @@
 """Derive the torch-free CostGraph from an annotated graph (one way: never written back).
 
 Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.flops`,
-`pdcompile.analytic_s` and, where the graph was profiled, `pdcompile.measured_s` (which then
-gives the node's times; otherwise the analytic times do).
+`pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other).
 """
 
 from __future__ import annotations
@@ -28,11 +27,17 @@ from pdcompile.ir import (
 _KIND = {"placeholder": "input", "output": "output"}
 
 
-def to_cost_graph(gm: fx.GraphModule, batch_size: int, meta: dict[str, Any]) -> CostGraph:
-    """One CostGraph node per graph node (same names, same order), one edge per data dependency."""
+def to_cost_graph(
+    gm: fx.GraphModule, batch_size: int, meta: dict[str, Any], *, measured: bool
+) -> CostGraph:
+    """One CostGraph node per graph node (same names, same order), one edge per data dependency.
+
+    Times are the profiled ones when `measured`, else the analytic ones.
+    """
     graph = CostGraph(batch_size=batch_size, meta=meta)
+    times = MEASURED_S if measured else ANALYTIC_S
     for node in gm.graph.nodes:
-        forward_s, backward_s = node.meta.get(MEASURED_S) or node.meta[ANALYTIC_S]
+        forward_s, backward_s = node.meta[times]
         flops_forward, flops_backward = node.meta[FLOPS]
         graph.add_node(
             node.name,

@@ -148,13 +148,15 @@ def _isolated_backward(
     )
 
 
-def _grad_call_overhead(device: torch.device, timer: Callable, warmup: int, repeats: int) -> float:
-    """The fixed cost of one `torch.autograd.grad` call, which a whole backward pays once."""
+def _grad_call_overhead(device: torch.device, timer: Callable, repeats: int) -> float:
+    """The fixed cost of one isolated `torch.autograd.grad` call (its fastest run over a view, whose
+    backward does no work), which a whole backward pass pays once, not once per node."""
     x = torch.ones(1, device=device, requires_grad=True)
     with torch.enable_grad():
-        y = x * 1.0
-    return _median_time(
-        timer, lambda: torch.autograd.grad(y, x, retain_graph=True), warmup, repeats
+        y = x.view_as(x)
+    grad = torch.ones_like(y)
+    return min(
+        timer(lambda: torch.autograd.grad(y, x, grad, retain_graph=True)) for _ in range(repeats)
     )
 
 
@@ -178,6 +180,8 @@ def _measure(
     backward_totals: list[float] = []
     params = [p for p in gm.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
+    for p in params:  # autograd would accumulate into the user's gradients in place
+        p.grad = None
     with Progress(transient=True, disable=not progress) as bar, preserved_state(gm):
         task = bar.add_task(f"profiling {len(nodes)} nodes", total=warmup + repeats + len(nodes))
         for i in range(warmup + repeats):
@@ -193,7 +197,7 @@ def _measure(
                     forward[name].append(seconds)
             bar.advance(task)
         values = record_values(gm, inputs)
-        overhead = _grad_call_overhead(device, timer, warmup, repeats)
+        overhead = _grad_call_overhead(device, timer, warmup + repeats)
         isolated = {}
         for node in nodes:
             measured = _isolated_backward(gm, values, node, timer, warmup, repeats)

@@ -132,5 +132,5 @@ def analyze(
         "num_threads": num_threads if profile and target.type == "cpu" else None,
         "torch_version": torch.__version__,
     }
-    graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta)
+    graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta, measured=profile)
     return coarsen_layers(graph, coarsen) if coarsen else graph
