@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from fractions import Fraction
 
 from pdcompile.cost_graph import FLOAT_ATTRS, INT_ATTRS, CostGraph
 from pdcompile.errors import CostError
@@ -34,8 +33,8 @@ def coarsen(cost_graph: CostGraph, max_layers: int) -> CostGraph:
     of the same module first of all), and among cuts of equal depth the one whose two layers
     have the least `forward_s + backward_s` (ties: earliest), until `max_layers` layers remain.
 
-    A layer's times, bytes and flops are the sums of its members' (`math.fsum`; one layer's float
-    sum may move by an ulp of the total so that `totals()` is preserved exactly), its `members`
+    A layer's times, bytes and flops are the sums of its members' (`math.fsum`, so totals agree
+    with the original's to the last bits; byte counts exactly), its `members`
     the concatenation of theirs, its `scope` their longest common module path, its `kind` "input"
     or "output" only if all members are. The bytes of the edge A -> B are, summed over the
     producers u in A that feed B, the largest `bytes` of u's edges into B: a tensor goes to a
@@ -148,16 +147,12 @@ def _build(cost_graph: CostGraph, groups: list[list[str]]) -> CostGraph:
     width = max(3, len(str(len(groups) - 1)))
     ids = [f"L{k:0{width}d}" for k in range(len(groups))]
     layer_of = {node: k for k, group in enumerate(groups) for node in group}
-    floats = {
-        name: _sums_preserving_total([[g.nodes[n][name] for n in group] for group in groups])
-        for name in FLOAT_ATTRS
-    }
     meta = {k: v for k, v in cost_graph.meta.items() if k != "pipedream"}  # names old nodes
     meta["coarsened_from"] = sum(len(members) for _, members in g.nodes(data="members"))
     out = CostGraph(batch_size=cost_graph.batch_size, meta=meta)
     for k, group in enumerate(groups):
         data = [g.nodes[n] for n in group]
-        attrs = {name: floats[name][k] for name in FLOAT_ATTRS}
+        attrs = {name: math.fsum(d[name] for d in data) for name in FLOAT_ATTRS}
         attrs.update({name: sum(d[name] for d in data) for name in INT_ATTRS})
         del attrs["memory_bytes"]
         if len(group) == 1:
@@ -188,28 +183,3 @@ def _build(cost_graph: CostGraph, groups: list[list[str]]) -> CostGraph:
     for a, b in sorted(edges):
         out.add_edge(ids[a], ids[b], edges[(a, b)])
     return out
-
-
-def _sums_preserving_total(groups: list[list[float]]) -> list[float]:
-    """`math.fsum` of each group, one nudged if needed so that their fsum is the overall fsum.
-
-    Rounding each group's sum can move the rounded total by an ulp. The nudged group is the
-    largest one at most half the total: its spacing of floats is at most half the total's, so
-    some value within a few ulps of its sum restores the total exactly.
-    """
-    sums = [math.fsum(group) for group in groups]
-    total = math.fsum(x for group in groups for x in group)
-    if math.fsum(sums) == total:
-        return sums
-    for j in sorted(range(len(sums)), key=lambda i: sums[i], reverse=True):
-        if sums[j] > total / 2:
-            continue
-        rest = sum(Fraction(s) for i, s in enumerate(sums) if i != j)
-        up = down = float(Fraction(total) - rest)
-        for _ in range(16):
-            for x in (up, down):
-                if x >= 0 and math.fsum([*sums[:j], x, *sums[j + 1 :]]) == total:
-                    sums[j] = x
-                    return sums
-            up, down = math.nextafter(up, math.inf), math.nextafter(down, -math.inf)
-    return sums
