@@ -20,6 +20,7 @@ from rich.table import Table
 from pdcompile.errors import PdcompileError, SpecError
 
 FORMATS = ("txt", "json", "dot", "svg", "png")
+# = pdcompile.tracing.METHODS, repeated so the CLI starts without importing torch
 METHODS = ("auto", "fx", "export")
 
 

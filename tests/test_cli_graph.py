@@ -180,3 +180,9 @@ def test_console_script_runs_outside_the_repository(tmp_path: Path) -> None:
         timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_cli_capture_methods_are_the_api_methods() -> None:
+    from pdcompile import cli, tracing
+
+    assert cli.METHODS == tracing.METHODS
