@@ -12,9 +12,14 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "annotate_params": "pdcompile.passes.params",
     "annotate_scope": "pdcompile.passes.scope",
     "annotate_shapes": "pdcompile.passes.shapes",
+    "annotate_params": "pdcompile.passes.params",
+    "annotate_memory": "pdcompile.passes.memory",
+    "annotate_analytic": "pdcompile.passes.analytic",
+    "annotate_profile": "pdcompile.passes.profile",
+    "to_cost_graph": "pdcompile.passes.cost_view",
+    "coarsen": "pdcompile.passes.coarsening",
 }
 
 __all__ = sorted(_LAZY)

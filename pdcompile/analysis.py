@@ -13,7 +13,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
 from pdcompile.ir import CAPTURE, INPUTS, OPTIMIZER
 from pdcompile.passes.analytic import annotate_analytic
-from pdcompile.passes.coarsen import coarsen as coarsen_layers
+from pdcompile.passes.coarsening import coarsen as coarsen_layers
 from pdcompile.passes.cost_view import to_cost_graph
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.memory import annotate_memory

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcompile import CostError, CostGraph
-from pdcompile.passes.coarsen import coarsen
+from pdcompile.passes.coarsening import coarsen
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 

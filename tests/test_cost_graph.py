@@ -481,7 +481,7 @@ def test_cost_graph_and_coarsen_import_without_torch() -> None:
         "import sys; sys.modules['torch'] = None\n"
         "import pdcompile\n"
         "from pdcompile import CostGraph\n"
-        "from pdcompile.passes.coarsen import coarsen\n"
+        "from pdcompile.passes.coarsening import coarsen\n"
         f"g = CostGraph.from_pipedream({str(DATA / 'resnet50' / 'graph.txt')!r}, batch_size=128)\n"
         "g2 = CostGraph.from_json(g.to_json())\n"
         "assert g2 == g and len(coarsen(g2, 8).nodes) == 8\n"
