@@ -68,6 +68,7 @@ def _parse_node(where: str, line: str) -> tuple[str, dict[str, Any], int | None]
         "activation_bytes": round(total),
         "output_bytes": round(total),
         "param_bytes": round(float(param)),
+        "grad_bytes": round(float(param)),  # PipeDream trains every parameter it profiles
         "description": description,
         "activation_sizes": sizes,
     }

@@ -345,9 +345,8 @@ def test_import_keeps_every_node_edge_and_number(model: str) -> None:
         assert d["description"] == desc
         assert d["forward_s"] == float(fwd) / 1000 and d["backward_s"] == float(bwd) / 1000
         assert d["output_bytes"] == d["activation_bytes"] == activation_total(act)
-        assert d["param_bytes"] == round(float(param)) and d["memory_bytes"] == (
-            d["param_bytes"] + d["activation_bytes"]
-        )
+        assert d["param_bytes"] == d["grad_bytes"] == round(float(param))  # all trained
+        assert d["memory_bytes"] == 2 * d["param_bytes"] + d["activation_bytes"]
         assert d["kind"] == ("input" if desc.startswith("Input") else "compute")
         sizes = tuple(float(x) for x in act[1:-1].split(";")) if act.startswith("[") else None
         assert d["activation_sizes"] == sizes

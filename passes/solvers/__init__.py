@@ -1,0 +1,1 @@
+"""Partitioning solvers."""

@@ -1,0 +1,233 @@
+"""`dp`: exact partitioning of a linear order into stages with replicas, on pdcompile's cost model.
+
+Stages are contiguous runs of a topological order; stage s gets r_s replicas on the next r_s
+ranks (devices may stay unused at the end). The objective is `evaluate`'s predicted time (the
+bottleneck stage time, docs/cost_model.md), reproduced term by term, so on one order the answer is
+optimal for that model. For DAGs the graph's own, depth-first, breadth-first and critical-path
+orders are each solved and the best plan is kept.
+
+Two exact algorithms:
+- **Hierarchical or heterogeneous clusters, or a memory limit**: a dynamic program over states
+  (prefix end j, devices used m, span level of the last stage L); the transfer into a stage runs at
+  the slowest level spanned by it and the stage before, which is max(L, level(m-1, m), L_new), so
+  L is all the state it needs. O(N^2 M^2 L) with numpy over the stage end.
+- **Flat homogeneous clusters without a memory limit**: for a bottleneck value T, the fewest
+  devices that cover prefix k with every stage <= T is f(k) = min_j f(j) + r_min(j, k), where
+  r_min has a closed form because a stage's time is monotone (or, for `pipedream`, a quadratic)
+  in its replica count; T is found by bisection (to 1e-12 relative). O(N^2 log) — thousands of
+  nodes and devices in seconds.
+
+Memory (when the cluster has a limit) is checked per stage with a safe bound on the microbatches
+in flight (the stages after a stage are not known yet when it is placed), so `dp` never returns a
+plan that does not fit but may miss one that barely does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from pdcompile.cluster import Cluster
+from pdcompile.cost_graph import CostGraph
+from pdcompile.errors import PartitionError
+from pdcompile.passes.solvers.orders import linear_orders
+from pdcompile.planning import make_plan, register_solver
+from pdcompile.plans import Plan
+
+
+class _Prefix:
+    """Prefix sums over one order, and the bytes crossing each cut."""
+
+    def __init__(self, cost_graph: CostGraph, order: list[str]) -> None:
+        g = cost_graph.graph
+        attrs = [g.nodes[n] for n in order]
+        compute = [0.0 if a["kind"] == "input" else a["forward_s"] + a["backward_s"] for a in attrs]
+        self.compute = np.concatenate([[0.0], np.cumsum(compute)])
+        self.grad = np.concatenate([[0], np.cumsum([a["grad_bytes"] for a in attrs])])
+        self.params = np.concatenate([[0], np.cumsum([a["param_bytes"] for a in attrs])])
+        weights = [a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs]
+        self.weights = np.concatenate([[0], np.cumsum(weights)])
+        self.activations = np.concatenate([[0], np.cumsum([a["activation_bytes"] for a in attrs])])
+        position = {n: i for i, n in enumerate(order)}
+        diff = np.zeros(len(order) + 2)
+        for u in order:
+            last = max((position[v] for v in g.successors(u)), default=position[u])
+            if last > position[u]:
+                nbytes = max(b for _, _, b in g.out_edges(u, data="bytes"))
+                diff[position[u] + 1] += nbytes
+                diff[last + 1] -= nbytes
+        self.cut = np.cumsum(diff)[: len(order) + 1]  # cut[j]: bytes into position j
+
+
+def _stage_memory(p: _Prefix, j: int, ks: np.ndarray, inflight: int, versions: int) -> np.ndarray:
+    return (
+        p.weights[ks] - p.weights[j]
+        + versions * (p.params[ks] - p.params[j])
+        + inflight * (p.activations[ks] - p.activations[j])
+    )  # fmt: skip
+
+
+def _bounds(schedule: str, m: int, r: int, total: int, microbatches: int) -> tuple[int, int]:
+    """Safe (in flight, extra weight versions) for a stage on ranks [m, m + r)."""
+    after = total - m  # at most this many devices from this stage on
+    if schedule == "pipedream":
+        warmup = (after - 1) // r
+        return warmup + 1, warmup
+    if schedule == "gpipe":
+        return microbatches, 0
+    return min(after - r + 1, microbatches), 1 if schedule == "2bw" else 0
+
+
+def _solve_general(
+    p: _Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
+) -> list[tuple[int, int, int]]:
+    """Exact DP over (end, devices used, span level); returns (start, end, replicas) per stage."""
+    total = cluster.num_devices
+    levels = len(cluster.levels)
+    bandwidth = np.array([lv.bandwidth for lv in cluster.levels])
+    none = levels  # "no stage yet"
+    best = np.full((n + 1, total + 1, levels + 1), np.inf)
+    parent: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+    best[0, 0, none] = 0.0
+    speed = cluster.speed or (1.0,) * total
+    memory = cluster.memory
+    for j in range(n):
+        ks = np.arange(j + 1, n + 1)
+        compute = p.compute[ks] - p.compute[j]
+        grads = p.grad[ks] - p.grad[j]
+        for m in range(total):
+            for prev in range(levels + 1):
+                value = best[j, m, prev]
+                if not math.isfinite(value):
+                    continue
+                for r in range(1, total - m + 1):
+                    span = cluster.level_of(m, m + r - 1)
+                    every = r if schedule == "pipedream" else microbatches
+                    ring = 2 * (r - 1) / r * grads / bandwidth[span] if r > 1 else 0.0
+                    time = compute / (min(speed[m : m + r]) * r) + ring / every
+                    if j > 0:
+                        level = max(prev, cluster.level_of(m - 1, m), span)
+                        time = time + 2 * p.cut[j] / bandwidth[level] / r
+                    if memory is not None:
+                        inflight, versions = _bounds(schedule, m, r, total, microbatches)
+                        fits = _stage_memory(p, j, ks, inflight, versions) <= memory
+                        time = np.where(fits, time, np.inf)
+                    candidate = np.maximum(value, time)
+                    target = best[ks, m + r, span]
+                    better = candidate < target
+                    if better.any():
+                        best[ks[better], m + r, span] = candidate[better]
+                        for k in ks[better]:
+                            parent[(int(k), m + r, span)] = (j, m, prev, r)
+    final = best[n, :, :levels]
+    if not np.isfinite(final).any():
+        raise PartitionError(_infeasible_message(p, n, cluster))
+    value = final.min()
+    m, span = (int(x) for x in np.argwhere(final == value)[0])  # fewest devices, then level
+    stages = []
+    k = n
+    while k > 0:
+        j, m_prev, prev, r = parent[(k, m, span)]
+        stages.append((j, k, r))
+        k, m, span = j, m_prev, prev
+    return stages[::-1]
+
+
+def _min_replicas(
+    p: _Prefix, k: int, limit: float, bandwidth: float, schedule: str, microbatches: int
+) -> np.ndarray:
+    """For every start j < k: the fewest replicas with stage time <= limit (inf if none)."""
+    js = np.arange(k)
+    work = p.compute[k] - p.compute[js] + np.where(js > 0, 2 * p.cut[js] / bandwidth, 0.0)
+    ring = 2 * (p.grad[k] - p.grad[js]) / bandwidth
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if schedule == "pipedream":
+            # time(r) = (work + ring) / r - ring / r^2 <= limit; time(1) = work
+            a, b = work + ring, ring
+            root = (a + np.sqrt(np.maximum(a * a - 4 * limit * b, 0.0))) / (2 * limit)
+            r = np.where(work <= limit, 1.0, np.ceil(root - 1e-12))
+        else:
+            # time(r) = c + (work - c) / r with c = ring / microbatches
+            c = ring / microbatches
+            r = np.where(work <= limit, 1.0, np.ceil((work - c) / (limit - c) - 1e-12))
+            r = np.where((work > limit) & (c >= limit), np.inf, r)
+    return np.maximum(r, 1.0)
+
+
+def _solve_flat(
+    p: _Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
+) -> list[tuple[int, int, int]]:
+    """Bisection on the bottleneck with a fewest-devices DP (flat, homogeneous, no memory limit)."""
+    total = cluster.num_devices
+    bandwidth = cluster.levels[0].bandwidth
+
+    def cover(limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        devices = np.full(n + 1, np.inf)
+        devices[0] = 0
+        start = np.zeros(n + 1, dtype=int)
+        reps = np.zeros(n + 1)
+        for k in range(1, n + 1):
+            r = _min_replicas(p, k, limit, bandwidth, schedule, microbatches)
+            options = devices[:k] + r
+            j = int(np.argmin(options))
+            devices[k], start[k], reps[k] = options[j], j, r[j]
+        return devices, start, reps
+
+    lo, hi = 0.0, float(p.compute[n]) + 1e-12  # one stage on one device meets this bound
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = (lo + hi) / 2
+        if cover(mid)[0][n] <= total:
+            hi = mid
+        else:
+            lo = mid
+    _, start, reps = cover(hi)
+    stages, k = [], n
+    while k > 0:
+        stages.append((int(start[k]), k, int(reps[k])))
+        k = int(start[k])
+    return stages[::-1]
+
+
+def _infeasible_message(p: _Prefix, n: int, cluster: Cluster) -> str:
+    need = float(p.weights[n] - p.weights[0])
+    return (
+        f"no placement fits: device memory is {cluster.memory:.4g} B, and the model's weights, "
+        f"gradients and optimizer state alone take {need:.4g} B (plus activations per "
+        f"microbatch in flight); use more devices, a larger memory, fewer microbatches in flight "
+        "(schedule 1f1b), or a smaller microbatch"
+    )
+
+
+@register_solver("dp")
+def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
+    """Exact DP over linear orders with replication and device hierarchy (pdcompile's default)."""
+    schedule, microbatches = options["schedule"], options["num_microbatches"]
+    unknown = set(options) - {"schedule", "num_microbatches", "orders"}
+    if unknown:
+        raise PartitionError(f"dp: unknown options {sorted(unknown)}; dp takes 'orders'")
+    orders = linear_orders(cost_graph)
+    chosen = options.get("orders") or list(orders)
+    flat = cluster.is_flat and cluster.speed is None and cluster.memory is None
+    best: Plan | None = None
+    for name in chosen:
+        if name not in orders:
+            if name in ("graph", "dfs", "bfs", "critical_path"):
+                continue  # the same order as one already tried
+            raise PartitionError(
+                f"dp: unknown order {name!r}; choose from graph, dfs, bfs, critical_path"
+            )
+        order = orders[name]
+        p = _Prefix(cost_graph, order)
+        solve = _solve_flat if flat else _solve_general
+        cuts = solve(p, len(order), cluster, schedule, microbatches)
+        groups = [(order[j:k], r) for j, k, r in cuts]
+        candidate = make_plan(cost_graph, cluster, groups, options, "dp")
+        candidate = candidate.with_(options={**candidate.options, "order": name})
+        if best is None or candidate.predicted_time < best.predicted_time:
+            best = candidate
+    assert best is not None
+    return best

@@ -1,0 +1,394 @@
+"""PipeDream's hierarchical partitioning optimizer, re-implemented faithfully and vectorised.
+
+PipeDream (SOSP 2019, msr-fiddle/pipedream `optimizer/optimizer_graph_hierarchical.py` with
+`graph/graph.py`) cuts a layer DAG into pipeline stages with replica counts, level by level over a
+device hierarchy, with a dynamic program over the "antichain" states of the DAG. This module
+reproduces its state construction, state order, cost model, options and printed stage tables
+(quirks included: see docs/pipedream_solver.md); the dynamic program runs with numpy over all stage
+ends, start states and split points at once instead of in Python loops.
+
+Pure and torch-free: a CostGraph and options in, a `PipeDreamResult` out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdcompile.cost_graph import CostGraph
+from pdcompile.errors import PartitionError
+
+__all__ = ["PipeDreamResult", "optimize_pipedream"]
+
+Row = tuple[int, int, float, int]
+# elements of one (start rows x split points x stage ends) block of the dynamic program
+_BLOCK = 1 << 21
+
+
+@dataclass(frozen=True)
+class PipeDreamResult:
+    """What PipeDream's optimizer computes and prints, and the flat partition it implies.
+
+    `time_per_stage`: its "Time per stage in pipeline" (seconds per minibatch, the predicted
+    bottleneck). `single_machine_time`: total compute of the graph. `data_parallel_time`: its
+    estimate for pure data parallelism over all devices; `speedup_vs_dp` = that / time_per_stage.
+    `num_states`: antichain states. `levels`: its printed stage tables in print order (the top
+    level first, then one table per stage of the level above), rows (start state, end state,
+    compute seconds, replicas at that level). `stages`: the final flat stages in pipeline order,
+    (node ids, devices = product of the replica counts along the hierarchy); every node of the
+    CostGraph is in exactly one stage.
+    """
+
+    time_per_stage: float
+    single_machine_time: float
+    data_parallel_time: float
+    speedup_vs_dp: float
+    num_states: int
+    levels: tuple[tuple[Row, ...], ...]
+    stages: tuple[tuple[tuple[str, ...], int], ...]
+
+
+@dataclass(frozen=True)
+class _States:
+    """The antichain states in PipeDream's order, with the sums its optimizer reads."""
+
+    names: list[str]  # layers PipeDream keeps, in its dict order
+    closure: list[int]  # per state: bitmask over `names` of the layers at or before it
+    pred: np.ndarray  # (N, N) bool: pred[j, k] = state k precedes state j in the antichain DAG
+    compute: np.ndarray  # (N,) seconds of the layers in each state's closure
+    activation: np.ndarray  # (N,) bytes
+    parameter: np.ndarray  # (N,) bytes
+    output: np.ndarray  # (N,) bytes of the state's augmented antichain (what crosses the cut)
+    removed_inputs: list[str]  # `Input` sources, zeroed and placed in the first stage
+    dropped: list[str]  # other nodes no state covers (`__getitem__` sinks, unreachable)
+
+
+@dataclass
+class _Level:
+    """One level's table A[i][j][m] of PipeDream's DP as arrays (inf stands for None)."""
+
+    time: np.ndarray  # (N+1, N, M)
+    split: np.ndarray  # (N+1, N, M) split state k, -1 for none
+    split_m: np.ndarray  # (N+1, N, M) machine index m - m' of the part before the split
+    replicas: np.ndarray  # (N+1, N, M) replicas of the last stage
+
+
+# -- states ------------------------------------------------------------------------------
+
+
+def _pipedream_order(cost_graph: CostGraph) -> tuple[list[str], list[tuple[str, str]]]:
+    """Nodes and edges in the order PipeDream read them from its file (else the graph's)."""
+    g = cost_graph.graph
+    extra = cost_graph.meta.get("pipedream")
+    extra = extra if isinstance(extra, dict) else {}
+    order = extra.get("node_order")
+    if not (isinstance(order, list) and len(order) == len(g) and set(order) == set(g)):
+        order = list(g)
+    edges = extra.get("edge_order")
+    if not (
+        isinstance(edges, list)
+        and len(edges) == g.number_of_edges()
+        and all(isinstance(e, list) and len(e) == 2 and g.has_edge(*e) for e in edges)
+    ):
+        edges = [[u, v] for u in order for v in g.successors(u)]
+    return order, [(u, v) for u, v in edges]
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def _build_states(cost_graph: CostGraph) -> _States:
+    """PipeDream's input/sink removal, antichain DAG, state order and per-state sums."""
+    g = cost_graph.graph
+    order, edges = _pipedream_order(cost_graph)
+    inputs = [n for n in order if g.nodes[n]["kind"] == "input" and g.in_degree(n) == 0]
+    left = set(order) - set(inputs)
+    has_out = {u for u, v in edges if u in left and v in left}
+    getitem = [
+        n
+        for n in order
+        if n in left and n not in has_out and g.nodes[n]["description"].startswith("__getitem__")
+    ]
+    left -= set(getitem)
+    names = [n for n in order if n in left]
+    if not names:
+        raise PartitionError(
+            f"the CostGraph has {len(g)} nodes but none is left once its input sources and "
+            "__getitem__ sinks are set aside; PipeDream's optimizer needs at least one layer"
+        )
+    index = {n: i for i, n in enumerate(names)}
+    out: list[list[int]] = [[] for _ in names]
+    ins: list[list[int]] = [[] for _ in names]
+    for u, v in edges:
+        if u in index and v in index:
+            out[index[u]].append(index[v])
+            ins[index[v]].append(index[u])
+    topo = [index[n] for n in cost_graph.nodes if n in index]
+    preds = [0] * len(names)
+    for v in topo:
+        for u in ins[v]:
+            preds[v] |= preds[u] | (1 << u)
+    succs = [0] * len(names)
+    for u in reversed(topo):
+        for v in out[u]:
+            succs[u] |= succs[v] | (1 << v)
+    out_mask = [sum(1 << v for v in set(vs)) for vs in out]
+
+    augmented_cache: dict[tuple[int, ...], list[int]] = {}
+    deaugmented_cache: dict[tuple[int, ...], list[int]] = {}
+
+    def augment(antichain: list[int]) -> list[int]:
+        # the antichain plus the predecessors whose outputs are still needed after the cut
+        key = tuple(sorted(antichain))
+        if key not in augmented_cache:
+            extra = set()
+            for a in antichain:
+                inside = preds[a] | (1 << a)
+                extra.update(p for p in _bits(preds[a]) if out_mask[p] & ~inside)
+            augmented_cache[key] = sorted(extra) + antichain
+        return augmented_cache[key]
+
+    def deaugment(augmented: list[int]) -> list[int]:
+        key = tuple(sorted(augmented))
+        if key not in deaugmented_cache:
+            members = sum(1 << x for x in set(augmented))
+            antichain: list[int] = []
+            for x in augmented:
+                if not succs[x] & members and x not in antichain:
+                    antichain.append(x)
+            deaugmented_cache[key] = antichain
+        return deaugmented_cache[key]
+
+    def next_antichains(antichain: list[int]) -> list[list[int]]:
+        augmented = augment(antichain)
+        members = sum(1 << x for x in set(augmented))
+        found = []
+        for x in augmented:
+            for nxt in out[x]:
+                if nxt in antichain or succs[nxt] & members:
+                    continue
+                found.append(deaugment([nxt if y == x else y for y in augmented]))
+        return found
+
+    # breadth-first construction of the antichain DAG from the first source, as PipeDream does
+    sources = [i for i in range(len(names)) if not ins[i]]
+    start = [sources[0]]
+    ids = {tuple(sorted(start)): 0}
+    augmented_of = [augment(start)]
+    adjacency: list[list[int]] = [[]]
+    expanded: set[tuple[int, ...]] = set()
+    queue = deque([start])
+    while queue:
+        antichain = queue.popleft()
+        key = tuple(sorted(antichain))
+        if key in expanded:
+            continue
+        expanded.add(key)
+        for nxt in next_antichains(antichain):
+            nxt_key = tuple(sorted(nxt))
+            if nxt_key not in ids:
+                ids[nxt_key] = len(augmented_of)
+                augmented_of.append(augment(nxt))
+                adjacency.append([])
+            adjacency[ids[key]].append(ids[nxt_key])
+            queue.append(nxt)
+
+    # PipeDream's topological sort: depth-first from each node in creation order, out-edges in
+    # insertion order, reverse post-order
+    post: list[int] = []
+    seen = [False] * len(adjacency)
+    for root in range(len(adjacency)):
+        if seen[root]:
+            continue
+        seen[root] = True
+        stack = [(root, 0)]
+        while stack:
+            node, pos = stack.pop()
+            if pos < len(adjacency[node]):
+                stack.append((node, pos + 1))
+                child = adjacency[node][pos]
+                if not seen[child]:
+                    seen[child] = True
+                    stack.append((child, 0))
+            else:
+                post.append(node)
+    states = post[::-1]
+    position = {s: i for i, s in enumerate(states)}
+    n = len(states)
+    ancestors = [0] * n
+    for s in states:
+        for t in adjacency[s]:
+            ancestors[position[t]] |= ancestors[position[s]] | (1 << position[s])
+    pred = np.zeros((n, n), dtype=bool)
+    for j, mask in enumerate(ancestors):
+        pred[j, _bits(mask)] = True
+
+    attrs = [g.nodes[name] for name in names]
+    time = [a["forward_s"] + a["backward_s"] for a in attrs]
+    activation = [a["activation_bytes"] for a in attrs]
+    parameter = [a["param_bytes"] for a in attrs]
+    output = [a["output_bytes"] for a in attrs]
+    closure = []
+    for s in states:
+        mask = 0
+        for x in augmented_of[s]:
+            mask |= preds[x] | (1 << x)
+        closure.append(mask)
+    members = [_bits(mask) for mask in closure]
+    covered = closure[-1] if closure else 0
+    return _States(
+        names=names,
+        closure=closure,
+        pred=pred,
+        compute=np.array([math.fsum(time[x] for x in m) for m in members]),
+        activation=np.array([math.fsum(activation[x] for x in m) for m in members], dtype=float),
+        parameter=np.array([math.fsum(parameter[x] for x in m) for m in members], dtype=float),
+        output=np.array([math.fsum(output[x] for x in augmented_of[s]) for s in states]),
+        removed_inputs=inputs,
+        dropped=getitem + [name for i, name in enumerate(names) if not covered >> i & 1],
+    )
+
+
+# -- the dynamic program -----------------------------------------------------------------
+
+
+def _blocks(per_state: np.ndarray) -> np.ndarray:
+    """(N+1, N): row 0 the prefix values, row i >= 1 the value of states i-1 (excl.) .. j.
+
+    Entries with j < i are NaN (PipeDream's None)."""
+    n = len(per_state)
+    out = np.full((n + 1, n), np.nan)
+    out[0] = per_state
+    rows, cols = np.triu_indices(n)
+    out[rows + 1, cols] = per_state[cols] - per_state[rows]
+    out[rows[rows == cols] + 1, cols[rows == cols]] = np.nan
+    return out
+
+
+@dataclass(frozen=True)
+class _Options:
+    straight_pipeline: bool
+    use_memory_constraint: bool
+    memory_size: float
+    use_fewer_machines: bool
+    activation_compression_ratio: float | None
+
+
+def _min_max(prev: np.ndarray, stage: np.ndarray, first_row: int) -> tuple[np.ndarray, np.ndarray]:
+    """min over k of max(prev[i, k], stage[k, j]) and its first argmin k, for every (i, j).
+
+    `prev` holds rows first_row.. of the table, and prev[i, k] is inf for k < i, so row block
+    [a, b) only looks at k >= a and j > k."""
+    rows, n = prev.shape
+    best = np.full((rows, n), np.inf)
+    arg = np.full((rows, n), -1, dtype=np.int64)
+    step = max(1, _BLOCK // max(1, n * n))
+    for a in range(0, rows, step):
+        lo = first_row + a
+        if lo >= n - 1:
+            break
+        b = min(rows, a + step)
+        cand = np.maximum(prev[a:b, lo : n - 1, None], stage[None, lo : n - 1, lo + 1 :])
+        k = cand.argmin(axis=1)
+        best[a:b, lo + 1 :] = np.take_along_axis(cand, k[:, None, :], axis=1)[:, 0, :]
+        arg[a:b, lo + 1 :] = k + lo
+    return best, arg
+
+
+def _solve_level(
+    compute: np.ndarray,
+    activation: np.ndarray,
+    parameter: np.ndarray,
+    output: np.ndarray,
+    pred: np.ndarray,
+    num_machines: int,
+    machines_within: int,
+    bandwidth: float,
+    final_level: bool,
+    opts: _Options,
+) -> _Level:
+    """PipeDream's `compute_partitioning` for one level, vectorised over (i, j, k)."""
+    rows, n = compute.shape
+    shape = (rows, n, num_machines)
+    level = _Level(
+        time=np.full(shape, np.inf),
+        split=np.full(shape, -1, dtype=np.int64),
+        split_m=np.full(shape, -1, dtype=np.int64),
+        replicas=np.zeros(shape, dtype=np.int64),
+    )
+    known = ~np.isnan(activation)
+    cmp = np.where(np.isnan(compute), np.inf, compute)
+    act = np.where(known, activation, 0.0)
+    par = np.where(known, parameter, 0.0)
+    memory = act + par
+
+    # one stage on m + 1 replicas (data parallelism within the block)
+    for m in range(1 if opts.straight_pipeline else num_machines):
+        allreduce = (4 * m * par) / (bandwidth * (m + 1)) / machines_within
+        time = (cmp + allreduce) / (m + 1)
+        if opts.use_memory_constraint:
+            stash = math.ceil((num_machines - (m + 1)) / (m + 1)) * memory
+            time = np.where(stash > opts.memory_size, np.inf, time)
+        level.time[:, :, m] = time
+        level.replicas[:, :, m] = m + 1
+
+    # the last stage (k+1 .. j) on m' replicas, for every split state k and end state j
+    last = {}
+    for mp in range(1, 2 if opts.straight_pipeline else num_machines):
+        t = (cmp[1:] + (4 * (mp - 1) * par[1:]) / (bandwidth * mp)) / mp
+        ratio = opts.activation_compression_ratio
+        if ratio is not None:
+            t_in = (2.0 * output) / (bandwidth * mp) / ratio
+            t_out = (2.0 * output) / (bandwidth * mp) / ratio
+            t_out[-1] = -np.inf  # the last state sends nothing on
+            t = np.maximum(np.maximum(t, t_in[:, None]), t_out[None, :])
+        last[mp] = np.where(pred.T, t, np.inf)
+
+    top = 1 if final_level else rows
+    later = np.arange(n)[None, :] > np.arange(top)[:, None]  # j > i: what the DP loop updates
+    for m in range(1, num_machines):
+        t = level.time[:top, :, m].copy()
+        k = level.split[:top, :, m].copy()
+        km = level.split_m[:top, :, m].copy()
+        r = level.replicas[:top, :, m].copy()
+        if opts.use_fewer_machines:
+            fewer = (np.isinf(t) | (level.time[:top, :, m - 1] < t)) & later
+            t[fewer] = level.time[:top, :, m - 1][fewer]
+            k[fewer] = level.split[:top, :, m - 1][fewer]
+            km[fewer] = level.split_m[:top, :, m - 1][fewer]
+            r[fewer] = level.replicas[:top, :, m - 1][fewer]
+        best = np.full((top, n), np.inf)
+        best_k = np.full((top, n), n, dtype=np.int64)
+        best_mp = np.zeros((top, n), dtype=np.int64)
+        for mp in range(1, 2 if opts.straight_pipeline else m + 1):
+            stage = last[mp]
+            if opts.use_memory_constraint:
+                stash = memory[1:] * math.ceil((num_machines - (m + 1)) / mp)
+                stage = np.where(stash > opts.memory_size, np.inf, stage)
+            value, arg = _min_max(level.time[:top, :, m - mp], stage, 0)
+            # PipeDream scans k, then m' upwards, and keeps the first strict minimum
+            take = (value < best) | ((value == best) & (arg < best_k))
+            best = np.where(take, value, best)
+            best_k = np.where(take, arg, best_k)
+            best_mp = np.where(take, mp, best_mp)
+        win = (best < t) & later
+        t[win] = best[win]
+        k[win] = best_k[win]
+        km[win] = m - best_mp[win]
+        r[win] = best_mp[win]
+        upd = later
+        level.time[:top, :, m][upd] = t[upd]
+        level.split[:top, :, m][upd] = k[upd]
+        level.split_m[:top, :, m][upd] = km[upd]
+        level.replicas[:top, :, m][upd] = r[upd]
+    return level

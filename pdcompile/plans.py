@@ -1,0 +1,187 @@
+"""Plans: which nodes form each pipeline stage, on how many replicas and which ranks. Torch-free.
+
+A Plan is what a solver returns and what code generation and the runtime consume: stages in
+pipeline order (each with its nodes, replica count, ranks and predicted costs), the cluster and
+schedule it was made for, and what the cost model predicted. JSON in and out, printable as a table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pdcompile.cluster import Cluster
+from pdcompile.errors import PartitionError
+from pdcompile.text import human_bytes, human_seconds
+
+SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")
+FORMAT = "pdcompile.plans"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage. Times are seconds per minibatch (the CostGraph's batch) on one replica
+    set: `time_s = compute / replicas + comm_s + allreduce_s` (docs/cost_model.md)."""
+
+    index: int
+    nodes: tuple[str, ...]
+    replicas: int
+    ranks: tuple[int, ...]
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_s: float = 0.0
+    allreduce_s: float = 0.0
+    memory_bytes: int = 0
+    time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages with replicas and ranks, and what pdcompile's cost model predicts for them.
+
+    `predicted_time`: steady-state seconds per minibatch (the bottleneck stage, 1/throughput).
+    `step_time`: seconds per optimizer step under `schedule` with `num_microbatches`.
+    `lower_bound`: total compute over all devices (no plan beats it); `gap` = predicted/bound - 1.
+    `data_parallel_time`: the same devices as one data-parallel stage, for speed-ups.
+    """
+
+    stages: tuple[Stage, ...]
+    cluster: Cluster
+    schedule: str = "1f1b"
+    num_microbatches: int = 1
+    microbatch_size: int | None = None
+    solver: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    predicted_time: float = 0.0
+    step_time: float = 0.0
+    lower_bound: float = 0.0
+    gap: float = 0.0
+    data_parallel_time: float = 0.0
+    fits_memory: bool = True
+    solve_time_s: float = 0.0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_devices_used(self) -> int:
+        return sum(s.replicas for s in self.stages)
+
+    @property
+    def stage_of(self) -> dict[str, int]:
+        """Node name -> stage index."""
+        return {node: s.index for s in self.stages for node in s.nodes}
+
+    @property
+    def speedup_over_data_parallel(self) -> float:
+        return self.data_parallel_time / self.predicted_time if self.predicted_time else 0.0
+
+    def with_(self, **changes: Any) -> Plan:
+        return replace(self, **changes)
+
+    # -- text ------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        header = (
+            f"Plan by {self.solver or '?'} for {self.cluster} "
+            f"({self.cluster.num_devices} devices), "
+            f"schedule {self.schedule}, {self.num_microbatches} microbatches"
+        )
+        rows = [("stage", "nodes", "replicas", "ranks", "fwd", "bwd", "comm", "allreduce",
+                 "time", "memory")]  # fmt: skip
+        for s in self.stages:
+            first, last = (s.nodes[0], s.nodes[-1]) if s.nodes else ("-", "-")
+            ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
+            rows.append((
+                str(s.index), f"{len(s.nodes)} ({first}..{last})", str(s.replicas), ranks,
+                human_seconds(s.forward_s), human_seconds(s.backward_s), human_seconds(s.comm_s),
+                human_seconds(s.allreduce_s), human_seconds(s.time_s), human_bytes(s.memory_bytes),
+            ))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [header] + [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows
+        ]
+        speedup = f"{self.speedup_over_data_parallel:.2f}x" if self.data_parallel_time else "-"
+        lines.append(
+            f"predicted {human_seconds(self.predicted_time)}/minibatch, step "
+            f"{human_seconds(self.step_time)}, lower bound {human_seconds(self.lower_bound)} "
+            f"(gap {self.gap:.1%}), speed-up over data parallelism {speedup}"
+            + ("" if self.fits_memory else "; DOES NOT FIT device memory")
+        )
+        return "\n".join(lines)
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["cluster"] = self.cluster.to_dict()
+        data["options"] = dict(self.options)
+        data["stages"] = [
+            {**asdict(s), "nodes": list(s.nodes), "ranks": list(s.ranks)} for s in self.stages
+        ]
+        return {"format": FORMAT, "version": VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<plan>") -> Plan:
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise PartitionError(
+                f"{source}: not a pdcompile plan (format {data.get('format')!r}, version "
+                f"{data.get('version')!r}); write plans with Plan.save"
+            )
+        try:
+            stages = tuple(
+                Stage(**{**s, "nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"])})
+                for s in data["stages"]
+            )
+            fields = {k: v for k, v in data.items() if k not in ("format", "version")}
+            fields.update(stages=stages, cluster=Cluster.from_dict(data["cluster"]))
+            return cls(**fields)
+        except (KeyError, TypeError) as e:
+            raise PartitionError(
+                f"{source}: malformed plan ({e}); write plans with Plan.save"
+            ) from None
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<string>") -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PartitionError(
+                f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the plan file is "
+                "truncated or corrupt"
+            ) from None
+        return cls.from_dict(data, source)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PartitionError(f"cannot read plan {path}: {e.strerror or e}") from None
+        return cls.from_json(text, str(path))
+
+
+def check_schedule(schedule: str) -> str:
+    if schedule not in SCHEDULES:
+        raise PartitionError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
+def consecutive_ranks(replicas: Sequence[int]) -> list[tuple[int, ...]]:
+    """Ranks of each stage: the replicas of stage s occupy the next `replicas[s]` ranks."""
+    ranks, start = [], 0
+    for r in replicas:
+        ranks.append(tuple(range(start, start + r)))
+        start += r
+    return ranks
