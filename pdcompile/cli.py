@@ -20,6 +20,7 @@ from rich.table import Table
 from pdcompile.errors import PdcompileError, SpecError
 
 FORMATS = ("txt", "json", "dot", "svg", "png")
+SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")  # pdcompile.plans.SCHEDULES
 # = pdcompile.tracing.METHODS, repeated so the CLI starts without importing torch
 METHODS = ("auto", "fx", "export")
 
@@ -143,6 +144,90 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _costs(args: argparse.Namespace) -> tuple[Any, str]:
+    """The CostGraph named by INPUT: a cost file, or a SPEC traced and analysed."""
+    costs = _cost_file(args.spec)
+    if costs is not None:
+        return costs, os.path.basename(os.path.dirname(os.path.abspath(args.spec)))
+    from pdcompile.analysis import analyze
+
+    spec, gm = _trace_spec(args)
+    costs = analyze(gm, spec.example_inputs, example_kwargs=spec.example_kwargs,
+                    profile=not args.analytic, progress=False)  # fmt: skip
+    return costs, type(spec.model).__name__
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from pdcompile.cluster import Cluster
+
+    return Cluster.parse(args.cluster, memory=args.memory)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pdcompile.planning import plan
+
+    costs, _ = _costs(args)
+    result = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
+                  num_microbatches=args.microbatches)  # fmt: skip
+    print(result)
+    if args.out:
+        result.save(args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _solvers(args: argparse.Namespace) -> int:
+    from pdcompile.planning import solvers
+
+    for name, description in solvers().items():
+        print(f"{name:12s} {description}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pdcompile.cost_model import evaluate
+    from pdcompile.planning import plan, solvers
+    from pdcompile.text import human_seconds
+
+    costs, name = _costs(args)
+    cluster = _cluster(args)
+    results = {}
+    for solver in solvers():
+        try:
+            made = plan(costs, cluster, solver=solver, schedule=args.schedule,
+                        num_microbatches=args.microbatches)  # fmt: skip
+        except PdcompileError as e:
+            print(f"warning: {solver}: {e}", file=sys.stderr)
+            continue
+        results[solver] = (evaluate(made, costs), made.solve_time_s)
+    best = min(p.predicted_time for p, _ in results.values())
+    table = Table(title=f"{name} on {cluster}, schedule {args.schedule}, under evaluate")
+    for column in ("solver", "predicted", "vs best", "gap to bound", "stages", "devices",
+                   "fits memory", "solve time"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "solver" else "right")
+    for solver, (p, seconds) in sorted(results.items(), key=lambda kv: kv[1][0].predicted_time):
+        table.add_row(
+            solver, human_seconds(p.predicted_time), f"{p.predicted_time / best:.3f}",
+            f"{p.gap:.1%}", str(p.num_stages), str(p.num_devices_used),
+            "yes" if p.fits_memory else "NO", f"{seconds:.3f} s",
+        )  # fmt: skip
+    _print_table(table, None)
+    return 0
+
+
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "spec", metavar="INPUT",
+        help="package.module:factory, file.py:factory, costs.json or PipeDream graph.txt",
+    )  # fmt: skip
+    parser.add_argument("--cluster", required=True, help="e.g. 8@300GB/s,16@25Gbit/s or 4")
+    parser.add_argument("--memory", help="bytes per device, e.g. 80GB")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--microbatches", type=int, help="microbatches per step")
+    parser.add_argument("--analytic", action="store_true", help="a SPEC is costed analytically")
+    _add_capture_options(parser)
+
+
 def _add_capture_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--leaf", nargs="+", default=[], metavar="NAME",
@@ -193,6 +278,30 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--out", metavar="FILE", help="write the CostGraph JSON here")
     _add_capture_options(profile)
     profile.set_defaults(run=_profile)
+
+    plan = commands.add_parser(
+        "plan",
+        help="cut a model into pipeline stages for a cluster",
+        description="Plan stages and replicas for a cluster; prints the stage table and the "
+        "predicted speed-up over data parallelism on the same devices.",
+    )
+    _add_plan_options(plan)
+    plan.add_argument("--solver", default="dp", help="a name from `pdcompile solvers`")
+    plan.add_argument("--out", metavar="FILE", help="write the Plan JSON here")
+    plan.set_defaults(run=_plan)
+
+    listing = commands.add_parser("solvers", help="list the registered solvers")
+    listing.set_defaults(run=_solvers)
+
+    compare = commands.add_parser(
+        "compare",
+        help="run every solver and compare them under pdcompile's cost model",
+        description="Run every registered solver on INPUT and print, under `evaluate`, each "
+        "plan's predicted time, its ratio to the best, the gap to the lower bound and the "
+        "solve time.",
+    )
+    _add_plan_options(compare)
+    compare.set_defaults(run=_compare)
     return parser
 
 

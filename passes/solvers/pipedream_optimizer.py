@@ -246,6 +246,8 @@ def _build_states(cost_graph: CostGraph) -> _States:
         closure.append(mask)
     members = [_bits(mask) for mask in closure]
     covered = closure[-1] if closure else 0
+    global RANK
+    RANK = np.array(states)
     return _States(
         names=names,
         closure=closure,
@@ -269,9 +271,8 @@ def _blocks(per_state: np.ndarray) -> np.ndarray:
     n = len(per_state)
     out = np.full((n + 1, n), np.nan)
     out[0] = per_state
-    rows, cols = np.triu_indices(n)
+    rows, cols = np.triu_indices(n, 1)
     out[rows + 1, cols] = per_state[cols] - per_state[rows]
-    out[rows[rows == cols] + 1, cols[rows == cols]] = np.nan
     return out
 
 
@@ -299,8 +300,10 @@ def _min_max(prev: np.ndarray, stage: np.ndarray, first_row: int) -> tuple[np.nd
             break
         b = min(rows, a + step)
         cand = np.maximum(prev[a:b, lo : n - 1, None], stage[None, lo : n - 1, lo + 1 :])
-        k = cand.argmin(axis=1)
-        best[a:b, lo + 1 :] = np.take_along_axis(cand, k[:, None, :], axis=1)[:, 0, :]
+        v = cand.min(axis=1)
+        rk = np.where(cand == v[:, None, :], RANK[lo : n - 1][None, :, None], 10**9)
+        k = rk.argmin(axis=1)
+        best[a:b, lo + 1 :] = v
         arg[a:b, lo + 1 :] = k + lo
     return best, arg
 
@@ -377,7 +380,7 @@ def _solve_level(
                 stage = np.where(stash > opts.memory_size, np.inf, stage)
             value, arg = _min_max(level.time[:top, :, m - mp], stage, 0)
             # PipeDream scans k, then m' upwards, and keeps the first strict minimum
-            take = (value < best) | ((value == best) & (arg < best_k))
+            take = (value < best) | ((value == best) & (RANK[arg] < RANK[np.minimum(best_k, n-1)]))
             best = np.where(take, value, best)
             best_k = np.where(take, arg, best_k)
             best_mp = np.where(take, mp, best_mp)
@@ -392,3 +395,206 @@ def _solve_level(
         level.split_m[:top, :, m][upd] = km[upd]
         level.replicas[:top, :, m][upd] = r[upd]
     return level
+
+
+# -- reading the tables ------------------------------------------------------------------
+
+
+def _analyze(level: _Level, compute: np.ndarray, start: int, end: int, machines: int) -> list[Row]:
+    """PipeDream's `analyze_partitioning`: the stage table of block (start, end) at one level."""
+    j, m = end - 1, machines - 1
+    splits, replicas = [], []
+    while level.split[start, j, m] >= 0:
+        k = int(level.split[start, j, m])
+        splits.append(k + 1)
+        replicas.append(int(level.replicas[start, j, m]))
+        j, m = k, int(level.split_m[start, j, m])
+    replicas.append(int(level.replicas[start, j, m]))
+    bounds = [start, *reversed(splits), end]
+    replicas.reverse()
+    rows = []
+    for (a, b), r in zip(zip(bounds, bounds[1:]), replicas):
+        time = compute[b - 1] - compute[a - 1] if a > 0 else compute[b - 1]
+        rows.append((a, b, float(time), r))
+    return rows
+
+
+def _check_options(
+    num_machines: Sequence[int], bandwidths: Sequence[float], opts: _Options
+) -> tuple[list[int], list[float]]:
+    machines = list(num_machines)
+    if not machines or not all(
+        isinstance(m, (int, np.integer)) and not isinstance(m, bool) and m >= 1 for m in machines
+    ):
+        raise PartitionError(
+            f"num_machines must be a non-empty list of integers >= 1 (machines per level, "
+            f"innermost first, e.g. [4, 4] for 4 servers of 4 GPUs), got {num_machines!r}"
+        )
+    links = list(bandwidths)
+    if len(links) != len(machines):
+        raise PartitionError(
+            f"bandwidths has {len(links)} entries but num_machines has {len(machines)} levels "
+            f"({machines}); give one bandwidth (bytes/s) per level, innermost first"
+        )
+    for b in links:
+        if isinstance(b, bool) or not isinstance(b, (int, float, np.number)) or not b > 0:
+            raise PartitionError(f"bandwidths must be numbers > 0 (bytes/s), got {links!r}")
+    if not opts.memory_size > 0:
+        raise PartitionError(
+            f"memory_size must be > 0 bytes per device, got {opts.memory_size!r} (PipeDream's "
+            "default is 16e9)"
+        )
+    ratio = opts.activation_compression_ratio
+    if ratio is not None and not (math.isfinite(ratio) and ratio > 0):
+        raise PartitionError(
+            f"activation_compression_ratio must be None (ignore inter-stage communication) or a "
+            f"finite number > 0 (1.0: uncompressed), got {ratio!r}"
+        )
+    return [int(m) for m in machines], [float(b) for b in links]
+
+
+def _infeasible(states: _States, machines: list[int], opts: _Options) -> PartitionError:
+    hints = []
+    if opts.straight_pipeline and not opts.use_fewer_machines:
+        hints.append(
+            "a straight pipeline gives every machine a stage of its own, so every level needs at "
+            "least as many states as machines: pass use_fewer_machines=True or fewer machines"
+        )
+    if opts.use_memory_constraint:
+        hints.append(
+            f"the memory constraint allows {opts.memory_size:.4g} bytes per device and the model "
+            f"stashes {states.activation[-1]:.4g} bytes of activations and holds "
+            f"{states.parameter[-1]:.4g} bytes of parameters: raise memory_size, add machines or "
+            "drop use_memory_constraint"
+        )
+    return PartitionError(
+        f"PipeDream's optimizer finds no feasible partition of {len(states.compute)} antichain "
+        f"states over machines {machines} (straight_pipeline={opts.straight_pipeline}, "
+        f"use_memory_constraint={opts.use_memory_constraint}, "
+        f"use_fewer_machines={opts.use_fewer_machines}); " + "; ".join(hints or ["no stage fits"])
+    )
+
+
+def _flat_stages(
+    cost_graph: CostGraph, states: _States, ranges: list[tuple[int, int, int]]
+) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """Node ids per final stage: the layers in its end state's closure not in an earlier stage.
+
+    `Input` sources join the first stage (as PipeDream places them); nodes no state covers
+    (dropped `__getitem__` sinks) join the latest stage of their predecessors."""
+    stage_of: dict[str, int] = {}
+    taken = 0
+    for s, (_, end, _) in enumerate(ranges):
+        mask = states.closure[end - 1] & ~taken
+        taken |= mask
+        for x in _bits(mask):
+            stage_of[states.names[x]] = s
+    for name in states.removed_inputs:
+        stage_of[name] = 0
+    g = cost_graph.graph
+    for name in cost_graph.nodes:
+        if name not in stage_of:
+            stage_of[name] = max((stage_of[p] for p in g.predecessors(name)), default=0)
+    members: list[list[str]] = [[] for _ in ranges]
+    for name in cost_graph.nodes:
+        members[stage_of[name]].append(name)
+    return tuple((tuple(m), devices) for m, (_, _, devices) in zip(members, ranges))
+
+
+def optimize_pipedream(
+    cost_graph: CostGraph,
+    num_machines: Sequence[int],
+    bandwidths: Sequence[float],
+    *,
+    straight_pipeline: bool = False,
+    use_memory_constraint: bool = False,
+    memory_size: float = 16e9,
+    use_fewer_machines: bool = False,
+    activation_compression_ratio: float | None = None,
+) -> PipeDreamResult:
+    """Run PipeDream's hierarchical optimizer (`optimizer_graph_hierarchical.py`) on a CostGraph.
+
+    Args:
+        cost_graph: the layers; `forward_s + backward_s` is a layer's compute, `activation_bytes`
+            what it stashes, `output_bytes` what it sends, `param_bytes` its weights. Sources of
+            kind "input" are set aside and `__getitem__` sinks dropped, as PipeDream does.
+        num_machines: machines per level, innermost first (PipeDream's `-n`).
+        bandwidths: bytes/s between the machines of each level (`-b`).
+        straight_pipeline: one replica per stage (`--straight_pipeline`).
+        use_memory_constraint: enforce `memory_size` bytes per device (`--use_memory_constraint`).
+        memory_size: bytes per device (`-s`).
+        use_fewer_machines: a block may leave machines unused (`--use_fewer_machines`).
+        activation_compression_ratio: None ignores inter-stage communication, as PipeDream does
+            without `--activation_compression_ratio`; a ratio divides the activation bytes sent.
+
+    Returns:
+        the predicted time per stage, the printed stage tables and the flat stages.
+
+    Raises:
+        PartitionError: bad option values, a graph with no layers, or no feasible partition.
+
+    Example:
+        >>> g = CostGraph()
+        >>> g.add_node("a", forward_s=0.01, backward_s=0.02, output_bytes=1000)
+        >>> g.add_node("b", forward_s=0.01, backward_s=0.02)
+        >>> g.add_edge("a", "b", 1000)
+        >>> r = optimize_pipedream(g, [2], [1e9], activation_compression_ratio=1.0)
+        >>> r.time_per_stage, r.stages
+        (0.03, ((('a',), 1), (('b',), 1)))
+    """
+    opts = _Options(
+        straight_pipeline=bool(straight_pipeline),
+        use_memory_constraint=bool(use_memory_constraint),
+        memory_size=float(memory_size),
+        use_fewer_machines=bool(use_fewer_machines),
+        activation_compression_ratio=(
+            None if activation_compression_ratio is None else float(activation_compression_ratio)
+        ),
+    )
+    machines, links = _check_options(num_machines, bandwidths, opts)
+    states = _build_states(cost_graph)
+    n = len(states.compute)
+    compute = _blocks(states.compute)
+    activation = _blocks(states.activation)
+    parameter = _blocks(states.parameter)
+    levels: list[_Level] = []
+    within = 1
+    for depth, (m, bandwidth) in enumerate(zip(machines, links)):
+        final = depth == len(machines) - 1
+        level = _solve_level(
+            compute, activation, parameter, states.output, states.pred, m, within, bandwidth,
+            final, opts,
+        )  # fmt: skip
+        levels.append(level)
+        within = m
+        compute = level.time[:, :, -1]  # the next level's compute: this level's best time
+    time_per_stage = float(levels[-1].time[0, n - 1, machines[-1] - 1])
+    if not math.isfinite(time_per_stage):
+        raise _infeasible(states, machines, opts)
+
+    tables: list[tuple[Row, ...]] = []
+    ranges = [(0, n, 1)]
+    for depth in reversed(range(len(machines))):
+        inner = []
+        for start, end, devices in ranges:
+            rows = _analyze(levels[depth], states.compute, start, end, machines[depth])
+            tables.append(tuple(rows))
+            inner += [(a, b, devices * r) for a, b, _, r in rows]
+        ranges = inner
+
+    single = float(states.compute[-1])
+    data_parallel = single
+    within = 1
+    for m, bandwidth in zip(machines, links):
+        allreduce = ((4 * (m - 1) * states.parameter[-1]) / (bandwidth * m)) / within
+        data_parallel = (data_parallel + allreduce) / m
+        within = m
+    return PipeDreamResult(
+        time_per_stage=time_per_stage,
+        single_machine_time=single,
+        data_parallel_time=float(data_parallel),
+        speedup_vs_dp=float(data_parallel / time_per_stage),
+        num_states=n,
+        levels=tuple(tables),
+        stages=_flat_stages(cost_graph, states, ranges),
+    )

@@ -1,0 +1,209 @@
+"""Clusters, plans, the cost model, the registry, `dp` against brute force, and the baselines."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pdcompile
+from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, evaluate
+from pdcompile.plans import consecutive_ranks
+
+DATA = Path(__file__).parent / "data" / "pipedream"
+
+
+def chain(times, params, acts, outs, batch=8) -> CostGraph:
+    g = CostGraph(batch_size=batch)
+    for i, (t, p, a, o) in enumerate(zip(times, params, acts, outs, strict=True)):
+        g.add_node(f"n{i}", forward_s=t / 3, backward_s=2 * t / 3, param_bytes=p, grad_bytes=p,
+                   activation_bytes=a, output_bytes=o)  # fmt: skip
+        if i:
+            g.add_edge(f"n{i - 1}", f"n{i}", outs[i - 1])
+    return g
+
+
+def skeleton(cost_graph: CostGraph, cluster: Cluster, cuts, replicas, schedule, m) -> Plan:
+    nodes = cost_graph.nodes
+    ranks = consecutive_ranks(replicas)
+    bounds = [0, *cuts, len(nodes)]
+    stages = tuple(
+        Stage(index=i, nodes=tuple(nodes[bounds[i] : bounds[i + 1]]), replicas=r, ranks=ranks[i])
+        for i, r in enumerate(replicas)
+    )
+    return Plan(stages=stages, cluster=cluster, schedule=schedule, num_microbatches=m)
+
+
+def brute_force(cost_graph: CostGraph, cluster: Cluster, schedule: str, m: int) -> float:
+    """The best predicted time over every contiguous partition and replica assignment."""
+    n, total = len(cost_graph.nodes), cluster.num_devices
+    best = math.inf
+    for count in range(1, min(n, total) + 1):
+        for cuts in itertools.combinations(range(1, n), count - 1):
+            for replicas in itertools.product(range(1, total + 1), repeat=count):
+                if sum(replicas) <= total:
+                    plan = skeleton(cost_graph, cluster, cuts, replicas, schedule, m)
+                    best = min(best, evaluate(plan, cost_graph).predicted_time)
+    return best
+
+
+# -- clusters and plans --------------------------------------------------------------------
+
+
+def test_cluster_parse_levels_bandwidths_and_round_trip() -> None:
+    c = Cluster.parse("8@300GB/s,16@25Gbit/s", memory="80GB")
+    assert c.num_devices == 128 and c.memory == 80e9
+    assert c.bandwidth(0, 7) == 300e9 and c.bandwidth(7, 8) == 25e9 / 8
+    assert c.level_of(8, 15) == 0 and c.level_of(0, 127) == 1
+    assert Cluster.parse(str(c), memory="80GB") == c
+    assert Cluster.parse("4").levels[0].bandwidth == pdcompile.cluster.DEFAULT_BANDWIDTH
+    assert Cluster.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize(
+    ("text", "memory", "words"),
+    [
+        ("0@1GB/s", None, "use an integer >= 1"),
+        ("4@0GB/s", None, "positive number of bytes/s"),
+        ("four", None, "COUNT@BANDWIDTH"),
+        ("4@10parsecs/s", None, "cannot read bandwidth"),
+        ("4", "-1GB", "cannot read memory"),
+        ("4", 0, "positive number of bytes"),
+    ],
+)
+def test_bad_clusters_are_partition_errors(text, memory, words) -> None:
+    with pytest.raises(PartitionError, match=words):
+        Cluster.parse(text, memory=memory)
+
+
+def test_plan_json_round_trip_and_corrupt_file(tmp_path) -> None:
+    g = chain([1.0, 2.0, 3.0], [10, 20, 30], [1, 1, 1], [4, 4, 4])
+    plan = pdcompile.plan(g, Cluster.parse("4@1GB/s"), schedule="1f1b", num_microbatches=4)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    assert "predicted" in str(plan) and "stage" in str(plan)
+    path.write_text(plan.to_json()[:50])
+    with pytest.raises(PartitionError, match=r"plan.json:\d+:\d+: not valid JSON"):
+        Plan.load(path)
+
+
+def test_evaluate_refuses_plans_for_another_model_or_world_size() -> None:
+    g = chain([1.0, 2.0], [1, 1], [1, 1], [4, 4])
+    other = chain([1.0, 2.0, 3.0], [1, 1, 1], [1, 1, 1], [4, 4, 4])
+    plan = pdcompile.plan(other, Cluster.parse("3"), solver="uniform")
+    with pytest.raises(PartitionError, match="does not match this graph.*another model"):
+        evaluate(plan, g)
+    with pytest.raises(PartitionError, match="another world size"):
+        evaluate(plan, other, cluster=Cluster.parse("2"))
+
+
+def test_cost_model_formulas_on_a_worked_example() -> None:
+    # two stages: n0 (t=3, 100 B of params) on 2 replicas, n1 (t=1) on 1; 10 B cross the cut
+    g = chain([3.0, 1.0], [100, 0], [7, 5], [10, 2])
+    cluster = Cluster.parse("4@100B/s")
+    plan = evaluate(skeleton(g, cluster, [1], [2, 1], "pipedream", 4), g)
+    first, second = plan.stages
+    ring = 2 * (2 - 1) / 2 * 100 / 100  # ring all-reduce of 100 B among 2 at 100 B/s
+    assert first.allreduce_s == pytest.approx(ring / 2)  # pipedream: one update per 2 minibatches
+    assert first.time_s == pytest.approx(3.0 / 2 + ring / 2)
+    assert second.comm_s == pytest.approx(2 * 10 / 100)  # activations forward, gradients back
+    assert plan.predicted_time == pytest.approx(max(first.time_s, 1.0 + 0.2))
+    assert plan.lower_bound == pytest.approx(4.0 / 4)
+    # pipedream: w_0 = (2 + 1 - 1) // 2 = 1 warm-up, so 2 in flight and 1 stashed weight version
+    assert first.memory_bytes == (100 + 100) + 1 * 100 + 2 * 7
+    sync = evaluate(plan, g, schedule="1f1b")
+    assert sync.stages[0].allreduce_s == pytest.approx(ring / 4)  # once per 4 microbatches
+    assert sync.step_time == pytest.approx((4 + 2 - 1) * max(3.0 / 2, 1.0 + 0.2) + ring)
+
+
+# -- the registry --------------------------------------------------------------------------
+
+
+def test_register_a_solver_and_plan_with_it() -> None:
+    @pdcompile.register_solver("single")
+    def single(cost_graph, cluster, options):
+        """Everything on device 0."""
+        return pdcompile.planning.make_plan(cost_graph, cluster, [(cost_graph.nodes, 1)],
+                                            options, "single")  # fmt: skip
+
+    assert pdcompile.solvers()["single"] == "Everything on device 0."
+    g = chain([1.0, 2.0], [1, 1], [1, 1], [4, 4])
+    plan = pdcompile.plan(g, Cluster.parse("2"), solver="single")
+    assert plan.num_stages == 1 and plan.solver == "single" and plan.solve_time_s >= 0
+    assert {"dp", "uniform", "params", "blocks"} <= set(pdcompile.solvers())
+    with pytest.raises(PartitionError, match="unknown solver 'nope'; registered: .*dp"):
+        pdcompile.plan(g, Cluster.parse("2"), solver="nope")
+    with pytest.raises(PartitionError, match="schedule must be one of"):
+        pdcompile.plan(g, Cluster.parse("2"), schedule="zb")
+
+
+# -- dp is exact ---------------------------------------------------------------------------
+
+clusters = st.sampled_from(["1", "3", "5", "6", "2@8B/s,3@1B/s", "3@20B/s,2@2B/s", "4@50B/s"])
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    data=st.data(),
+    n=st.integers(1, 12),
+    cluster_text=clusters,
+    schedule=st.sampled_from(["1f1b", "gpipe", "pipedream", "2bw"]),
+    m=st.integers(1, 8),
+)
+def test_dp_equals_brute_force_on_chains(data, n, cluster_text, schedule, m) -> None:
+    times = data.draw(st.lists(st.floats(0.01, 10), min_size=n, max_size=n))
+    params = data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n))
+    outs = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))
+    g = chain(times, params, [1] * n, outs)
+    cluster = Cluster.parse(cluster_text)
+    if n > 8 and cluster.num_devices > 5:
+        n_check = None  # brute force too slow; still run dp
+    else:
+        n_check = brute_force(g, cluster, schedule, m)
+    plan = pdcompile.plan(g, cluster, schedule=schedule, num_microbatches=m)
+    assert plan.predicted_time == pytest.approx(evaluate(plan, g).predicted_time, rel=1e-12)
+    if n_check is not None:
+        assert plan.predicted_time == pytest.approx(n_check, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("model", ["vgg16", "resnet50", "gnmt"])
+@pytest.mark.parametrize("cluster_text", ["16@1.25GB/s", "4@10GB/s,4@1.25GB/s"])
+def test_dp_beats_every_baseline_on_published_profiles(model, cluster_text) -> None:
+    g = CostGraph.from_pipedream(DATA / model / "graph.txt", batch_size=128)
+    cluster = Cluster.parse(cluster_text)
+    for schedule in ("pipedream", "1f1b"):
+        best = pdcompile.plan(g, cluster, schedule=schedule)
+        for baseline in ("uniform", "params", "blocks"):
+            other = pdcompile.plan(g, cluster, solver=baseline, schedule=schedule)
+            assert best.predicted_time <= other.predicted_time * (1 + 1e-12), baseline
+        assert best.predicted_time >= best.lower_bound
+
+
+def test_flat_and_general_dp_agree() -> None:
+    g = CostGraph.from_pipedream(DATA / "resnet50" / "graph.txt", batch_size=128)
+    flat = pdcompile.plan(g, Cluster.parse("16@1.25GB/s"), schedule="pipedream")
+    general = pdcompile.plan(g, Cluster.parse("16@1.25GB/s", memory="1000TB"), schedule="pipedream")
+    assert flat.predicted_time == pytest.approx(general.predicted_time, rel=1e-9)
+
+
+def test_memory_limit_no_plan_fits_names_the_numbers() -> None:
+    g = chain([1.0, 1.0], [10**9, 10**9], [1, 1], [4, 4])
+    with pytest.raises(PartitionError, match="no placement fits: device memory is 1e\\+08 B"):
+        pdcompile.plan(g, Cluster.parse("2", memory="100MB"))
+
+
+def test_memory_limit_is_respected() -> None:
+    # 6 nodes of 100 B of parameters (+100 B of gradients) and 50 B of activations, 3 devices:
+    # the best plan [2, 2, 2] keeps 3 microbatches in flight at stage 0: 400 + 3 * 100 = 700 B.
+    g = chain([1.0] * 6, [100] * 6, [50] * 6, [4] * 6)
+    free = pdcompile.plan(g, Cluster.parse("3"), schedule="1f1b", num_microbatches=4)
+    assert max(s.memory_bytes for s in free.stages) == 700
+    fits = pdcompile.plan(g, Cluster.parse("3", memory=700), schedule="1f1b", num_microbatches=4)
+    assert fits.fits_memory and all(s.memory_bytes <= 700 for s in fits.stages)
+    with pytest.raises(PartitionError, match="no placement fits: device memory is 699 B"):
+        pdcompile.plan(g, Cluster.parse("3", memory=699), schedule="1f1b", num_microbatches=4)
