@@ -44,8 +44,9 @@ def synthetic_chain(layers: int, seed: int = 0) -> CostGraph:
 
 def scale_rows() -> list[dict]:
     rows = []
-    for layers, cluster in [(1000, "1024@25GB/s"), (1000, "128@25GB/s"), (200, "8@300GB/s,4@25GB/s"),
-                            (1000, "8@300GB/s,4@25GB/s")]:  # fmt: skip
+    cases = [(1000, "1024@25GB/s"), (1000, "128@25GB/s"), (200, "8@300GB/s,4@25GB/s"),
+             (1000, "8@300GB/s,4@25GB/s")]  # fmt: skip
+    for layers, cluster in cases:
         g = synthetic_chain(layers)
         start = time.perf_counter()
         plan = pdcompile.plan(g, Cluster.parse(cluster), schedule="1f1b")
@@ -105,8 +106,10 @@ def main() -> None:
     for column in ("layers", "cluster", "devices", "solve time", "stages", "predicted", "gap"):
         table.add_column(column, justify="right")
     for r in scale:
-        table.add_row(str(r["layers"]), r["cluster"], str(r["devices"]), f"{r['solve_s']:.2f} s",
-                      str(r["stages"]), f"{r['predicted_s'] * 1e3:.3f} ms", f"{r['gap']:.1%}")  # fmt: skip
+        table.add_row(
+            str(r["layers"]), r["cluster"], str(r["devices"]), f"{r['solve_s']:.2f} s",
+            str(r["stages"]), f"{r['predicted_s'] * 1e3:.3f} ms", f"{r['gap']:.1%}",
+        )  # fmt: skip
     console.print(table)
 
     rows = compare_rows()
@@ -117,8 +120,9 @@ def main() -> None:
     for r in rows:
         dp = r["times"]["dp"]
         cells = [f"{r['times'][s] / dp:.3f}" if s in r["times"] else "-" for s in solvers]
+        gain = f"{r['dp_gain_over_best_baseline']:.2f}x"
         table.add_row(r["model"], r["cluster"], r["schedule"], *cells,
-                      f"{r['solve_s']['dp']:.3f} s", f"{r['dp_gain_over_best_baseline']:.2f}x")  # fmt: skip
+                      f"{r['solve_s']['dp']:.3f} s", gain)  # fmt: skip
     console.print(table)
     gains = [r["dp_gain_over_best_baseline"] for r in rows]
     geomean = math.exp(sum(math.log(g) for g in gains) / len(gains))

@@ -16,6 +16,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -64,17 +65,19 @@ class _States:
     parameter: np.ndarray  # (N,) bytes
     output: np.ndarray  # (N,) bytes of the state's augmented antichain (what crosses the cut)
     removed_inputs: list[str]  # `Input` sources, zeroed and placed in the first stage
-    dropped: list[str]  # other nodes no state covers (`__getitem__` sinks, unreachable)
 
 
 @dataclass
 class _Level:
-    """One level's table A[i][j][m] of PipeDream's DP as arrays (inf stands for None)."""
+    """One level's table A[i][j][m] of PipeDream's DP as arrays (inf stands for None).
 
-    time: np.ndarray  # (N+1, N, M)
-    split: np.ndarray  # (N+1, N, M) split state k, -1 for none
-    split_m: np.ndarray  # (N+1, N, M) machine index m - m' of the part before the split
-    replicas: np.ndarray  # (N+1, N, M) replicas of the last stage
+    Rows are start rows i (N+1 of them; the final level keeps only row 0), columns end states j,
+    m is the machine index (m + 1 machines)."""
+
+    time: np.ndarray  # seconds per minibatch of the best plan
+    split: np.ndarray  # its last split state k, -1 for none (one stage)
+    split_m: np.ndarray  # machine index m - m' of the part before the split
+    replicas: np.ndarray  # replicas of its last stage
 
 
 # -- states ------------------------------------------------------------------------------
@@ -155,6 +158,8 @@ def _build_states(cost_graph: CostGraph) -> _States:
             for a in antichain:
                 inside = preds[a] | (1 << a)
                 extra.update(p for p in _bits(preds[a]) if out_mask[p] & ~inside)
+            # PipeDream lists `extra` in the order of a set of strings (PYTHONHASHSEED-dependent
+            # when it has two or more); file order here
             augmented_cache[key] = sorted(extra) + antichain
         return augmented_cache[key]
 
@@ -204,7 +209,8 @@ def _build_states(cost_graph: CostGraph) -> _States:
             queue.append(nxt)
 
     # PipeDream's topological sort: depth-first from each node in creation order, out-edges in
-    # insertion order, reverse post-order
+    # insertion order, reverse post-order (a one-layer graph keeps its single state, where
+    # PipeDream's state DAG would be empty)
     post: list[int] = []
     seen = [False] * len(adjacency)
     for root in range(len(adjacency)):
@@ -245,9 +251,6 @@ def _build_states(cost_graph: CostGraph) -> _States:
             mask |= preds[x] | (1 << x)
         closure.append(mask)
     members = [_bits(mask) for mask in closure]
-    covered = closure[-1] if closure else 0
-    global RANK
-    RANK = np.array(states)
     return _States(
         names=names,
         closure=closure,
@@ -257,7 +260,6 @@ def _build_states(cost_graph: CostGraph) -> _States:
         parameter=np.array([math.fsum(parameter[x] for x in m) for m in members], dtype=float),
         output=np.array([math.fsum(output[x] for x in augmented_of[s]) for s in states]),
         removed_inputs=inputs,
-        dropped=getitem + [name for i, name in enumerate(names) if not covered >> i & 1],
     )
 
 
@@ -285,26 +287,24 @@ class _Options:
     activation_compression_ratio: float | None
 
 
-def _min_max(prev: np.ndarray, stage: np.ndarray, first_row: int) -> tuple[np.ndarray, np.ndarray]:
-    """min over k of max(prev[i, k], stage[k, j]) and its first argmin k, for every (i, j).
+def _min_max(prev: np.ndarray, stage_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """min over k of max(prev[i, k], stage_t[j, k]) and its first argmin k, for every (i, j).
 
-    `prev` holds rows first_row.. of the table, and prev[i, k] is inf for k < i, so row block
-    [a, b) only looks at k >= a and j > k."""
+    prev[i, k] is inf for k < i and stage_t[j, k] for k >= j, so a block of rows [a, b) and ends
+    [c, d) only looks at k in [a, d - 1)."""
     rows, n = prev.shape
     best = np.full((rows, n), np.inf)
     arg = np.full((rows, n), -1, dtype=np.int64)
-    step = max(1, _BLOCK // max(1, n * n))
-    for a in range(0, rows, step):
-        lo = first_row + a
-        if lo >= n - 1:
-            break
+    width = 64
+    step = max(1, _BLOCK // (width * n))
+    for a in range(0, min(rows, n - 1), step):
         b = min(rows, a + step)
-        cand = np.maximum(prev[a:b, lo : n - 1, None], stage[None, lo : n - 1, lo + 1 :])
-        v = cand.min(axis=1)
-        rk = np.where(cand == v[:, None, :], RANK[lo : n - 1][None, :, None], 10**9)
-        k = rk.argmin(axis=1)
-        best[a:b, lo + 1 :] = v
-        arg[a:b, lo + 1 :] = k + lo
+        for c in range(a + 1, n, width):
+            d = min(n, c + width)
+            cand = np.maximum(prev[a:b, None, a : d - 1], stage_t[None, c:d, a : d - 1])
+            k = cand.argmin(axis=2)
+            best[a:b, c:d] = np.take_along_axis(cand, k[:, :, None], axis=2)[:, :, 0]
+            arg[a:b, c:d] = k + a
     return best, arg
 
 
@@ -320,80 +320,78 @@ def _solve_level(
     final_level: bool,
     opts: _Options,
 ) -> _Level:
-    """PipeDream's `compute_partitioning` for one level, vectorised over (i, j, k)."""
-    rows, n = compute.shape
-    shape = (rows, n, num_machines)
+    """PipeDream's `compute_partitioning` for one level, vectorised over (i, j, k).
+
+    `compute`, `activation`, `parameter`: (N+1, N) block values (`_blocks`; NaN or inf for None).
+    The final level only fills row 0 (a block starting at the first state), as PipeDream does.
+    """
+    n = compute.shape[1]
+    cmp = np.where(np.isnan(compute), np.inf, compute)
+    known = ~np.isnan(activation)
+    par = np.where(known, parameter, 0.0)
+    memory = np.where(known, activation, 0.0) + par
+    top = 1 if final_level else n + 1
+    shape = (top, n, num_machines)
     level = _Level(
         time=np.full(shape, np.inf),
-        split=np.full(shape, -1, dtype=np.int64),
-        split_m=np.full(shape, -1, dtype=np.int64),
-        replicas=np.zeros(shape, dtype=np.int64),
+        split=np.full(shape, -1, dtype=np.int32),
+        split_m=np.full(shape, -1, dtype=np.int32),
+        replicas=np.zeros(shape, dtype=np.int32),
     )
-    known = ~np.isnan(activation)
-    cmp = np.where(np.isnan(compute), np.inf, compute)
-    act = np.where(known, activation, 0.0)
-    par = np.where(known, parameter, 0.0)
-    memory = act + par
 
-    # one stage on m + 1 replicas (data parallelism within the block)
+    # A[i][j][m] starts as one stage on m + 1 replicas: data parallelism over the block
     for m in range(1 if opts.straight_pipeline else num_machines):
-        allreduce = (4 * m * par) / (bandwidth * (m + 1)) / machines_within
-        time = (cmp + allreduce) / (m + 1)
+        allreduce = (4 * m * par[:top]) / (bandwidth * (m + 1)) / machines_within
+        time = (cmp[:top] + allreduce) / (m + 1)
         if opts.use_memory_constraint:
-            stash = math.ceil((num_machines - (m + 1)) / (m + 1)) * memory
+            stash = math.ceil((num_machines - (m + 1)) / (m + 1)) * memory[:top]
             time = np.where(stash > opts.memory_size, np.inf, time)
         level.time[:, :, m] = time
         level.replicas[:, :, m] = m + 1
 
-    # the last stage (k+1 .. j) on m' replicas, for every split state k and end state j
+    # the last stage, states k+1 .. j on m' replicas, as [j, k]; inf where k does not precede j
     last = {}
+    ratio = opts.activation_compression_ratio
     for mp in range(1, 2 if opts.straight_pipeline else num_machines):
         t = (cmp[1:] + (4 * (mp - 1) * par[1:]) / (bandwidth * mp)) / mp
-        ratio = opts.activation_compression_ratio
         if ratio is not None:
-            t_in = (2.0 * output) / (bandwidth * mp) / ratio
-            t_out = (2.0 * output) / (bandwidth * mp) / ratio
-            t_out[-1] = -np.inf  # the last state sends nothing on
-            t = np.maximum(np.maximum(t, t_in[:, None]), t_out[None, :])
-        last[mp] = np.where(pred.T, t, np.inf)
+            sent = (2.0 * output) / (bandwidth * mp) / ratio
+            received = sent.copy()
+            received[-1] = -np.inf  # the last state sends nothing on
+            t = np.maximum(np.maximum(t, sent[:, None]), received[None, :])
+        last[mp] = np.where(pred, t.T, np.inf)
 
-    top = 1 if final_level else rows
-    later = np.arange(n)[None, :] > np.arange(top)[:, None]  # j > i: what the DP loop updates
+    later = np.arange(n)[None, :] > np.arange(top)[:, None]  # j > i: the entries the DP updates
     for m in range(1, num_machines):
-        t = level.time[:top, :, m].copy()
-        k = level.split[:top, :, m].copy()
-        km = level.split_m[:top, :, m].copy()
-        r = level.replicas[:top, :, m].copy()
+        current = [a[:, :, m] for a in (level.time, level.split, level.split_m, level.replicas)]
         if opts.use_fewer_machines:
-            fewer = (np.isinf(t) | (level.time[:top, :, m - 1] < t)) & later
-            t[fewer] = level.time[:top, :, m - 1][fewer]
-            k[fewer] = level.split[:top, :, m - 1][fewer]
-            km[fewer] = level.split_m[:top, :, m - 1][fewer]
-            r[fewer] = level.replicas[:top, :, m - 1][fewer]
+            # PipeDream takes A[i][j][m-1] when it is better (or A[i][j][m] is None); an
+            # infeasible A[i][j][m-1] never counts as better (Python 3 PipeDream raises there)
+            t = current[0]
+            fewer = (np.isinf(t) | (level.time[:, :, m - 1] < t)) & later
+            for now, before in zip(
+                current, (level.time, level.split, level.split_m, level.replicas), strict=True
+            ):
+                now[fewer] = before[:, :, m - 1][fewer]
         best = np.full((top, n), np.inf)
         best_k = np.full((top, n), n, dtype=np.int64)
         best_mp = np.zeros((top, n), dtype=np.int64)
         for mp in range(1, 2 if opts.straight_pipeline else m + 1):
             stage = last[mp]
             if opts.use_memory_constraint:
-                stash = memory[1:] * math.ceil((num_machines - (m + 1)) / mp)
+                stash = memory[1:].T * math.ceil((num_machines - (m + 1)) / mp)
                 stage = np.where(stash > opts.memory_size, np.inf, stage)
-            value, arg = _min_max(level.time[:top, :, m - mp], stage, 0)
+            value, arg = _min_max(level.time[:, :, m - mp], stage)
             # PipeDream scans k, then m' upwards, and keeps the first strict minimum
-            take = (value < best) | ((value == best) & (RANK[arg] < RANK[np.minimum(best_k, n-1)]))
+            take = (value < best) | ((value == best) & (arg < best_k))
             best = np.where(take, value, best)
             best_k = np.where(take, arg, best_k)
             best_mp = np.where(take, mp, best_mp)
-        win = (best < t) & later
-        t[win] = best[win]
-        k[win] = best_k[win]
-        km[win] = m - best_mp[win]
-        r[win] = best_mp[win]
-        upd = later
-        level.time[:top, :, m][upd] = t[upd]
-        level.split[:top, :, m][upd] = k[upd]
-        level.split_m[:top, :, m][upd] = km[upd]
-        level.replicas[:top, :, m][upd] = r[upd]
+        win = (best < current[0]) & later
+        current[0][win] = best[win]
+        current[1][win] = best_k[win]
+        current[2][win] = m - best_mp[win]
+        current[3][win] = best_mp[win]
     return level
 
 
@@ -413,43 +411,70 @@ def _analyze(level: _Level, compute: np.ndarray, start: int, end: int, machines:
     bounds = [start, *reversed(splits), end]
     replicas.reverse()
     rows = []
-    for (a, b), r in zip(zip(bounds, bounds[1:]), replicas):
+    for (a, b), r in zip(pairwise(bounds), replicas, strict=True):
         time = compute[b - 1] - compute[a - 1] if a > 0 else compute[b - 1]
         rows.append((a, b, float(time), r))
     return rows
 
 
-def _check_options(
-    num_machines: Sequence[int], bandwidths: Sequence[float], opts: _Options
+def _options(
+    straight_pipeline: bool = False,
+    use_memory_constraint: bool = False,
+    memory_size: float = 16e9,
+    use_fewer_machines: bool = False,
+    activation_compression_ratio: float | None = None,
+) -> _Options:
+    """The options, checked (defaults as PipeDream's command line)."""
+
+    def number(name: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise PartitionError(f"{name} must be a number, got {value!r}")
+        return float(value)
+
+    memory = number("memory_size", memory_size)
+    if not memory > 0:
+        raise PartitionError(
+            f"memory_size must be > 0 bytes per device, got {memory_size!r} (PipeDream's default "
+            "is 16e9)"
+        )
+    ratio = activation_compression_ratio
+    if ratio is not None:
+        ratio = number("activation_compression_ratio", ratio)
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise PartitionError(
+                "activation_compression_ratio must be None (inter-stage communication ignored) "
+                f"or a finite number > 0 (1.0: uncompressed), got {activation_compression_ratio!r}"
+            )
+    return _Options(
+        straight_pipeline=bool(straight_pipeline),
+        use_memory_constraint=bool(use_memory_constraint),
+        memory_size=memory,
+        use_fewer_machines=bool(use_fewer_machines),
+        activation_compression_ratio=ratio,
+    )
+
+
+def _hierarchy(
+    num_machines: Sequence[int], bandwidths: Sequence[float]
 ) -> tuple[list[int], list[float]]:
     machines = list(num_machines)
     if not machines or not all(
         isinstance(m, (int, np.integer)) and not isinstance(m, bool) and m >= 1 for m in machines
     ):
         raise PartitionError(
-            f"num_machines must be a non-empty list of integers >= 1 (machines per level, "
+            "num_machines must be a non-empty list of integers >= 1 (machines per level, "
             f"innermost first, e.g. [4, 4] for 4 servers of 4 GPUs), got {num_machines!r}"
         )
     links = list(bandwidths)
     if len(links) != len(machines):
         raise PartitionError(
             f"bandwidths has {len(links)} entries but num_machines has {len(machines)} levels "
-            f"({machines}); give one bandwidth (bytes/s) per level, innermost first"
+            f"({machines}); give one bandwidth in bytes/s per level, innermost first"
         )
-    for b in links:
-        if isinstance(b, bool) or not isinstance(b, (int, float, np.number)) or not b > 0:
-            raise PartitionError(f"bandwidths must be numbers > 0 (bytes/s), got {links!r}")
-    if not opts.memory_size > 0:
-        raise PartitionError(
-            f"memory_size must be > 0 bytes per device, got {opts.memory_size!r} (PipeDream's "
-            "default is 16e9)"
-        )
-    ratio = opts.activation_compression_ratio
-    if ratio is not None and not (math.isfinite(ratio) and ratio > 0):
-        raise PartitionError(
-            f"activation_compression_ratio must be None (ignore inter-stage communication) or a "
-            f"finite number > 0 (1.0: uncompressed), got {ratio!r}"
-        )
+    if not all(
+        isinstance(b, (int, float, np.number)) and not isinstance(b, bool) and b > 0 for b in links
+    ):
+        raise PartitionError(f"bandwidths must be numbers > 0 (bytes/s), got {bandwidths!r}")
     return [int(m) for m in machines], [float(b) for b in links]
 
 
@@ -457,15 +482,15 @@ def _infeasible(states: _States, machines: list[int], opts: _Options) -> Partiti
     hints = []
     if opts.straight_pipeline and not opts.use_fewer_machines:
         hints.append(
-            "a straight pipeline gives every machine a stage of its own, so every level needs at "
+            "a straight pipeline gives every machine a stage of its own, so each level needs at "
             "least as many states as machines: pass use_fewer_machines=True or fewer machines"
         )
     if opts.use_memory_constraint:
         hints.append(
-            f"the memory constraint allows {opts.memory_size:.4g} bytes per device and the model "
-            f"stashes {states.activation[-1]:.4g} bytes of activations and holds "
-            f"{states.parameter[-1]:.4g} bytes of parameters: raise memory_size, add machines or "
-            "drop use_memory_constraint"
+            f"the memory constraint allows {opts.memory_size:.4g} bytes per device, and a stage "
+            "stashes its activations and parameters once per microbatch in flight after it "
+            f"(the whole model: {states.activation[-1]:.4g} + {states.parameter[-1]:.4g} bytes): "
+            "raise memory_size, add machines or drop use_memory_constraint"
         )
     return PartitionError(
         f"PipeDream's optimizer finds no feasible partition of {len(states.compute)} antichain "
@@ -473,6 +498,28 @@ def _infeasible(states: _States, machines: list[int], opts: _Options) -> Partiti
         f"use_memory_constraint={opts.use_memory_constraint}, "
         f"use_fewer_machines={opts.use_fewer_machines}); " + "; ".join(hints or ["no stage fits"])
     )
+
+
+def _solve(
+    cost_graph: CostGraph, machines: list[int], links: list[float], opts: _Options
+) -> tuple[_States, list[_Level]]:
+    """States and the DP table of every level, innermost first."""
+    states = _build_states(cost_graph)
+    compute = _blocks(states.compute)
+    activation = _blocks(states.activation)
+    parameter = _blocks(states.parameter)
+    levels: list[_Level] = []
+    within = 1  # PipeDream divides the first stage's all-reduce by the level below's machines
+    for depth, (m, bandwidth) in enumerate(zip(machines, links, strict=True)):
+        final = depth == len(machines) - 1
+        level = _solve_level(
+            compute, activation, parameter, states.output, states.pred, m, within, bandwidth,
+            final, opts,
+        )  # fmt: skip
+        levels.append(level)
+        within = m
+        compute = level.time[:, :, -1]  # the next level's compute: this level's best time
+    return states, levels
 
 
 def _flat_stages(
@@ -498,7 +545,7 @@ def _flat_stages(
     members: list[list[str]] = [[] for _ in ranges]
     for name in cost_graph.nodes:
         members[stage_of[name]].append(name)
-    return tuple((tuple(m), devices) for m, (_, _, devices) in zip(members, ranges))
+    return tuple((tuple(m), devices) for m, (_, _, devices) in zip(members, ranges, strict=True))
 
 
 def optimize_pipedream(
@@ -515,63 +562,50 @@ def optimize_pipedream(
     """Run PipeDream's hierarchical optimizer (`optimizer_graph_hierarchical.py`) on a CostGraph.
 
     Args:
-        cost_graph: the layers; `forward_s + backward_s` is a layer's compute, `activation_bytes`
-            what it stashes, `output_bytes` what it sends, `param_bytes` its weights. Sources of
-            kind "input" are set aside and `__getitem__` sinks dropped, as PipeDream does.
+        cost_graph: the layers: `forward_s + backward_s` is a layer's compute,
+            `activation_bytes` what it stashes, `output_bytes` what it sends, `param_bytes` its
+            weights. Sources of kind "input" are set aside and `__getitem__` sinks dropped, as
+            PipeDream does; the node and edge order of a PipeDream file (`meta["pipedream"]`)
+            fixes the state order.
         num_machines: machines per level, innermost first (PipeDream's `-n`).
         bandwidths: bytes/s between the machines of each level (`-b`).
         straight_pipeline: one replica per stage (`--straight_pipeline`).
-        use_memory_constraint: enforce `memory_size` bytes per device (`--use_memory_constraint`).
+        use_memory_constraint: enforce `memory_size` (`--use_memory_constraint`).
         memory_size: bytes per device (`-s`).
         use_fewer_machines: a block may leave machines unused (`--use_fewer_machines`).
         activation_compression_ratio: None ignores inter-stage communication, as PipeDream does
-            without `--activation_compression_ratio`; a ratio divides the activation bytes sent.
+            without `--activation_compression_ratio`; a ratio divides the bytes sent.
 
     Returns:
         the predicted time per stage, the printed stage tables and the flat stages.
 
     Raises:
-        PartitionError: bad option values, a graph with no layers, or no feasible partition.
+        PartitionError: a bad option value, a graph with no layer, or no feasible partition.
 
     Example:
         >>> g = CostGraph()
-        >>> g.add_node("a", forward_s=0.01, backward_s=0.02, output_bytes=1000)
-        >>> g.add_node("b", forward_s=0.01, backward_s=0.02)
-        >>> g.add_edge("a", "b", 1000)
+        >>> g.add_node("a", forward_s=0.25, backward_s=0.5, param_bytes=10**8, output_bytes=10**6)
+        >>> g.add_node("b", forward_s=0.25, backward_s=0.5, param_bytes=10**8)
+        >>> g.add_edge("a", "b", 10**6)
         >>> r = optimize_pipedream(g, [2], [1e9], activation_compression_ratio=1.0)
-        >>> r.time_per_stage, r.stages
-        (0.03, ((('a',), 1), (('b',), 1)))
+        >>> r.time_per_stage, r.levels, r.stages
+        (0.75, (((0, 1, 0.75, 1), (1, 2, 0.75, 1)),), ((('a',), 1), (('b',), 1)))
     """
-    opts = _Options(
-        straight_pipeline=bool(straight_pipeline),
-        use_memory_constraint=bool(use_memory_constraint),
-        memory_size=float(memory_size),
-        use_fewer_machines=bool(use_fewer_machines),
-        activation_compression_ratio=(
-            None if activation_compression_ratio is None else float(activation_compression_ratio)
-        ),
+    opts = _options(
+        straight_pipeline,
+        use_memory_constraint,
+        memory_size,
+        use_fewer_machines,
+        activation_compression_ratio,
     )
-    machines, links = _check_options(num_machines, bandwidths, opts)
-    states = _build_states(cost_graph)
+    machines, links = _hierarchy(num_machines, bandwidths)
+    states, levels = _solve(cost_graph, machines, links, opts)
     n = len(states.compute)
-    compute = _blocks(states.compute)
-    activation = _blocks(states.activation)
-    parameter = _blocks(states.parameter)
-    levels: list[_Level] = []
-    within = 1
-    for depth, (m, bandwidth) in enumerate(zip(machines, links)):
-        final = depth == len(machines) - 1
-        level = _solve_level(
-            compute, activation, parameter, states.output, states.pred, m, within, bandwidth,
-            final, opts,
-        )  # fmt: skip
-        levels.append(level)
-        within = m
-        compute = level.time[:, :, -1]  # the next level's compute: this level's best time
     time_per_stage = float(levels[-1].time[0, n - 1, machines[-1] - 1])
     if not math.isfinite(time_per_stage):
         raise _infeasible(states, machines, opts)
 
+    # the printed tables: the top level's, then one per stage of the level above, innermost last
     tables: list[tuple[Row, ...]] = []
     ranges = [(0, n, 1)]
     for depth in reversed(range(len(machines))):
@@ -585,7 +619,7 @@ def optimize_pipedream(
     single = float(states.compute[-1])
     data_parallel = single
     within = 1
-    for m, bandwidth in zip(machines, links):
+    for m, bandwidth in zip(machines, links, strict=True):
         allreduce = ((4 * (m - 1) * states.parameter[-1]) / (bandwidth * m)) / within
         data_parallel = (data_parallel + allreduce) / m
         within = m
