@@ -22,7 +22,13 @@ from pdcompile.plans import Plan, Stage, check_schedule, consecutive_ranks
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 
 _REGISTRY: dict[str, Solver] = {}
-_BUILTINS = ("pdcompile.passes.solvers.baselines", "pdcompile.passes.solvers.dp")
+_BUILTINS = (
+    "pdcompile.passes.solvers.baselines",
+    "pdcompile.passes.solvers.dp",
+    "pdcompile.passes.solvers.pipedream",
+    "pdcompile.passes.solvers.ideal",
+    "pdcompile.passes.solvers.cpsat",
+)
 
 
 def register_solver(name: str) -> Callable[[Solver], Solver]:

@@ -37,7 +37,7 @@ from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
 
 
-class _Prefix:
+class Prefix:
     """Prefix sums over one order, and the bytes crossing each cut."""
 
     def __init__(self, cost_graph: CostGraph, order: list[str]) -> None:
@@ -61,7 +61,7 @@ class _Prefix:
         self.cut = np.cumsum(diff)[: len(order) + 1]  # cut[j]: bytes into position j
 
 
-def _stage_memory(p: _Prefix, j: int, ks: np.ndarray, inflight: int, versions: int) -> np.ndarray:
+def _stage_memory(p: Prefix, j: int, ks: np.ndarray, inflight: int, versions: int) -> np.ndarray:
     return (
         p.weights[ks] - p.weights[j]
         + versions * (p.params[ks] - p.params[j])
@@ -69,7 +69,9 @@ def _stage_memory(p: _Prefix, j: int, ks: np.ndarray, inflight: int, versions: i
     )  # fmt: skip
 
 
-def _bounds(schedule: str, m: int, r: int, total: int, microbatches: int) -> tuple[int, int]:
+def safe_memory_bounds(
+    schedule: str, m: int, r: int, total: int, microbatches: int
+) -> tuple[int, int]:
     """Safe (in flight, extra weight versions) for a stage on ranks [m, m + r)."""
     after = total - m  # at most this many devices from this stage on
     if schedule == "pipedream":
@@ -81,7 +83,7 @@ def _bounds(schedule: str, m: int, r: int, total: int, microbatches: int) -> tup
 
 
 def _solve_general(
-    p: _Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
+    p: Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
 ) -> list[tuple[int, int, int]]:
     """Exact DP over (end, devices used, span level); returns (start, end, replicas) per stage."""
     total = cluster.num_devices
@@ -111,7 +113,7 @@ def _solve_general(
                         level = max(prev, cluster.level_of(m - 1, m), span)
                         time = time + 2 * p.cut[j] / bandwidth[level] / r
                     if memory is not None:
-                        inflight, versions = _bounds(schedule, m, r, total, microbatches)
+                        inflight, versions = safe_memory_bounds(schedule, m, r, total, microbatches)
                         fits = _stage_memory(p, j, ks, inflight, versions) <= memory
                         time = np.where(fits, time, np.inf)
                     candidate = np.maximum(value, time)
@@ -136,7 +138,7 @@ def _solve_general(
 
 
 def _min_replicas(
-    p: _Prefix, k: int, limit: float, bandwidth: float, schedule: str, microbatches: int
+    p: Prefix, k: int, limit: float, bandwidth: float, schedule: str, microbatches: int
 ) -> np.ndarray:
     """For every start j < k: the fewest replicas with stage time <= limit (inf if none)."""
     js = np.arange(k)
@@ -157,7 +159,7 @@ def _min_replicas(
 
 
 def _solve_flat(
-    p: _Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
+    p: Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
 ) -> list[tuple[int, int, int]]:
     """Bisection on the bottleneck with a fewest-devices DP (flat, homogeneous, no memory limit)."""
     total = cluster.num_devices
@@ -192,7 +194,7 @@ def _solve_flat(
     return stages[::-1]
 
 
-def _infeasible_message(p: _Prefix, n: int, cluster: Cluster) -> str:
+def _infeasible_message(p: Prefix, n: int, cluster: Cluster) -> str:
     need = float(p.weights[n] - p.weights[0])
     return (
         f"no placement fits: device memory is {cluster.memory:.4g} B, and the model's weights, "
@@ -221,7 +223,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
                 f"dp: unknown order {name!r}; choose from graph, dfs, bfs, critical_path"
             )
         order = orders[name]
-        p = _Prefix(cost_graph, order)
+        p = Prefix(cost_graph, order)
         solve = _solve_flat if flat else _solve_general
         cuts = solve(p, len(order), cluster, schedule, microbatches)
         groups = [(order[j:k], r) for j, k, r in cuts]

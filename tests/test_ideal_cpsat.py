@@ -1,0 +1,277 @@
+"""`ideal` and `cpsat` against brute force under `evaluate`, against `dp`, and their fallbacks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_solvers import chain
+
+import pdcompile
+from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, evaluate
+from pdcompile.plans import consecutive_ranks
+
+SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")
+DATA = Path(__file__).parent / "data" / "pipedream"
+
+
+def dag(n: int, edges: list[bool], costs: list[tuple], source: bool) -> CostGraph:
+    """`n` nodes, edge i -> j (i < j) where the next flag says so; node 0 a data source."""
+    g = CostGraph(batch_size=8)
+    for i, (t, p, a) in enumerate(costs[:n]):
+        kind = "input" if source and i == 0 else "compute"
+        g.add_node(f"n{i}", kind=kind, forward_s=t / 3, backward_s=2 * t / 3, param_bytes=p,
+                   grad_bytes=p, activation_bytes=a)  # fmt: skip
+    flags = iter(edges)
+    for j in range(1, n):
+        for i in range(j):
+            if next(flags):
+                g.add_edge(f"n{i}", f"n{j}", 10 * (i + 1) + j)
+    return g
+
+
+def ideals(g: CostGraph) -> list[frozenset[str]]:
+    out = []
+    for k in range(len(g.nodes) + 1):
+        for subset in map(frozenset, itertools.combinations(g.nodes, k)):
+            if all(p in subset for n in subset for p in g.graph.predecessors(n)):
+                out.append(subset)
+    return out
+
+
+def brute_force(g: CostGraph, cluster: Cluster, schedule: str, m: int) -> float:
+    """The best predicted time that fits memory over every chain of ideals (data sources in the
+    first stage) and every replica assignment, each plan scored with `evaluate`."""
+    kinds = g.graph.nodes
+    sources = {n for n in g.nodes if kinds[n]["kind"] == "input" and g.graph.in_degree(n) == 0}
+    downsets, everything, d = ideals(g), frozenset(g.nodes), cluster.num_devices
+
+    def chains(done: frozenset[str], stages: list[frozenset[str]]):
+        if done == everything:
+            yield stages
+        elif len(stages) < d:
+            for ideal in downsets:
+                if done < ideal and (done or sources <= ideal):
+                    yield from chains(ideal, [*stages, ideal - done])
+
+    best = math.inf
+    for stages in chains(frozenset(), []):
+        for replicas in itertools.product(range(1, d + 1), repeat=len(stages)):
+            if sum(replicas) > d:
+                continue
+            ranks = consecutive_ranks(replicas)
+            plan = Plan(
+                stages=tuple(
+                    Stage(index=i, nodes=tuple(n for n in g.nodes if n in s), replicas=r,
+                          ranks=ranks[i])
+                    for i, (s, r) in enumerate(zip(stages, replicas, strict=True))
+                ),  # fmt: skip
+                cluster=cluster, schedule=schedule, num_microbatches=m,
+            )  # fmt: skip
+            scored = evaluate(plan, g)
+            if scored.fits_memory:
+                best = min(best, scored.predicted_time)
+    return best
+
+
+def solve(g: CostGraph, cluster: Cluster, solver: str, schedule: str, m: int, **options) -> Plan:
+    plan = pdcompile.plan(g, cluster, solver=solver, schedule=schedule, num_microbatches=m,
+                          **options)  # fmt: skip
+    assert plan.predicted_time == pytest.approx(evaluate(plan, g).predicted_time, rel=1e-12)
+    assert plan.fits_memory
+    return plan
+
+
+costs = st.lists(
+    st.tuples(st.floats(0.01, 10), st.integers(0, 200), st.integers(0, 60)), min_size=12,
+    max_size=12,
+)  # fmt: skip
+edges = st.lists(st.booleans(), min_size=66, max_size=66)  # every pair of 12 nodes
+
+
+@st.composite
+def clusters(draw, max_devices: int = 4, memory: bool = False) -> Cluster:
+    d = draw(st.integers(1, max_devices))
+    speed = draw(st.none() | st.lists(st.sampled_from([0.25, 1.0, 2.0]), min_size=d, max_size=d))
+    limit = draw(st.sampled_from([None, 400, 700, 1200])) if memory else None
+    return Cluster([(d, draw(st.sampled_from([20.0, 200.0])))], memory=limit, speed=speed)
+
+
+# -- ideal ---------------------------------------------------------------------------------
+
+
+@settings(deadline=None, max_examples=300)
+@given(n=st.integers(1, 7), edges=edges, costs=costs, source=st.booleans(), cluster=clusters(),
+       schedule=st.sampled_from(SCHEDULES), m=st.integers(1, 6))  # fmt: skip
+def test_ideal_equals_brute_force_on_small_dags(n, edges, costs, source, cluster, schedule, m):
+    g = dag(n, edges, costs, source)
+    plan = solve(g, cluster, "ideal", schedule, m)
+    assert "fallback" not in plan.options
+    assert plan.predicted_time == pytest.approx(brute_force(g, cluster, schedule, m), rel=1e-9)
+    first = set(plan.stages[0].nodes)
+    assert all(n in first for n in g.nodes if g.graph.nodes[n]["kind"] == "input")
+
+
+@settings(deadline=None, max_examples=150)
+@given(n=st.integers(1, 12), costs=costs, cluster=clusters(6, memory=True),
+       schedule=st.sampled_from(SCHEDULES), m=st.integers(1, 8))  # fmt: skip
+def test_ideal_equals_dp_on_chains(n, costs, cluster, schedule, m) -> None:
+    times, params, acts = zip(*costs[:n], strict=True)
+    g = chain(times, params, acts, [10 * i for i in range(n)])
+    try:
+        expected = solve(g, cluster, "dp", schedule, m).predicted_time
+    except PartitionError:
+        with pytest.raises(PartitionError, match="no placement fits"):
+            solve(g, cluster, "ideal", schedule, m)
+        return
+    plan = solve(g, cluster, "ideal", schedule, m)
+    assert plan.options["ideals"] == n + 1
+    assert plan.predicted_time == pytest.approx(expected, rel=1e-9)
+
+
+@settings(deadline=None, max_examples=200)
+@given(n=st.integers(1, 10), edges=edges, costs=costs, source=st.booleans(),
+       cluster=clusters(5, memory=True), schedule=st.sampled_from(SCHEDULES),
+       m=st.integers(1, 6))  # fmt: skip
+def test_ideal_is_never_worse_than_dp_on_small_dags(n, edges, costs, source, cluster, schedule, m):
+    g = dag(n, edges, costs, source)
+    try:
+        baseline = solve(g, cluster, "dp", schedule, m).predicted_time
+    except PartitionError:
+        baseline = math.inf
+    try:
+        plan = solve(g, cluster, "ideal", schedule, m)
+    except PartitionError:
+        assert baseline == math.inf
+        return
+    assert plan.predicted_time <= baseline * (1 + 1e-12)
+
+
+def test_ideal_beats_every_linear_order_dp_tries() -> None:
+    # three independent layers of 9, 8 and 1 s with 1000 B of parameters each: the best plan
+    # puts the first and the last on two replicas and the middle one alone, a stage that is no
+    # run of the orders dp cuts (all three are n0 n1 n2 here)
+    g = dag(3, [False] * 3, [(9, 1000, 0), (8, 1000, 0), (1, 1000, 0)], False)
+    cluster = Cluster.parse("3@100B/s")
+    ideal = solve(g, cluster, "ideal", "1f1b", 6)
+    assert [(s.nodes, s.replicas) for s in ideal.stages] == [(("n0", "n2"), 2), (("n1",), 1)]
+    assert ideal.predicted_time == pytest.approx(brute_force(g, cluster, "1f1b", 6), rel=1e-9)
+    assert ideal.predicted_time < 0.95 * solve(g, cluster, "dp", "1f1b", 6).predicted_time
+
+
+def test_ideal_falls_back_to_dp_and_says_why() -> None:
+    g = dag(8, [False] * 66, [(1.0, 10, 1)] * 12, False)  # an antichain: 2^8 ideals
+    cluster = Cluster.parse("3@100B/s")
+    dp_time = solve(g, cluster, "dp", "1f1b", 4).predicted_time
+    plan = solve(g, cluster, "ideal", "1f1b", 4, max_ideals=100)
+    assert plan.solver == "ideal" and plan.options["fallback"] == "dp"
+    assert "more ideals than max_ideals=100" in plan.options["reason"]
+    assert plan.predicted_time == dp_time
+    assert "fallback" not in solve(g, cluster, "ideal", "1f1b", 4, max_ideals=256).options
+    small = solve(g, cluster, "ideal", "1f1b", 4, max_transitions=1000)
+    assert "max_transitions=1e+03" in small.options["reason"]
+    hierarchical = solve(g, Cluster.parse("2@10B/s,2@1B/s"), "ideal", "1f1b", 4)
+    assert "2 levels" in hierarchical.options["reason"]
+    with pytest.raises(PartitionError, match="ideal: unknown options \\['orders'\\]"):
+        solve(g, cluster, "ideal", "1f1b", 4, orders=["dfs"])
+
+
+# -- cpsat ---------------------------------------------------------------------------------
+
+
+@settings(deadline=None, max_examples=250)
+@given(n=st.integers(1, 6), costs=costs, cluster=clusters(4, memory=True),
+       schedule=st.sampled_from(SCHEDULES), m=st.integers(1, 6))  # fmt: skip
+def test_cpsat_equals_brute_force_on_small_chains(n, costs, cluster, schedule, m) -> None:
+    times, params, acts = zip(*costs[:n], strict=True)
+    g = chain(times, params, acts, [10 * i for i in range(n)])
+    best = brute_force(g, cluster, schedule, m)  # exact memory, every speed
+    if best == math.inf:
+        with pytest.raises(PartitionError, match="no placement fits"):
+            solve(g, cluster, "cpsat", schedule, m)
+        return
+    plan = solve(g, cluster, "cpsat", schedule, m)
+    options = plan.options
+    assert options["status"] == "OPTIMAL"
+    # the documented rounding: the bound holds, and the plan is within 4 ticks of it
+    assert options["bound"] <= best * (1 + 1e-12)
+    assert best <= plan.predicted_time <= options["bound"] + 4 * options["tick_s"]
+    assert options["gap"] == pytest.approx(1 - options["bound"] / plan.predicted_time)
+
+
+def test_cpsat_meets_a_memory_limit_that_dp_s_safe_bound_misses() -> None:
+    # two layers of 200 B of weights and 50 B of activations, 4 devices, 300 B each: two stages
+    # of two replicas fit exactly (2 and 1 microbatches in flight); dp's bound counts 3 for the
+    # first and settles for a plan twice as slow
+    g = chain([1.0, 1.0], [100, 100], [50, 50], [0, 0])
+    cluster = Cluster.parse("4@1GB/s", memory=300)
+    dp = solve(g, cluster, "dp", "1f1b", 4)
+    plan = solve(g, cluster, "cpsat", "1f1b", 4)
+    assert [(len(s.nodes), s.replicas) for s in plan.stages] == [(1, 2), (1, 2)]
+    assert [s.memory_bytes for s in plan.stages] == [300, 250]
+    assert plan.predicted_time == pytest.approx(brute_force(g, cluster, "1f1b", 4), rel=5e-6)
+    assert plan.predicted_time < 0.6 * dp.predicted_time
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "ideal", "dp"])
+@pytest.mark.parametrize("speed", [(1.0, 0.25), (0.25, 1.0)])
+def test_a_slow_device_gets_less_work(solver, speed) -> None:
+    g = chain([1.0] * 8, [0] * 8, [0] * 8, [0] * 8)
+    plan = solve(g, Cluster([(2, 1e9)], speed=speed), solver, "1f1b", 4)
+    slow = next(s for s in plan.stages if speed[s.ranks[0]] == 0.25)
+    assert len(slow.nodes) == 1 and plan.predicted_time == pytest.approx(7.0)
+
+
+def test_cpsat_is_deterministic_and_reports_its_bound() -> None:
+    g = dag(10, [i % 3 == 0 for i in range(66)], [(1 + i % 4, 10 * i, i) for i in range(12)],
+            True)  # fmt: skip
+    cluster = Cluster([(4, 50.0)], memory=2000, speed=(1.0, 1.0, 0.5, 2.0))
+    first, second = (solve(g, cluster, "cpsat", "pipedream", 4) for _ in range(2))
+    assert first.stages == second.stages and first.options == second.options
+    assert first.options["status"] == "OPTIMAL"
+    assert first.options["bound"] <= first.predicted_time
+    assert first.predicted_time <= solve(g, cluster, "dp", "pipedream", 4).predicted_time
+    again = solve(g, cluster, "ideal", "pipedream", 4)
+    assert again.stages == solve(g, cluster, "ideal", "pipedream", 4).stages
+
+
+def test_cpsat_falls_back_or_refuses_and_says_why() -> None:
+    g = chain([1.0] * 6, [10] * 6, [1] * 6, [4] * 6)
+    plan = solve(g, Cluster.parse("4"), "cpsat", "1f1b", 4, max_cells=10)
+    assert plan.options["fallback"] == "dp" and "max_cells=10" in plan.options["reason"]
+    plan = solve(g, Cluster.parse("2@1GB/s,2@1MB/s"), "cpsat", "1f1b", 4)
+    assert "2 levels" in plan.options["reason"]
+    with pytest.raises(PartitionError, match="cpsat: unknown options"):
+        solve(g, Cluster.parse("4"), "cpsat", "1f1b", 4, time_limit=1)
+    with pytest.raises(PartitionError, match="no placement fits.*proven by cpsat"):
+        solve(g, Cluster.parse("4", memory=20), "cpsat", "1f1b", 4)
+
+
+@pytest.mark.parametrize("model", ["vgg16", "resnet50", "gnmt"])
+def test_never_worse_than_dp_on_published_profiles(model) -> None:
+    g = CostGraph.from_pipedream(DATA / model / "graph.txt", batch_size=128)
+    free = solve(g, Cluster.parse("4@1.25GB/s"), "dp", "1f1b", 8)
+    tight = 0.7 * max(s.memory_bytes for s in free.stages)  # dp's safe bound starts to bind
+    for cluster in (Cluster.parse("4@1.25GB/s"), Cluster.parse("4@1.25GB/s", memory=tight)):
+        for schedule in ("pipedream", "1f1b"):
+            try:
+                dp = solve(g, cluster, "dp", schedule, 8).predicted_time
+            except PartitionError:
+                dp = math.inf
+            for solver in ("ideal", "cpsat"):
+                try:
+                    plan = solve(g, cluster, solver, schedule, 8)
+                except PartitionError:
+                    assert dp == math.inf
+                    continue
+                assert plan.predicted_time <= dp * (1 + 1e-12), (solver, schedule)
+
+
+def test_both_are_registered() -> None:
+    names = pdcompile.solvers()
+    assert names["ideal"].startswith("Exact DP over the DAG's ideals")
+    assert names["cpsat"].startswith("CP-SAT")
