@@ -142,6 +142,12 @@ def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str,
             f"{cluster.num_devices} devices; was it made for another world size?"
         )
     for s in plan.stages:
+        if not s.nodes:
+            raise PartitionError(
+                f"stage {s.index} has no nodes: the plan has more stages ({len(plan.stages)}) "
+                f"than it can fill from {cost_graph.graph.number_of_nodes()} nodes; use fewer "
+                "stages or a finer graph (less coarsening)"
+            )
         if s.replicas != len(s.ranks) or s.replicas < 1:
             raise PartitionError(f"stage {s.index} has {s.replicas} replicas on ranks {s.ranks}")
     return stage_of

@@ -207,3 +207,37 @@ def test_memory_limit_is_respected() -> None:
     assert fits.fits_memory and all(s.memory_bytes <= 700 for s in fits.stages)
     with pytest.raises(PartitionError, match="no placement fits: device memory is 699 B"):
         pdcompile.plan(g, Cluster.parse("3", memory=699), schedule="1f1b", num_microbatches=4)
+
+
+def test_a_plan_with_more_stages_than_nodes_is_refused() -> None:
+    g = chain([1.0, 2.0], [1, 1], [1, 1], [4, 4])
+    plan = skeleton(g, Cluster.parse("3"), [1], [1, 1], "1f1b", 2)
+    empty = Stage(index=2, nodes=(), replicas=1, ranks=(2,))
+    with pytest.raises(PartitionError, match=r"more stages \(3\) than it can fill from 2 nodes"):
+        evaluate(plan.with_(stages=(*plan.stages, empty)), g)
+
+
+@st.composite
+def random_dags(draw: st.DrawFn) -> CostGraph:
+    n = draw(st.integers(2, 10))
+    g = CostGraph(batch_size=4)
+    for i in range(n):
+        t = draw(st.floats(0.01, 5))
+        p = draw(st.integers(0, 500))
+        g.add_node(f"n{i}", forward_s=t / 3, backward_s=2 * t / 3, param_bytes=p, grad_bytes=p,
+                   activation_bytes=draw(st.integers(0, 50)),
+                   output_bytes=draw(st.integers(0, 200)))  # fmt: skip
+        preds = draw(st.sets(st.integers(0, i - 1), max_size=2)) if i else set()
+        for j in sorted(preds | ({i - 1} if i else set())):
+            g.add_edge(f"n{j}", f"n{i}", g.graph.nodes[f"n{j}"]["output_bytes"])
+    return g
+
+
+@settings(deadline=None, max_examples=60)
+@given(g=random_dags(), cluster_text=clusters, schedule=st.sampled_from(["1f1b", "pipedream"]))
+def test_dp_is_never_worse_than_a_baseline(g, cluster_text, schedule) -> None:
+    cluster = Cluster.parse(cluster_text)
+    best = pdcompile.plan(g, cluster, schedule=schedule, num_microbatches=4)
+    for baseline in ("uniform", "params", "blocks"):
+        other = pdcompile.plan(g, cluster, solver=baseline, schedule=schedule, num_microbatches=4)
+        assert best.predicted_time <= evaluate(other, g).predicted_time * (1 + 1e-9), baseline
