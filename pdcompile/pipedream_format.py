@@ -113,17 +113,17 @@ def read_pipedream(path: Path, batch_size: int | None) -> CostGraph:
                 )
         if u == v:
             raise CostError(f"{path}:{lineno}: edge {u} -- {v} is a self-loop; remove it")
-    file_order = list(nodes)
-    order = _topological(path, file_order, list(edges))
+    listed = list(nodes)
+    order = _topological(path, listed, list(edges))
     graph = CostGraph(batch_size=batch_size)
     for node in order:
         graph.add_node(node, **nodes[node][0])
     for u, v in edges:
         graph.add_edge(u, v, graph.graph.nodes[u]["output_bytes"])
     extra: dict[str, Any] = {}
-    if order != file_order:
-        extra["node_order"] = file_order
-    if [list(e) for e in edges] != _default_edge_order(graph, file_order):
+    if order != listed:
+        extra["node_order"] = listed
+    if [list(e) for e in edges] != _default_edge_order(graph, listed):
         extra["edge_order"] = [list(e) for e in edges]
     if stages:
         extra["stage_ids"] = stages
@@ -167,21 +167,31 @@ def _size_text(x: float | int) -> str:
     return repr(x) if isinstance(x, float) else f"{x}.0"
 
 
-def format_pipedream(cost_graph: CostGraph) -> str:
+def file_order(cost_graph: CostGraph) -> tuple[list[str], list[tuple[str, str]]]:
+    """Nodes and edges in the order of the PipeDream file the graph came from (kept in
+    `meta["pipedream"]`), else the graph's node order with edges grouped by source."""
     g = cost_graph.graph
     extra = cost_graph.meta.get("pipedream")
     extra = extra if isinstance(extra, dict) else {}
     order = extra.get("node_order")
     if not (isinstance(order, list) and len(order) == len(g) and set(order) == set(g)):
         order = list(g)
-    edge_order = extra.get("edge_order")
+    edges = extra.get("edge_order")
     if not (
-        isinstance(edge_order, list)
-        and all(isinstance(e, list) and len(e) == 2 for e in edge_order)
-        and len(edge_order) == g.number_of_edges()
-        and {(e[0], e[1]) for e in edge_order} == set(g.edges)
+        isinstance(edges, list)
+        and all(isinstance(e, list) and len(e) == 2 for e in edges)
+        and len(edges) == g.number_of_edges()
+        and {(e[0], e[1]) for e in edges} == set(g.edges)
     ):
-        edge_order = _default_edge_order(cost_graph, order)
+        edges = _default_edge_order(cost_graph, order)
+    return order, [(u, v) for u, v in edges]
+
+
+def format_pipedream(cost_graph: CostGraph) -> str:
+    g = cost_graph.graph
+    extra = cost_graph.meta.get("pipedream")
+    extra = extra if isinstance(extra, dict) else {}
+    order, edge_order = file_order(cost_graph)
     stages = extra.get("stage_ids") if isinstance(extra.get("stage_ids"), dict) else {}
     lines = []
     for node in order:

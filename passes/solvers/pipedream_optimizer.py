@@ -22,6 +22,7 @@ import numpy as np
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
+from pdcompile.pipedream_format import file_order
 
 __all__ = ["PipeDreamResult", "optimize_pipedream"]
 
@@ -83,24 +84,6 @@ class _Level:
 # -- states ------------------------------------------------------------------------------
 
 
-def _pipedream_order(cost_graph: CostGraph) -> tuple[list[str], list[tuple[str, str]]]:
-    """Nodes and edges in the order PipeDream read them from its file (else the graph's)."""
-    g = cost_graph.graph
-    extra = cost_graph.meta.get("pipedream")
-    extra = extra if isinstance(extra, dict) else {}
-    order = extra.get("node_order")
-    if not (isinstance(order, list) and len(order) == len(g) and set(order) == set(g)):
-        order = list(g)
-    edges = extra.get("edge_order")
-    if not (
-        isinstance(edges, list)
-        and len(edges) == g.number_of_edges()
-        and all(isinstance(e, list) and len(e) == 2 and g.has_edge(*e) for e in edges)
-    ):
-        edges = [[u, v] for u in order for v in g.successors(u)]
-    return order, [(u, v) for u, v in edges]
-
-
 def _bits(mask: int) -> list[int]:
     out = []
     while mask:
@@ -113,7 +96,7 @@ def _bits(mask: int) -> list[int]:
 def _build_states(cost_graph: CostGraph) -> _States:
     """PipeDream's input/sink removal, antichain DAG, state order and per-state sums."""
     g = cost_graph.graph
-    order, edges = _pipedream_order(cost_graph)
+    order, edges = file_order(cost_graph)
     inputs = [n for n in order if g.nodes[n]["kind"] == "input" and g.in_degree(n) == 0]
     left = set(order) - set(inputs)
     has_out = {u for u, v in edges if u in left and v in left}
