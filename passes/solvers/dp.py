@@ -200,7 +200,8 @@ def _infeasible_message(p: Prefix, n: int, cluster: Cluster) -> str:
         f"no placement fits: device memory is {cluster.memory:.4g} B, and the model's weights, "
         f"gradients and optimizer state alone take {need:.4g} B (plus activations per "
         f"microbatch in flight); use more devices, a larger memory, fewer microbatches in flight "
-        "(schedule 1f1b), or a smaller microbatch"
+        "(schedule 1f1b), or a smaller microbatch. dp checks memory with a safe bound on the "
+        "microbatches in flight; solver='cpsat' checks it exactly and may still find a plan"
     )
 
 
@@ -215,6 +216,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
     chosen = options.get("orders") or list(orders)
     flat = cluster.is_flat and cluster.speed is None and cluster.memory is None
     best: Plan | None = None
+    failure: PartitionError | None = None
     for name in chosen:
         if name not in orders:
             if name in ("graph", "dfs", "bfs", "critical_path"):
@@ -225,11 +227,16 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
         order = orders[name]
         p = Prefix(cost_graph, order)
         solve = _solve_flat if flat else _solve_general
-        cuts = solve(p, len(order), cluster, schedule, microbatches)
+        try:
+            cuts = solve(p, len(order), cluster, schedule, microbatches)
+        except PartitionError as e:
+            failure = e  # another order may fit
+            continue
         groups = [(order[j:k], r) for j, k, r in cuts]
         candidate = make_plan(cost_graph, cluster, groups, options, "dp")
         candidate = candidate.with_(options={**candidate.options, "order": name})
         if best is None or candidate.predicted_time < best.predicted_time:
             best = candidate
-    assert best is not None
+    if best is None:
+        raise failure
     return best
