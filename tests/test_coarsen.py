@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -122,13 +121,10 @@ def check_layers(
     return layers
 
 
-def test_two_thousand_nodes_to_64_layers_quickly() -> None:
-    g = transformer(12, 52)
+def test_two_thousand_nodes_to_64_layers() -> None:
+    g = transformer(12, 52)  # its speed is measured by benchmarks/coarsening.py, not asserted
     assert 2000 <= len(g.nodes) <= 2020
-    start = time.perf_counter()
     coarse = coarsen(g, 64)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"coarsening took {elapsed:.2f} s"
     layers = check_layers(g, coarse, 64)
     assert coarse.nodes == [f"L{i:03d}" for i in range(64)]
     assert layers[0] == ["x"] and coarse.graph.nodes["L000"]["kind"] == "input"
