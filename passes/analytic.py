@@ -30,7 +30,7 @@ from pdcompile.passes.node_runner import (
     differentiable_outputs,
     record_values,
 )
-from pdcompile.passes.shapes import preserved_state
+from pdcompile.passes.state import preserved_state
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

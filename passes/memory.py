@@ -33,7 +33,7 @@ from pdcompile.ir import (
     PARAM_BYTES,
     param_table,
 )
-from pdcompile.passes.shapes import preserved_state
+from pdcompile.passes.state import preserved_state
 
 # Optimizer state bytes per byte of trainable parameter.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate, map_arg
 
 from pdcompile.ir import iter_tensors
-from pdcompile.passes.shapes import preserved_state
+from pdcompile.passes.state import preserved_state
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 

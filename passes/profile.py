@@ -39,7 +39,7 @@ from pdcompile.passes.node_runner import (
     invoke,
     record_values,
 )
-from pdcompile.passes.shapes import preserved_state
+from pdcompile.passes.state import preserved_state
 
 log = logging.getLogger(__name__)
 

@@ -11,28 +11,14 @@ the node's output value, in flattening order; empty for non-tensor values) and
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from pdcompile.ir import OUTPUT_BYTES, OUTPUTS, TensorSpec, iter_tensors
-
-
-@contextlib.contextmanager
-def preserved_state(module: torch.nn.Module) -> Iterator[None]:
-    """Run a block without lasting effects on `module`'s buffers or on the RNG state."""
-    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+from pdcompile.passes.state import preserved_state
 
 
 class _ShapeRecorder(fx.Interpreter):

@@ -42,14 +42,11 @@ def parse_bytes(text: str | float, what: str = "size") -> float:
 
 
 def _format_rate(value: float) -> str:
+    """The shortest `"<number><unit>/s"` that `parse_bytes` reads back as exactly `value`."""
     for unit in ("TB", "GB", "MB", "KB"):
-        scaled = value / _UNITS[unit]
-        if (
-            scaled >= 1
-            and scaled == round(scaled, 6)
-            and float(repr(scaled)) * _UNITS[unit] == value
-        ):
-            return f"{scaled:g}{unit}/s"
+        text = f"{value / _UNITS[unit]:g}"
+        if float(text) >= 1 and float(text) * _UNITS[unit] == value:
+            return f"{text}{unit}/s"
     return f"{value!r}B/s"
 
 

@@ -10,7 +10,8 @@ S stages and M microbatches (docs/cost_model.md has the derivations):
     time_s      = compute_s / r_s + comm_s + allreduce_s                   (nothing overlapped)
     predicted   = max_s time_s
     step        = pipedream: predicted;  2bw: M * predicted;
-                  1f1b, gpipe: (M + S - 1) * max_s (compute_s / r_s + comm_s) + max_s allreduce * u
+                  1f1b, gpipe: (M + S - 1) * max_s (compute_s / r_s + comm_s) + max_s ring_s
+    (ring_s = the stage's whole ring all-reduce, allreduce_s * u_s)
 
 cut_s is the bytes of the tensors produced before stage s and used at or after it (a skip
 connection is charged at every boundary it crosses), sent forward as activations and back as

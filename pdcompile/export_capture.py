@@ -24,7 +24,7 @@ from pdcompile.errors import TraceError
 from pdcompile.fx_capture import describe_failure
 from pdcompile.graph_module import CapturedGraphModule
 from pdcompile.inputs import BoundInputs
-from pdcompile.passes.shapes import preserved_state
+from pdcompile.passes.state import preserved_state
 
 
 class ExportedGraphModule(CapturedGraphModule):

@@ -18,7 +18,8 @@ from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter
 from pdcompile.leaf_policy import LeafPolicy
 from pdcompile.passes.params import annotate_params
 from pdcompile.passes.scope import annotate_scope
-from pdcompile.passes.shapes import annotate_shapes, preserved_state
+from pdcompile.passes.shapes import annotate_shapes
+from pdcompile.passes.state import preserved_state
 
 METHODS = ("auto", "fx", "export")
 # An automatic leaf holding more than this share of the parameters defeats pipelining: try export.
@@ -93,7 +94,8 @@ def trace(
         return _finish(gm, model, inputs, "export", {}, check)
     except TraceError as e:
         if fallback is not None:
-            return _finish(*fallback[:1], model, inputs, "fx", fallback[1], check)
+            gm, auto = fallback
+            return _finish(gm, model, inputs, "fx", auto, check)
         if not failures:
             raise
         failures.append(f"export: {e}")

@@ -10,53 +10,45 @@ in the first stage:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.passes.solvers.orders import graph_order, min_max_partition
+from pdcompile.passes.solvers.orders import min_max_partition, split_sources
 from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
 
 
 def _one_stage_per_device(
-    cost_graph: CostGraph, cluster: Cluster, weights: Sequence[float], options: dict, name: str
+    cost_graph: CostGraph,
+    cluster: Cluster,
+    weight: Callable[[dict[str, Any]], float],
+    options: dict[str, Any],
+    name: str,
 ) -> Plan:
-    order = graph_order(cost_graph)
-    g = cost_graph.graph
-    sources = sum(1 for n in order if g.nodes[n]["kind"] == "input" and g.in_degree(n) == 0)
-    body = order[sources:] or order
-    starts = min_max_partition(list(weights[len(order) - len(body) :]), cluster.num_devices)
-    bounds = [*starts, len(body)]
-    groups = [list(body[bounds[i] : bounds[i + 1]]) for i in range(len(starts))]
-    groups[0] = order[: len(order) - len(body)] + groups[0]
+    """Contiguous stages of the graph's order, one per device, balancing `weight` per node."""
+    sources, body = split_sources(cost_graph, cost_graph.nodes)
+    body = body or sources
+    sources = [n for n in sources if n not in body]
+    weights = [weight(cost_graph.graph.nodes[n]) for n in body]
+    bounds = [*min_max_partition(weights, cluster.num_devices), len(body)]
+    groups = [body[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+    groups[0] = sources + groups[0]
     return make_plan(cost_graph, cluster, [(nodes, 1) for nodes in groups], options, name)
-
-
-def _weights(cost_graph: CostGraph, key: str) -> list[float]:
-    attrs = cost_graph.graph.nodes
-    order = graph_order(cost_graph)
-    if key == "count":
-        return [1.0] * len(order)
-    if key == "params":
-        return [float(attrs[n]["param_bytes"]) for n in order]
-    return [attrs[n]["forward_s"] + attrs[n]["backward_s"] for n in order]
 
 
 @register_solver("uniform")
 def uniform(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """One stage per device with equal node counts (Megatron-LM's even split)."""
-    return _one_stage_per_device(
-        cost_graph, cluster, _weights(cost_graph, "count"), options, "uniform"
-    )
+    return _one_stage_per_device(cost_graph, cluster, lambda a: 1.0, options, "uniform")
 
 
 @register_solver("params")
 def params(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """One stage per device with balanced parameter bytes (DeepSpeed's default)."""
     return _one_stage_per_device(
-        cost_graph, cluster, _weights(cost_graph, "params"), options, "params"
+        cost_graph, cluster, lambda a: float(a["param_bytes"]), options, "params"
     )
 
 
@@ -64,5 +56,5 @@ def params(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> 
 def blocks(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """One stage per device with balanced compute time (torchgpipe's balance by time)."""
     return _one_stage_per_device(
-        cost_graph, cluster, _weights(cost_graph, "time"), options, "blocks"
+        cost_graph, cluster, lambda a: a["forward_s"] + a["backward_s"], options, "blocks"
     )

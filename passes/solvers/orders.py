@@ -14,10 +14,15 @@ import networkx as nx
 from pdcompile.cost_graph import CostGraph
 
 
-def _with_sources_first(cost_graph: CostGraph, order: Sequence[str]) -> list[str]:
+def split_sources(cost_graph: CostGraph, order: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`order` split into its data sources (kind "input", no predecessors) and the rest."""
     g = cost_graph.graph
-    sources = [n for n in order if g.nodes[n]["kind"] == "input" and g.in_degree(n) == 0]
-    rest = [n for n in order if n not in set(sources)]
+    is_source = {n for n in order if g.nodes[n]["kind"] == "input" and g.in_degree(n) == 0}
+    return [n for n in order if n in is_source], [n for n in order if n not in is_source]
+
+
+def _with_sources_first(cost_graph: CostGraph, order: Sequence[str]) -> list[str]:
+    sources, rest = split_sources(cost_graph, order)
     return sources + rest
 
 
