@@ -41,6 +41,8 @@ _LAZY = {
     "plan": "pdcompile.planning",
     "register_solver": "pdcompile.planning",
     "solvers": "pdcompile.planning",
+    "codegen": "pdcompile.stage_codegen",
+    "StagedProgram": "pdcompile.staged_program",
 }
 _SUBMODULES = ("ir", "zoo", "passes", "runtime")
 
@@ -59,9 +61,11 @@ __all__ = [
     "SpecError",
     "Stage",
     "StageCommError",
+    "StagedProgram",
     "TraceError",
     "TraceWarning",
     "analyze",
+    "codegen",
     "evaluate",
     "ir",
     "plan",
