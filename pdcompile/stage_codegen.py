@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
-import torch.nn as nn
 from torch.fx.graph import _PyTreeCodeGen
 
 from pdcompile.cost_graph import CostGraph
@@ -36,6 +35,7 @@ from pdcompile.stage_modules import (
     copy_tensor,
     fetch,
     finish_state,
+    non_persistent,
 )
 from pdcompile.stage_values import ValueInfo, describe_values
 from pdcompile.staged_program import Channel, StagedProgram, StageSignature, TieGroup
@@ -96,21 +96,20 @@ def codegen(
         _build_stage(gm, index, num_stages, pinned, routes, held[index], ties)
         for index in range(num_stages)
     ]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
     signatures = [
         StageSignature(
             index,
-            tuple(p.name for p in gm.graph.find_nodes(op="placeholder"))
-            if index == 0
-            else tuple(routes.inputs[index]),
+            tuple(p.name for p in placeholders) if index == 0 else tuple(routes.inputs[index]),
             tuple(routes.outputs[index]),
-            tuple(n.name for n in gm.graph.nodes if n.op in COMPUTE_OPS
-                  and pinned[n.name] == index),
-        )  # fmt: skip
+            tuple(
+                n.name for n in gm.graph.nodes if n.op in COMPUTE_OPS and pinned[n.name] == index
+            ),
+            tuple(name for info in held[index] for name in info.names),
+        )
         for index in range(num_stages)
     ]
-    input_specs = {
-        p.name: values[p.name].describe() for p in gm.graph.find_nodes(op="placeholder")
-    }
+    input_specs = {p.name: values[p.name].describe() for p in placeholders}
     return StagedProgram(
         stages, signatures, routes.channels, ties, plan=plan, input_specs=input_specs,
         model_name=type(gm).__name__, training=bool(gm.meta.get(TRAINING, gm.training)),
@@ -269,12 +268,3 @@ def _build_stage(
     state = [(info.names, replace.get(id(t), t)) for info, t in zip(held, tensors, strict=True)]
     finish_state(stage, state, non_persistent(gm))
     return stage
-
-
-def non_persistent(module: nn.Module) -> set[str]:
-    """Qualified names of the buffers `module` keeps out of its state dict."""
-    return {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, sub in module.named_modules(remove_duplicate=False)
-        for name in sub._non_persistent_buffers_set
-    }

@@ -140,3 +140,12 @@ def finish_state(
                 owner._non_persistent_buffers_set.discard(field)
             else:
                 owner._non_persistent_buffers_set.add(field)
+
+
+def non_persistent(module: nn.Module) -> set[str]:
+    """Qualified names of the buffers `module` keeps out of its state dict."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules(remove_duplicate=False)
+        for name in sub._non_persistent_buffers_set
+    }

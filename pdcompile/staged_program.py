@@ -110,22 +110,23 @@ class StageSignature:
 
     Stage 0 takes the graph inputs; every other stage takes what its channels bring, as keyword
     arguments. A stage before the last returns a dict of the values it sends; the last returns
-    what the model returns. `nodes` are the graph nodes the stage computes.
+    what the model returns. `nodes` are the graph nodes the stage computes, `tensors` the names
+    of the model's parameters and buffers it holds (every name of a tied one).
     """
 
     index: int
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     nodes: tuple[str, ...]
+    tensors: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageSignature:
-        return cls(
-            data["index"], tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["nodes"])
-        )
+        return cls(data["index"], *(tuple(data[k]) for k in ("inputs", "outputs", "nodes",
+                                                              "tensors")))  # fmt: skip
 
 
 class StagedProgram:
