@@ -178,9 +178,9 @@ def _route_values(
             elif info.kind in ("tensor", "value"):
                 sent.add((src, dst, arg.name))
             else:
-                what = "holding tensors" if info.kind == "container" else ""
+                what = " holding tensors" if info.kind == "container" else ""
                 raise CodegenError(
-                    f"node {arg.name} (stage {src}) makes a {info.type_name} {what}, which node "
+                    f"node {arg.name} (stage {src}) makes a {info.type_name}{what}, which node "
                     f"{node.name} in stage {dst} uses: only tensors and small metadata (numbers, "
                     f"shapes, dtypes, devices) cross stage boundaries. Put {arg.name} and "
                     f"{node.name} in one stage"
