@@ -3,6 +3,8 @@
 pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
 pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
                        [--out costs.json]
+pdcompile plan INPUT --cluster SPEC [--solver NAME] [--out plan.json]
+pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME]) --out DIR
 """
 
 from __future__ import annotations
@@ -176,6 +178,29 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _codegen(args: argparse.Namespace) -> int:
+    from pdcompile.analysis import analyze
+    from pdcompile.cost_graph import CostGraph
+    from pdcompile.planning import plan
+    from pdcompile.plans import Plan
+    from pdcompile.stage_codegen import codegen
+
+    spec, gm = _trace_spec(args)
+    if args.plan:
+        made = Plan.load(args.plan)
+    else:
+        costs = analyze(gm, spec.example_inputs, example_kwargs=spec.example_kwargs,
+                        profile=False, progress=False)  # fmt: skip
+        made = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
+                    num_microbatches=args.microbatches)  # fmt: skip
+        print(made)
+    program = codegen(gm, made, cost_graph=CostGraph.load(args.costs) if args.costs else None)
+    program.write_source(args.out)
+    print(program)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def _solvers(args: argparse.Namespace) -> int:
     from pdcompile.planning import solvers
 
@@ -289,6 +314,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", default="dp", help="a name from `pdcompile solvers`")
     plan.add_argument("--out", metavar="FILE", help="write the Plan JSON here")
     plan.set_defaults(run=_plan)
+
+    generate = commands.add_parser(
+        "codegen",
+        help="generate one module per pipeline stage and write their source",
+        description="Capture SPEC, cut it into the stages of a plan (--plan FILE, or planned "
+        "here for --cluster with analytic costs) and write stage_<i>.py per stage and "
+        "program.json into --out; StagedProgram.load(DIR, model) rebuilds the program.",
+    )
+    generate.add_argument("spec", metavar="SPEC", help="package.module:factory or file.py:factory")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--plan", metavar="FILE", help="a Plan JSON (pdcompile plan --out)")
+    source.add_argument("--cluster", help="plan here for this cluster, e.g. 4 or 8@300GB/s")
+    generate.add_argument("--costs", metavar="FILE", help="the CostGraph a coarsened plan used")
+    generate.add_argument("--solver", default="dp", help="with --cluster: a solver name")
+    generate.add_argument("--memory", help="with --cluster: bytes per device, e.g. 80GB")
+    generate.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    generate.add_argument("--microbatches", type=int, help="with --cluster: per step")
+    generate.add_argument("--out", required=True, metavar="DIR", help="folder to write")
+    _add_capture_options(generate)
+    generate.set_defaults(run=_codegen)
 
     listing = commands.add_parser("solvers", help="list the registered solvers")
     listing.set_defaults(run=_solvers)

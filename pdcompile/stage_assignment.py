@@ -73,7 +73,8 @@ def assign_nodes(
     if unknown:
         how = (
             "plan on the CostGraph of this graph (pdcompile.analyze(gm, ...)) and pass that "
-            "plan; a plan on a coarsened CostGraph names layers: pass cost_graph= as well"
+            "plan; a plan on a coarsened CostGraph names layers: pass cost_graph= as well "
+            "(--costs on the command line)"
         )
         if cost_graph is not None:
             how = "the plan and cost_graph come from another graph: plan on this graph's costs"

@@ -202,7 +202,7 @@ class StagedProgram:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [
             f"StagedProgram of {self.model_name}: {self.num_stages} stages, "
-            f"{len(self.channels)} channels, {len(self.ties)} tie groups"
+            f"{len(self.channels)} channels, {len(self.ties)} tie group(s)"
         ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         lines += [f"  {c}" for c in self.channels]

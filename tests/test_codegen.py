@@ -260,4 +260,4 @@ def test_program_prints_stages_and_channels() -> None:
     _, gm, _, _ = captured("gpt")
     text = str(pdcompile.codegen(gm, plan_of(pieces(gm, 2))))
     assert text.startswith("StagedProgram of GPT: 2 stages")
-    assert "wte.weight, lm_head.weight" in text and "0 -> 1" in text
+    assert "1 tie group(s)" in text and "0 -> 1" in text
