@@ -241,15 +241,16 @@ def _build_stage(
             env[by_name[name]] = graph.placeholder(name)
     for name, literal in routes.constants[index].items():
         env[by_name[name]] = literal
+    last = index == num_stages - 1
     for node in gm.graph.nodes:
-        if node.op not in COMPUTE_OPS or pinned[node.name] != index:
+        mine = node.op in COMPUTE_OPS or (node.op == "output" and last)
+        if not mine or pinned[node.name] != index:
             continue
         for arg in node.all_input_nodes:
             if arg.op == "get_attr" and arg not in env:  # each stage reads its own tensors
                 env[arg] = graph.node_copy(arg)
         env[node] = graph.node_copy(node, env.__getitem__)
-    if index == num_stages - 1:
-        graph.node_copy(next(iter(gm.graph.find_nodes(op="output"))), env.__getitem__)
+    if last:
         codegen = gm.graph._codegen
         if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:
             graph._codegen = TreeOutputCodeGen(codegen.pytree_info.out_spec)
@@ -257,6 +258,7 @@ def _build_stage(
         graph.output({name: env[by_name[name]] for name in routes.outputs[index]})
     for node in graph.nodes:
         node.type = None  # annotations only; they would need imports in the written source
+    graph.lint()
 
     tensors = [fetch(gm, info.name) for info in held]
     copied = {name for tie in ties if index in tie.copies for name in tie.names}

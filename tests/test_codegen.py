@@ -261,3 +261,36 @@ def test_program_prints_stages_and_channels() -> None:
     text = str(pdcompile.codegen(gm, plan_of(pieces(gm, 2))))
     assert text.startswith("StagedProgram of GPT: 2 stages")
     assert "1 tie group(s)" in text and "0 -> 1" in text
+
+
+class ReturnsItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x * self.scale).relu(), self.scale
+
+
+def test_a_parameter_returned_as_output_is_read_by_the_last_stage() -> None:
+    model = ReturnsItsWeight()
+    x = torch.randn(2, 5)
+    gm = pdcompile.trace(model, (x,))
+    program = pdcompile.codegen(gm, plan_of([["x", "scale", "mul"], ["relu", "output"]]))
+    y, scale = program(x)
+    assert torch.equal(y, model(x)[0]) and torch.equal(scale, model.scale)
+    assert program.stages[1].get_parameter("scale") is scale  # a copy: the owner is stage 0
+    assert program.ties == (TieGroup(("scale",), 0, (0, 1)),)
+
+
+def test_train_mode_program_follows_the_graphs_random_stream() -> None:
+    """Dropout on: with stages in graph order the program draws the same masks as the graph."""
+    _, gm, bound, _ = captured("gpt", eval_mode=False)
+    program = pdcompile.codegen(gm, plan_of(pieces(gm, 4)))
+    assert program.training
+    torch.manual_seed(3)
+    expected = gm(**bound.tensors)
+    torch.manual_seed(3)
+    assert torch.equal(program(**bound.tensors), expected)
+    with pytest.raises(pdcompile.TraceError, match="captured in train mode"):
+        program.stages[1].eval()
