@@ -45,8 +45,8 @@ def synthetic_chain(layers: int, seed: int = 0) -> CostGraph:
 
 def scale_rows() -> list[dict]:
     rows = []
-    cases = [(1000, "1024@25GB/s"), (1000, "128@25GB/s"), (200, "8@300GB/s,4@25GB/s"),
-             (1000, "8@300GB/s,4@25GB/s")]  # fmt: skip
+    cases = [(1000, "8@300GB/s,128@25GB/s"), (1000, "1024@25GB/s"), (1000, "128@25GB/s"),
+             (200, "8@300GB/s,4@25GB/s"), (1000, "8@300GB/s,4@25GB/s")]  # fmt: skip
     for layers, cluster in cases:
         g = synthetic_chain(layers)
         start = time.perf_counter()

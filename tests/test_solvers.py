@@ -191,6 +191,30 @@ def test_flat_and_general_dp_agree() -> None:
     assert flat.predicted_time == pytest.approx(general.predicted_time, rel=1e-9)
 
 
+@settings(deadline=None, max_examples=25)
+@given(
+    data=st.data(),
+    n=st.integers(2, 16),
+    cluster_text=st.sampled_from(
+        ["4@40B/s,3@4B/s", "2@9B/s,2@3B/s,3@1B/s", "3@5B/s,3@50B/s", "8@100B/s,2@2B/s", "2,2,2,2"]
+    ),
+    schedule=st.sampled_from(["1f1b", "gpipe", "pipedream", "2bw"]),
+    m=st.integers(1, 8),
+)
+def test_bisection_equals_the_general_dp_on_hierarchies(data, n, cluster_text, schedule, m) -> None:
+    """The fast path (bisection over residues of the first rank) against the exact general DP
+    (itself checked against brute force above), on clusters too large for brute force."""
+    times = data.draw(st.lists(st.floats(0.01, 10), min_size=n, max_size=n))
+    params = data.draw(st.lists(st.integers(0, 400), min_size=n, max_size=n))
+    outs = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))
+    g = chain(times, params, [1] * n, outs)
+    fast = pdcompile.plan(g, Cluster.parse(cluster_text), schedule=schedule, num_microbatches=m)
+    # a memory limit no plan reaches sends dp down its general DP
+    roomy = Cluster.parse(cluster_text, memory=1e30)
+    general = pdcompile.plan(g, roomy, schedule=schedule, num_microbatches=m)
+    assert fast.predicted_time == pytest.approx(general.predicted_time, rel=1e-9, abs=1e-12)
+
+
 def test_memory_limit_no_plan_fits_names_the_numbers() -> None:
     g = chain([1.0, 1.0], [10**9, 10**9], [1, 1], [4, 4])
     with pytest.raises(PartitionError, match="no placement fits: device memory is 1e\\+08 B"):

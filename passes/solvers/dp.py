@@ -7,15 +7,13 @@ optimal for that model. For DAGs the graph's own, depth-first, breadth-first and
 orders are each solved and the best plan is kept.
 
 Two exact algorithms:
-- **Hierarchical or heterogeneous clusters, or a memory limit**: a dynamic program over states
-  (prefix end j, devices used m, span level of the last stage L); the transfer into a stage runs at
-  the slowest level spanned by it and the stage before, which is max(L, level(m-1, m), L_new), so
-  L is all the state it needs. O(N^2 M^2 L) with numpy over the stage end.
-- **Flat homogeneous clusters without a memory limit**: for a bottleneck value T, the fewest
-  devices that cover prefix k with every stage <= T is f(k) = min_j f(j) + r_min(j, k), where
-  r_min has a closed form because a stage's time is monotone (or, for `pipedream`, a quadratic)
-  in its replica count; T is found by bisection (to 1e-12 relative). O(N^2 log) — thousands of
-  nodes and devices in seconds.
+- **Homogeneous clusters without a memory limit** (any number of levels): bisection on the
+  bottleneck with a fewest-devices DP over (prefix, first free rank mod the group size, span
+  level of the last stage), in `bisection.py`. Thousands of nodes and devices in seconds.
+- **Heterogeneous speeds or a memory limit**: a dynamic program over states (prefix end j,
+  devices used m, span level of the last stage L); the transfer into a stage runs at the slowest
+  level spanned by it and the stage before, which is max(L, level(m-1, m), L_new), so L is all
+  the state it needs. O(N^2 M^2 L) with numpy over the stage end.
 
 Memory (when the cluster has a limit) is checked per stage with a safe bound on the microbatches
 in flight (the stages after a stage are not known yet when it is placed), so `dp` never returns a
@@ -32,6 +30,7 @@ import numpy as np
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
+from pdcompile.passes.solvers.bisection import solve_bisection
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
@@ -137,63 +136,6 @@ def _solve_general(
     return stages[::-1]
 
 
-def _min_replicas(
-    p: Prefix, k: int, limit: float, bandwidth: float, schedule: str, microbatches: int
-) -> np.ndarray:
-    """For every start j < k: the fewest replicas with stage time <= limit (inf if none)."""
-    js = np.arange(k)
-    work = p.compute[k] - p.compute[js] + np.where(js > 0, 2 * p.cut[js] / bandwidth, 0.0)
-    ring = 2 * (p.grad[k] - p.grad[js]) / bandwidth
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if schedule == "pipedream":
-            # time(r) = (work + ring) / r - ring / r^2 <= limit; time(1) = work
-            a, b = work + ring, ring
-            root = (a + np.sqrt(np.maximum(a * a - 4 * limit * b, 0.0))) / (2 * limit)
-            r = np.where(work <= limit, 1.0, np.ceil(root - 1e-12))
-        else:
-            # time(r) = c + (work - c) / r with c = ring / microbatches
-            c = ring / microbatches
-            r = np.where(work <= limit, 1.0, np.ceil((work - c) / (limit - c) - 1e-12))
-            r = np.where((work > limit) & (c >= limit), np.inf, r)
-    return np.maximum(r, 1.0)
-
-
-def _solve_flat(
-    p: Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
-) -> list[tuple[int, int, int]]:
-    """Bisection on the bottleneck with a fewest-devices DP (flat, homogeneous, no memory limit)."""
-    total = cluster.num_devices
-    bandwidth = cluster.levels[0].bandwidth
-
-    def cover(limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        devices = np.full(n + 1, np.inf)
-        devices[0] = 0
-        start = np.zeros(n + 1, dtype=int)
-        reps = np.zeros(n + 1)
-        for k in range(1, n + 1):
-            r = _min_replicas(p, k, limit, bandwidth, schedule, microbatches)
-            options = devices[:k] + r
-            j = int(np.argmin(options))
-            devices[k], start[k], reps[k] = options[j], j, r[j]
-        return devices, start, reps
-
-    lo, hi = 0.0, float(p.compute[n]) + 1e-12  # one stage on one device meets this bound
-    for _ in range(200):
-        if hi - lo <= 1e-12 * hi:
-            break
-        mid = (lo + hi) / 2
-        if cover(mid)[0][n] <= total:
-            hi = mid
-        else:
-            lo = mid
-    _, start, reps = cover(hi)
-    stages, k = [], n
-    while k > 0:
-        stages.append((int(start[k]), k, int(reps[k])))
-        k = int(start[k])
-    return stages[::-1]
-
-
 def _infeasible_message(p: Prefix, n: int, cluster: Cluster) -> str:
     need = float(p.weights[n] - p.weights[0])
     return (
@@ -214,7 +156,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
         raise PartitionError(f"dp: unknown options {sorted(unknown)}; dp takes 'orders'")
     orders = linear_orders(cost_graph)
     chosen = options.get("orders") or list(orders)
-    flat = cluster.is_flat and cluster.speed is None and cluster.memory is None
+    fast = cluster.speed is None and cluster.memory is None
     best: Plan | None = None
     failure: PartitionError | None = None
     for name in chosen:
@@ -226,7 +168,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
             )
         order = orders[name]
         p = Prefix(cost_graph, order)
-        solve = _solve_flat if flat else _solve_general
+        solve = solve_bisection if fast else _solve_general
         try:
             cuts = solve(p, len(order), cluster, schedule, microbatches)
         except PartitionError as e:
