@@ -69,7 +69,7 @@ def _symbolic(
     recorded: tuple[int, ...], observed: tuple[int, ...], batch: int, second: int
 ) -> tuple[int | str, ...]:
     """Dimensions that changed with the batch size become `a*batch+c` through both points."""
-    if len(recorded) != len(observed) or second == batch:
+    if len(recorded) != len(observed):
         return tuple(observed)
     dims: list[int | str] = []
     for before, after in zip(recorded, observed, strict=True):
@@ -94,7 +94,7 @@ def _synthetic_inputs(gm: fx.GraphModule, batch: int, second: int) -> list[torch
     """Inputs of the recorded shapes with `second` rows where the example had `batch`."""
     tensors = [*gm.parameters(), *gm.buffers()]
     device = tensors[0].device if tensors else torch.device("cpu")
-    generator = torch.Generator(device=device).manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
     inputs = []
     for node in gm.graph.find_nodes(op="placeholder"):
         specs = node.meta.get(OUTPUTS)
@@ -108,7 +108,7 @@ def _synthetic_inputs(gm: fx.GraphModule, batch: int, second: int) -> list[torch
             shape[0] = second
         dtype = getattr(torch, specs[0].dtype)
         if dtype.is_floating_point:
-            inputs.append(torch.randn(shape, generator=generator, dtype=dtype, device=device))
+            inputs.append(torch.randn(shape, generator=generator, dtype=dtype).to(device))
         else:  # zeros are valid token ids, class labels and masks
             inputs.append(torch.zeros(shape, dtype=dtype, device=device))
     return inputs
