@@ -1,0 +1,84 @@
+"""A schedule is data: every rank's ordered actions. Torch-free.
+
+Kinds: `F`/`B` (forward/backward of one microbatch at one stage), `send`/`recv` (activations
+`act` forward or gradients `grad` backward, to or from one peer rank), `allreduce` (the
+replicas of a stage average their gradients), `step` (optimizer update), `push`/`pop` (a weight
+version is stashed at a forward and dropped after its backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+KINDS = ("F", "B", "send", "recv", "allreduce", "step", "push", "pop")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one rank.
+
+    `microbatch` is -1 for per-step actions (`allreduce`, `step` of synchronous schedules) and
+    the round (k // replicas) for the per-round `allreduce` and `step` of `pipedream`;
+    `peer` and `stream` (`act` or `grad`) are set for `send`/`recv`; `peer_stage` is the stage on
+    the other end; `group` lists the ranks of an `allreduce`.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int = -1
+    peer: int = -1
+    peer_stage: int = -1
+    stream: str = ""
+    group: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch < 0 else str(self.microbatch)
+        if self.kind in ("F", "B"):
+            return f"{self.kind}{mb}"
+        if self.kind == "send":
+            return f"{self.stream}{mb}>{self.peer}"
+        if self.kind == "recv":
+            return f"{self.stream}{mb}<{self.peer}"
+        if self.kind == "allreduce":
+            return f"AR{mb}"
+        return f"{self.kind}{mb}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every rank's actions, in order, for one `train_step` (or `flush`) of one plan."""
+
+    kind: str
+    num_microbatches: int
+    replicas: tuple[int, ...]
+    ranks: tuple[tuple[int, ...], ...]  # per stage
+    actions: Mapping[int, tuple[Action, ...]] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    def stage_of_rank(self, rank: int) -> tuple[int, int]:
+        """(stage, replica index) of `rank`."""
+        for stage, ranks in enumerate(self.ranks):
+            if rank in ranks:
+                return stage, ranks.index(rank)
+        raise KeyError(rank)
+
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The replica of `stage` that runs `microbatch` (round-robin)."""
+        return self.ranks[stage][microbatch % self.replicas[stage]]
+
+    def grid(self, mark: Mapping[int, int] | None = None, width: int = 7) -> str:
+        """A rank-by-step table of the actions; `mark[rank] = step` flags a cell with `!`."""
+        mark = mark or {}
+        steps = max((len(a) for a in self.actions.values()), default=0)
+        lines = ["rank " + "".join(f"{i:<{width}}" for i in range(steps))]
+        for rank in sorted(self.actions):
+            cells = []
+            for i, action in enumerate(self.actions[rank]):
+                text = ("!" if mark.get(rank) == i else "") + str(action)
+                cells.append(f"{text:<{width}}")
+            lines.append(f"{rank:<5}" + "".join(cells))
+        return "\n".join(lines)

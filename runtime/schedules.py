@@ -1,0 +1,125 @@
+"""Build every rank's actions for one step of a plan under `1f1b`, `gpipe`, `pipedream`, `2bw`.
+
+Pure and torch-free. Inputs: the ranks of each stage (a stage's replicas, in order), the stage
+pairs that exchange tensors (`edges[(src, dst)]` is True when gradients flow back along it) and
+the number of microbatches. Microbatch k runs on replica k mod r_s of stage s. Each replica runs
+its microbatches in order: `gpipe` all forwards then all backwards; the others w_s warm-up
+forwards (`versions.warmup`), then one forward and one backward alternately, then the
+remaining backwards. Receives come right before the compute that needs them, sends right after
+the compute that produced them (the executor posts receives early and never blocks a sender).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pdcompile.errors import ScheduleError
+from pdcompile.plans import SCHEDULES
+from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.runtime.versions import warmup
+
+Edges = Mapping[tuple[int, int], bool]
+
+
+def compute_order(kind: str, warmup_forwards: int, mine: Sequence[int]) -> list[tuple[str, int]]:
+    """One replica's forwards and backwards, in order, for its microbatches `mine`."""
+    if kind == "gpipe":
+        return [("F", k) for k in mine] + [("B", k) for k in mine]
+    w = min(warmup_forwards, len(mine))
+    order = [("F", k) for k in mine[:w]]
+    for i, k in enumerate(mine):
+        if w + i < len(mine):
+            order.append(("F", mine[w + i]))
+        order.append(("B", k))
+    return order
+
+
+def build_schedule(
+    kind: str,
+    ranks: Sequence[Sequence[int]],
+    edges: Edges,
+    num_microbatches: int,
+) -> Schedule:
+    """Every rank's actions for one step of `num_microbatches` microbatches.
+
+    Args:
+        kind: "1f1b", "gpipe", "pipedream" or "2bw".
+        ranks: per stage, the ranks of its replicas.
+        edges: (source stage, destination stage) -> whether gradients flow back.
+        num_microbatches: microbatches per step (PipeDream minibatches under `pipedream`).
+
+    Raises:
+        ScheduleError: unknown kind, bad stage pairs, too few microbatches for `2bw`.
+    """
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    ranks = tuple(tuple(r) for r in ranks)
+    replicas = tuple(len(r) for r in ranks)
+    stages = len(ranks)
+    if num_microbatches < 1:
+        raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if kind == "2bw" and num_microbatches < stages:
+        raise ScheduleError(
+            f"2bw needs at least as many microbatches as stages ({stages}), got "
+            f"{num_microbatches}; raise num_microbatches"
+        )
+    if kind == "pipedream" and any(num_microbatches % r for r in replicas):
+        raise ScheduleError(
+            f"pipedream updates a stage once per round of its replicas ({list(replicas)}); give "
+            f"a number of minibatches that every replica count divides, got {num_microbatches}"
+        )
+    for src, dst in edges:
+        if not 0 <= src < dst < stages:
+            raise ScheduleError(
+                f"channel from stage {src} to stage {dst}: tensors must flow to a later stage of "
+                f"the {stages}"
+            )
+    schedule = Schedule(kind, num_microbatches, replicas, ranks)
+    actions = {}
+    for s, stage_ranks in enumerate(ranks):
+        w = warmup(replicas, s)
+        for i, rank in enumerate(stage_ranks):
+            mine = list(range(i, num_microbatches, replicas[s]))
+            actions[rank] = tuple(_expand(schedule, edges, s, w, mine))
+    return Schedule(kind, num_microbatches, replicas, ranks, actions)
+
+
+def _expand(schedule: Schedule, edges: Edges, stage: int, w: int, mine: list[int]) -> list[Action]:
+    """One replica's compute order with its communication, stashing and updates."""
+    into = sorted(src for src, dst in edges if dst == stage)
+    out = sorted(dst for src, dst in edges if src == stage)
+    group = schedule.ranks[stage]
+    pipedream = schedule.kind == "pipedream"
+    actions: list[Action] = []
+    for phase, k in compute_order(schedule.kind, w, mine):
+        if phase == "F":
+            for src in into:
+                actions.append(_comm("recv", stage, k, schedule.rank_of(src, k), src, "act"))
+            if pipedream:
+                actions.append(Action("push", stage, k))
+            actions.append(Action("F", stage, k))
+            for dst in out:
+                actions.append(_comm("send", stage, k, schedule.rank_of(dst, k), dst, "act"))
+            continue
+        for dst in out:
+            if edges[(stage, dst)]:
+                actions.append(_comm("recv", stage, k, schedule.rank_of(dst, k), dst, "grad"))
+        actions.append(Action("B", stage, k))
+        for src in into:
+            if edges[(src, stage)]:
+                actions.append(_comm("send", stage, k, schedule.rank_of(src, k), src, "grad"))
+        if pipedream:
+            actions.append(Action("pop", stage, k))
+            round_ = k // len(group)  # one shared update per round of the replicas
+            if len(group) > 1:
+                actions.append(Action("allreduce", stage, round_, group=group))
+            actions.append(Action("step", stage, round_))
+    if not pipedream:
+        if len(group) > 1:
+            actions.append(Action("allreduce", stage, group=group))
+        actions.append(Action("step", stage))
+    return actions
+
+
+def _comm(kind: str, stage: int, k: int, peer: int, peer_stage: int, stream: str) -> Action:
+    return Action(kind, stage, k, peer=peer, peer_stage=peer_stage, stream=stream)

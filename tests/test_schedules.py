@@ -1,0 +1,172 @@
+"""Schedules as data: versions, builders, and the validator (pure, torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdcompile.errors import ScheduleError
+from pdcompile.runtime import build_schedule, validate_schedule, version, vertical_version, warmup
+from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.runtime.schedules import compute_order
+
+
+def layout(replicas):
+    ranks, next_rank = [], 0
+    for r in replicas:
+        ranks.append(tuple(range(next_rank, next_rank + r)))
+        next_rank += r
+    return ranks
+
+
+def chain_edges(stages, skips=()):
+    edges = {(s, s + 1): True for s in range(stages - 1)}
+    edges.update({pair: True for pair in skips})
+    return edges
+
+
+# -- versions ------------------------------------------------------------------------------
+
+
+def test_straight_pipeline_versions_are_k_minus_stages_after() -> None:
+    replicas = [1, 1, 1, 1]
+    assert [warmup(replicas, s) for s in range(4)] == [3, 2, 1, 0]
+    for s in range(4):
+        for k in range(10):
+            assert version(replicas, s, k) == max(0, k - (3 - s))
+
+
+def test_replicated_versions_follow_pipedreams_rule() -> None:
+    replicas = [2, 1]  # 3 ranks as 2-1: w_0 = (3 - 1) // 2 = 1, w_1 = 0
+    assert warmup(replicas, 0) == 1 and warmup(replicas, 1) == 0
+    assert [version(replicas, 0, k) for k in range(8)] == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert [version(replicas, 1, k) for k in range(4)] == [0, 1, 2, 3]
+    # vertical sync: stage 1 uses only updates from minibatches stage 0's weights include
+    assert [vertical_version(replicas, 1, k) for k in range(8)] == [0, 0, 0, 0, 2, 2, 4, 4]
+
+
+def test_bad_layouts_are_schedule_errors() -> None:
+    with pytest.raises(ScheduleError, match="replica counts must be >= 1"):
+        warmup([1, 0], 0)
+    with pytest.raises(ScheduleError, match="stage 3 does not exist"):
+        version([1, 1], 3, 0)
+    with pytest.raises(ScheduleError, match="at least as many microbatches as stages"):
+        build_schedule("2bw", layout([1, 1, 1]), chain_edges(3), 2)
+    with pytest.raises(ScheduleError, match="every replica count divides"):
+        build_schedule("pipedream", layout([2, 1]), chain_edges(2), 3)
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        build_schedule("zb", layout([1]), {}, 2)
+    with pytest.raises(ScheduleError, match="must flow to a later stage"):
+        build_schedule("1f1b", layout([1, 1]), {(1, 0): True}, 2)
+
+
+# -- builders ------------------------------------------------------------------------------
+
+
+def test_one_f_one_b_order_on_the_first_of_four_stages() -> None:
+    assert compute_order("1f1b", 3, [0, 1, 2, 3, 4]) == [
+        ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("B", 2),
+        ("B", 3), ("B", 4),
+    ]  # fmt: skip
+    assert compute_order("gpipe", 3, [0, 1]) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+@st.composite
+def pipelines(draw):
+    stages = draw(st.integers(1, 4))
+    replicas = draw(st.lists(st.integers(1, 3), min_size=stages, max_size=stages))
+    skips = draw(
+        st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3)).filter(
+            lambda p: p[0] + 1 < p[1] < stages
+        ))
+    )  # fmt: skip
+    kind = draw(st.sampled_from(["1f1b", "gpipe", "pipedream", "2bw"]))
+    lcm = 1
+    for r in replicas:
+        lcm = lcm * r // __import__("math").gcd(lcm, r)
+    m = lcm * draw(st.integers(1, 3)) if kind == "pipedream" else draw(st.integers(stages, 9))
+    return kind, replicas, chain_edges(stages, skips), m
+
+
+@settings(deadline=None, max_examples=150)
+@given(pipelines())
+def test_every_built_schedule_validates(pipeline) -> None:
+    kind, replicas, edges, m = pipeline
+    schedule = build_schedule(kind, layout(replicas), edges, m)
+    validate_schedule(schedule)
+    computed = sorted(
+        (a.stage, a.microbatch)
+        for actions in schedule.actions.values()
+        for a in actions
+        if a.kind == "F"
+    )
+    assert computed == sorted((s, k) for s in range(len(replicas)) for k in range(m))
+
+
+@settings(deadline=None, max_examples=60)
+@given(pipelines().filter(lambda p: p[0] == "pipedream"))
+def test_pipedream_order_realises_the_version_function(pipeline) -> None:
+    """Counting a replica's updates before each forward gives v(k, s) exactly."""
+    _, replicas, edges, m = pipeline
+    schedule = build_schedule("pipedream", layout(replicas), edges, m)
+    for rank, actions in schedule.actions.items():
+        stage, _ = schedule.stage_of_rank(rank)
+        steps = 0
+        for a in actions:
+            if a.kind == "step":
+                steps += 1
+            elif a.kind == "F":
+                assert steps == version(replicas, stage, a.microbatch), (rank, a)
+
+
+def test_one_f_one_b_keeps_at_most_warmup_plus_one_in_flight() -> None:
+    schedule = build_schedule("1f1b", layout([1, 1, 1, 1]), chain_edges(4), 8)
+    for rank, actions in schedule.actions.items():
+        live = peak = 0
+        for a in actions:
+            live += {"F": 1, "B": -1}.get(a.kind, 0)
+            peak = max(peak, live)
+        assert peak == 4 - rank
+    gpipe = build_schedule("gpipe", layout([1, 1]), chain_edges(2), 8)
+    assert [a.kind for a in gpipe.actions[0] if a.kind in ("F", "B")] == ["F"] * 8 + ["B"] * 8
+
+
+# -- the validator catches broken schedules -------------------------------------------------
+
+
+def _edit(schedule: Schedule, rank: int, actions: list[Action]) -> Schedule:
+    return replace(schedule, actions={**schedule.actions, rank: tuple(actions)})
+
+
+def test_a_missing_receive_is_named_with_the_grid() -> None:
+    schedule = build_schedule("1f1b", layout([1, 1]), chain_edges(2), 2)
+    actions = [a for a in schedule.actions[1] if not (a.kind == "recv" and a.microbatch == 1)]
+    with pytest.raises(ScheduleError, match=r"message act1 from rank 0 to rank 1: 1 sends, 0 rec"):
+        validate_schedule(_edit(schedule, 1, actions))
+
+
+def test_a_deadlock_is_found_and_marked() -> None:
+    schedule = build_schedule("1f1b", layout([1, 1]), chain_edges(2), 2)
+    # rank 0 waits for the gradient of microbatch 0 before sending its activation
+    actions = list(schedule.actions[0])
+    send = next(i for i, a in enumerate(actions) if a.kind == "send")
+    recv = next(i for i, a in enumerate(actions) if a.kind == "recv")
+    actions.insert(send, actions.pop(recv))
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 at grad0<1, rank 1 at act0<0") as e:
+        validate_schedule(_edit(schedule, 0, actions))
+    assert "!grad0<1" in str(e.value) and "!act0<0" in str(e.value)
+
+
+def test_backward_before_forward_and_foreign_stages_are_refused() -> None:
+    schedule = build_schedule("gpipe", layout([1, 1]), chain_edges(2), 1)
+    actions = list(schedule.actions[1])
+    f = next(i for i, a in enumerate(actions) if a.kind == "F")
+    b = next(i for i, a in enumerate(actions) if a.kind == "B")
+    actions[f], actions[b] = actions[b], actions[f]
+    with pytest.raises(ScheduleError, match="rank 1 runs B0 before F0"):
+        validate_schedule(_edit(schedule, 1, actions))
+    with pytest.raises(ScheduleError, match="rank 0 runs stage 1 at step 0"):
+        validate_schedule(_edit(schedule, 0, [Action("F", 1, 0)]))
