@@ -14,7 +14,7 @@ from support import captured, flat, fresh_like
 
 import pdcompile
 from pdcompile import Cluster, Plan, Stage, StagedProgram, zoo
-from pdcompile.staged_program import TieGroup
+from pdcompile.staged_program import Channel, TieGroup, batch_dim
 
 MODELS = sorted(zoo.ZOO) + sorted(zoo.HF_ZOO)
 _COSTS: dict[str, pdcompile.CostGraph] = {}
@@ -153,6 +153,7 @@ def test_gpt_tie_group_one_owner_copies_elsewhere_one_tensor_per_stage() -> None
     assert program.ties == (TieGroup(("wte.weight", "lm_head.weight"), 0, (0, 3)),)
     first, last = program.stages[0], program.stages[3]
     assert first.get_parameter("wte.weight") is model.wte.weight  # the owner shares the model's
+    assert first.get_submodule("h.0.ln_1") is model.h[0].ln_1  # leaves under their own names
     copy = last.get_parameter("lm_head.weight")
     assert copy is not model.wte.weight and torch.equal(copy, model.wte.weight)
     assert last.get_parameter("wte.weight") is copy  # one tensor under both names
@@ -191,6 +192,12 @@ def test_unet_skip_goes_straight_to_its_stage_with_a_symbolic_batch() -> None:
     assert skips[0].requires_grad and skips[0].shape_for(5) == (5, 8, 32, 32)
     assert not [c for c in program.channels if c.name == skips[0].name and c.src_stage != 0]
     assert_equivalent("unet", program)
+
+
+def test_symbolic_sizes_scale_with_the_microbatch() -> None:
+    dims = ("batch", batch_dim(16, 0), batch_dim(2, 1), 64)
+    assert dims[1:3] == ("16*batch", "2*batch+1")
+    assert Channel(0, 1, "x", shape=dims).shape_for(3) == (3, 48, 7, 64)
 
 
 def test_shapes_and_ints_cross_as_metadata() -> None:
