@@ -135,7 +135,7 @@ def random_partition(gm, rng: random.Random, count: int) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("name", MODELS)
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(rng=st.randoms(use_true_random=False), count=st.integers(2, 8))
 def test_random_convex_partitions_compute_what_the_model_computes(
     name: str, rng: random.Random, count: int
