@@ -21,7 +21,9 @@ class Action:
     `microbatch` is -1 for per-step actions (`allreduce`, `step` of synchronous schedules) and
     the round (k // replicas) for the per-round `allreduce` and `step` of `pipedream`;
     `peer` and `stream` (`act` or `grad`) are set for `send`/`recv`; `peer_stage` is the stage on
-    the other end; `group` lists the ranks of an `allreduce`.
+    the other end; `group` lists the ranks of an `allreduce`, which sums the gradients of a tie
+    group (`tie`, its index in `program.ties`: every rank of every stage using the tensor) or,
+    with `tie` -1, averages the other gradients among the replicas of a stage.
     """
 
     kind: str
@@ -31,6 +33,16 @@ class Action:
     peer_stage: int = -1
     stream: str = ""
     group: tuple[int, ...] = ()
+    tie: int = -1
+
+    @property
+    def collective(self) -> tuple:
+        """What identifies an all-reduce across the ranks that take part in it."""
+        return (
+            ("tie", self.tie, self.microbatch, self.group)
+            if self.tie >= 0
+            else ("replicas", self.stage, self.microbatch, self.group)
+        )
 
     def __str__(self) -> str:
         mb = "" if self.microbatch < 0 else str(self.microbatch)
@@ -41,7 +53,7 @@ class Action:
         if self.kind == "recv":
             return f"{self.stream}{mb}<{self.peer}"
         if self.kind == "allreduce":
-            return f"AR{mb}"
+            return f"T{self.tie}.{mb}" if self.tie >= 0 else f"AR{mb}"
         return f"{self.kind}{mb}"
 
 

@@ -39,6 +39,7 @@ def build_schedule(
     ranks: Sequence[Sequence[int]],
     edges: Edges,
     num_microbatches: int,
+    ties: Sequence[Sequence[int]] = (),
 ) -> Schedule:
     """Every rank's actions for one step of `num_microbatches` microbatches.
 
@@ -47,6 +48,8 @@ def build_schedule(
         ranks: per stage, the ranks of its replicas.
         edges: (source stage, destination stage) -> whether gradients flow back.
         num_microbatches: microbatches per step (PipeDream minibatches under `pipedream`).
+        ties: per tie group, the stages using the tensor: before each update their ranks sum
+            its gradients.
 
     Raises:
         ScheduleError: unknown kind, bad stage pairs, too few microbatches for `2bw`.
@@ -74,17 +77,36 @@ def build_schedule(
                 f"channel from stage {src} to stage {dst}: tensors must flow to a later stage of "
                 f"the {stages}"
             )
+    ties = [tuple(sorted(set(t))) for t in ties]
+    if kind == "pipedream" and any(replicas[s] > 1 for t in ties for s in t):
+        raise ScheduleError(
+            "pipedream with a tied tensor on a replicated stage is not supported: its copies "
+            "would update once per round of different replica counts; tie stages must have one "
+            "replica each"
+        )
     schedule = Schedule(kind, num_microbatches, replicas, ranks)
     actions = {}
     for s, stage_ranks in enumerate(ranks):
         w = warmup(replicas, s)
+        my_ties = [
+            (i, tuple(sorted(r for t in tie for r in ranks[t])))
+            for i, tie in enumerate(ties)
+            if s in tie
+        ]
         for i, rank in enumerate(stage_ranks):
             mine = list(range(i, num_microbatches, replicas[s]))
-            actions[rank] = tuple(_expand(schedule, edges, s, w, mine))
+            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, my_ties))
     return Schedule(kind, num_microbatches, replicas, ranks, actions)
 
 
-def _expand(schedule: Schedule, edges: Edges, stage: int, w: int, mine: list[int]) -> list[Action]:
+def _expand(
+    schedule: Schedule,
+    edges: Edges,
+    stage: int,
+    w: int,
+    mine: list[int],
+    ties: list[tuple[int, tuple[int, ...]]],
+) -> list[Action]:
     """One replica's compute order with its communication, stashing and updates."""
     into = sorted(src for src, dst in edges if dst == stage)
     out = sorted(dst for src, dst in edges if src == stage)
@@ -110,15 +132,20 @@ def _expand(schedule: Schedule, edges: Edges, stage: int, w: int, mine: list[int
                 actions.append(_comm("send", stage, k, schedule.rank_of(src, k), src, "grad"))
         if pipedream:
             actions.append(Action("pop", stage, k))
-            round_ = k // len(group)  # one shared update per round of the replicas
-            if len(group) > 1:
-                actions.append(Action("allreduce", stage, round_, group=group))
-            actions.append(Action("step", stage, round_))
+            actions += _update(stage, k // len(group), group, ties)  # once per round
     if not pipedream:
-        if len(group) > 1:
-            actions.append(Action("allreduce", stage, group=group))
-        actions.append(Action("step", stage))
+        actions += _update(stage, -1, group, ties)
     return actions
+
+
+def _update(
+    stage: int, round_: int, group: tuple[int, ...], ties: list[tuple[int, tuple[int, ...]]]
+) -> list[Action]:
+    """Sum tied gradients, average the rest among the replicas, step the optimizer."""
+    actions = [Action("allreduce", stage, round_, group=ranks, tie=i) for i, ranks in ties]
+    if len(group) > 1:
+        actions.append(Action("allreduce", stage, round_, group=group))
+    return [*actions, Action("step", stage, round_)]
 
 
 def _comm(kind: str, stage: int, k: int, peer: int, peer_stage: int, stream: str) -> Action:

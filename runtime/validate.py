@@ -77,7 +77,7 @@ def _run(schedule: Schedule) -> None:
                 if a.kind == "recv" and _message(rank, a) not in sent:
                     break
                 if a.kind == "allreduce":
-                    key = (a.stage, a.microbatch, a.group)
+                    key = a.collective
                     arrived.setdefault(key, set()).add(rank)
                     if arrived[key] == set(a.group):
                         released.add(key)

@@ -59,6 +59,8 @@ def test_bad_layouts_are_schedule_errors() -> None:
         build_schedule("pipedream", layout([2, 1]), chain_edges(2), 3)
     with pytest.raises(ScheduleError, match="unknown schedule"):
         build_schedule("zb", layout([1]), {}, 2)
+    with pytest.raises(ScheduleError, match="tied tensor on a replicated stage"):
+        build_schedule("pipedream", layout([2, 1]), chain_edges(2), 2, ties=[(0, 1)])
     with pytest.raises(ScheduleError, match="must flow to a later stage"):
         build_schedule("1f1b", layout([1, 1]), {(1, 0): True}, 2)
 
@@ -88,14 +90,17 @@ def pipelines(draw):
     for r in replicas:
         lcm = lcm * r // __import__("math").gcd(lcm, r)
     m = lcm * draw(st.integers(1, 3)) if kind == "pipedream" else draw(st.integers(stages, 9))
-    return kind, replicas, chain_edges(stages, skips), m
+    ties = draw(st.lists(st.sets(st.integers(0, stages - 1), min_size=2), max_size=2))
+    if kind == "pipedream":  # tied stages of pipedream have one replica each
+        ties = [t for t in ties if all(replicas[s] == 1 for s in t)]
+    return kind, replicas, chain_edges(stages, skips), m, ties
 
 
 @settings(deadline=None, max_examples=150)
 @given(pipelines())
 def test_every_built_schedule_validates(pipeline) -> None:
-    kind, replicas, edges, m = pipeline
-    schedule = build_schedule(kind, layout(replicas), edges, m)
+    kind, replicas, edges, m, ties = pipeline
+    schedule = build_schedule(kind, layout(replicas), edges, m, ties)
     validate_schedule(schedule)
     computed = sorted(
         (a.stage, a.microbatch)
@@ -110,8 +115,8 @@ def test_every_built_schedule_validates(pipeline) -> None:
 @given(pipelines().filter(lambda p: p[0] == "pipedream"))
 def test_pipedream_order_realises_the_version_function(pipeline) -> None:
     """Counting a replica's updates before each forward gives v(k, s) exactly."""
-    _, replicas, edges, m = pipeline
-    schedule = build_schedule("pipedream", layout(replicas), edges, m)
+    _, replicas, edges, m, ties = pipeline
+    schedule = build_schedule("pipedream", layout(replicas), edges, m, ties)
     for rank, actions in schedule.actions.items():
         stage, _ = schedule.stage_of_rank(rank)
         steps = 0

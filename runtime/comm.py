@@ -1,0 +1,104 @@
+"""How a rank talks to the others: messages of channel values, and all-reduces.
+
+A message carries the values of the channels from one stage to another for one microbatch (or
+their gradients), in the order of `program.channels`. Receivers check every value against its
+channel: a tensor with another shape (the batch dimension is free) or dtype raises
+`StageCommError` naming the channel, both ranks and both shapes.
+
+`LocalComm` passes messages within one process (the local executor); `DistributedComm`
+(`runtime/distributed.py`) uses torch.distributed point-to-point operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from pdcompile.errors import StageCommError
+from pdcompile.staged_program import Channel
+
+Key = tuple[str, int, int, int]  # (stream "act"/"grad", microbatch, source stage, dest stage)
+
+
+class Comm(Protocol):
+    """One rank's communication. `send` never blocks; `recv` waits (with the executor's timeout)."""
+
+    rank: int
+
+    def send(self, peer: int, key: Key, values: Sequence[Any]) -> None: ...
+
+    def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]: ...
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any) -> None:
+        """Sum `tensors` in place over the ranks of `group` (every member calls it)."""
+        ...
+
+
+def check_value(value: Any, channel: Channel, src: int, dst: int) -> None:
+    """Raise `StageCommError` unless `value` fits `channel` (any size along batch dimensions)."""
+    if channel.kind != "tensor":
+        return
+    where = f"channel {channel.name!r} (stage {channel.src_stage} -> {channel.dst_stage})"
+    if not isinstance(value, torch.Tensor):
+        raise StageCommError(
+            f"{where}: rank {src} sent {type(value).__name__} to rank {dst}, which expects a "
+            f"tensor {channel.describe()}"
+        )
+    expected = channel.shape
+    fits = len(value.shape) == len(expected) and all(
+        isinstance(want, str) or got == want
+        for got, want in zip(value.shape, expected, strict=True)
+    )
+    dtype = str(value.dtype).removeprefix("torch.")
+    if not fits or dtype != channel.dtype:
+        raise StageCommError(
+            f"{where}: rank {src} sent {dtype}{list(value.shape)} to rank {dst}, which expects "
+            f"{channel.describe()}; the sender's stage computes another shape than the one "
+            "captured (a different sequence length or dtype?)"
+        )
+
+
+def gradient_channels(channels: Sequence[Channel]) -> list[Channel]:
+    """The channels whose gradients travel back, as channels of the gradient message."""
+    return [c for c in channels if c.kind == "tensor" and c.requires_grad]
+
+
+@dataclass
+class LocalComm:
+    """Messages between ranks in one process: a shared mailbox, no copies but detached values."""
+
+    rank: int
+    mailbox: dict[tuple[int, int, Key], list[Any]] = field(default_factory=dict)
+    pending: dict[Any, list[Sequence[torch.Tensor]]] = field(default_factory=dict)
+
+    def for_rank(self, rank: int) -> LocalComm:
+        """The same mailbox, seen from another rank."""
+        return LocalComm(rank, self.mailbox, self.pending)
+
+    def has(self, peer: int, key: Key) -> bool:
+        return (peer, self.rank, key) in self.mailbox
+
+    def send(self, peer: int, key: Key, values: Sequence[Any]) -> None:
+        detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+        self.mailbox[(self.rank, peer, key)] = detached
+
+    def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]:
+        values = self.mailbox.pop((peer, self.rank, key))
+        for value, channel in zip(values, channels, strict=True):
+            check_value(value, channel, peer, self.rank)
+        return values
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any) -> None:
+        """Collects every member's tensors; the last member to arrive sums them into all."""
+        arrived = self.pending.setdefault((key, group), [])
+        arrived.append(tensors)
+        if len(arrived) < len(group):
+            return
+        del self.pending[(key, group)]
+        for parts in zip(*arrived, strict=True):
+            total = torch.stack([p for p in parts]).sum(dim=0)
+            for p in parts:
+                p.copy_(total)
