@@ -90,7 +90,8 @@ def pipelines(draw):
     for r in replicas:
         lcm = lcm * r // __import__("math").gcd(lcm, r)
     m = lcm * draw(st.integers(1, 3)) if kind == "pipedream" else draw(st.integers(stages, 9))
-    ties = draw(st.lists(st.sets(st.integers(0, stages - 1), min_size=2), max_size=2))
+    tie = st.sets(st.integers(0, stages - 1), min_size=2)
+    ties = draw(st.lists(tie, max_size=2)) if stages > 1 else []
     if kind == "pipedream":  # tied stages of pipedream have one replica each
         ties = [t for t in ties if all(replicas[s] == 1 for s in t)]
     return kind, replicas, chain_edges(stages, skips), m, ties
