@@ -3,7 +3,6 @@
 pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
 pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
                        [--out costs.json]
-pdcompile plan INPUT --cluster SPEC [--solver NAME] [--out plan.json]
 pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME]) --out DIR
 """
 
