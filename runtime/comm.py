@@ -32,8 +32,15 @@ class Comm(Protocol):
 
     def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]: ...
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any) -> None:
-        """Sum `tensors` in place over the ranks of `group` (every member calls it)."""
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: tuple[int, ...],
+        key: Any,
+        average: bool = False,
+    ) -> None:
+        """Sum (or average) `tensors` in place over the ranks of `group` (every member calls
+        it; the result may land only when the last member has called)."""
         ...
 
 
@@ -91,14 +98,22 @@ class LocalComm:
             check_value(value, channel, peer, self.rank)
         return values
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any) -> None:
-        """Collects every member's tensors; the last member to arrive sums them into all."""
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: tuple[int, ...],
+        key: Any,
+        average: bool = False,
+    ) -> None:
+        """Collects every member's tensors; the last member to arrive reduces them into all."""
         arrived = self.pending.setdefault((key, group), [])
         arrived.append(tensors)
         if len(arrived) < len(group):
             return
         del self.pending[(key, group)]
         for parts in zip(*arrived, strict=True):
-            total = torch.stack([p for p in parts]).sum(dim=0)
+            total = torch.stack(parts).sum(dim=0)
+            if average:
+                total /= len(group)
             for p in parts:
                 p.copy_(total)

@@ -1,0 +1,285 @@
+"""`DistributedComm`: stage messages and all-reduces over torch.distributed (gloo or NCCL).
+
+A message (the values of the channels for one `Key`: stream, microbatch, source and destination
+stage) travels as non-blocking point-to-point operations, all under one tag derived from the key:
+
+1. a preamble, int64[7]: magic number, the key (stream as CRC-32, microbatch, stages), the header
+   length and the number of values;
+2. the header (`runtime/wire.py`): dtype code, ndim and dims of every tensor, byte length of
+   every metadata value;
+3. every tensor (detached, contiguous), then the JSON bytes of every metadata value, in the order
+   of the values (empty ones are skipped at both ends).
+
+Sends never wait for the receiver (`isend`; the handles and tensors are kept until completed,
+checked lazily at each send and all waited for by `flush`). On gloo the tag keeps messages with
+different keys apart, so a rank may receive them in any order; NCCL ignores tags and matches
+point-to-point operations between two ranks in order, which holds by construction because every
+pair of ranks sends and receives its messages in the order of one validated schedule (the
+preamble's key turns a violation into a `StageCommError` instead of garbage).
+
+Every wait has the timeout `timeout_s`. A timeout, or any failure of the backend (on gloo a dead
+peer closes its sockets and the wait raises a `RuntimeError` such as "Connection closed by
+peer"), becomes a `PipelineTimeoutError` naming this rank, the peer ranks and what it waited on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdcompile.errors import PipelineTimeoutError, StageCommError
+from pdcompile.runtime import wire
+from pdcompile.runtime.comm import Key, check_value
+from pdcompile.staged_program import Channel
+
+__all__ = ["DistributedComm", "init_process_group", "message_tag"]
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x70646331  # "pdc1"
+_PREAMBLE = 7
+_STREAMS = {"act": 0, "grad": 1}
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    *,
+    init_file: str | None = None,
+    backend: str | None = None,
+    timeout_s: float,
+) -> torch.device:
+    """Join the default process group; return the device this rank's tensors live on.
+
+    Args:
+        backend: "nccl" when CUDA is available, else "gloo", unless given.
+        init_file: a `FileStore` path shared by the ranks (tests); None reads the `MASTER_ADDR`,
+            `MASTER_PORT` variables that `torchrun` sets.
+        timeout_s: the default timeout of every operation of the group.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.FileStore(init_file, world_size) if init_file is not None else None
+    dist.init_process_group(
+        backend,
+        init_method=None if store is not None else "env://",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    logger.info("rank %d: joined a %s group of %d ranks on %s", rank, backend, world_size, device)
+    return device
+
+
+def message_tag(key: Key) -> int:
+    """The point-to-point tag of a message: 31 bits of the key, unique among messages in flight.
+
+    Bits: microbatch mod 2^18, stream (3 bits), source and destination stage mod 32 (5 bits each).
+    """
+    stream, microbatch, src, dst = key
+    stream_code = _STREAMS.get(stream, 2 + zlib.crc32(stream.encode()) % 6)
+    return (microbatch % (1 << 18)) << 13 | stream_code << 10 | (src % 32) << 5 | dst % 32
+
+
+def describe_key(key: Key) -> str:
+    stream, microbatch, src, dst = key
+    return f"{stream} of microbatch {microbatch} (stage {src} -> {dst})"
+
+
+class DistributedComm:
+    """One rank's `Comm` over an initialised default process group.
+
+    Args:
+        rank: this rank.
+        groups: every rank group an all-reduce will use, the same list in the same order on every
+            rank (each becomes a process group here: a collective call).
+        timeout_s: how long any wait lasts before it raises `PipelineTimeoutError`.
+        device: where received tensors are put: the CPU for gloo, this rank's GPU for NCCL.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        groups: Sequence[tuple[int, ...]],
+        *,
+        timeout_s: float,
+        device: torch.device,
+    ) -> None:
+        self.rank = rank
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self._timeout = timedelta(seconds=timeout_s)
+        self._groups: dict[tuple[int, ...], Any] = {}
+        for group in groups:
+            members = tuple(sorted(group))
+            if members not in self._groups:
+                handle = dist.new_group(list(members), timeout=self._timeout)
+                self._groups[members] = handle if rank in members else None
+        # (work, tensor, peer, what) of sends not known to be complete, oldest first
+        self._sends: deque[tuple[Any, torch.Tensor, int, str]] = deque()
+        # buffers of failed waits: the backend may still write into them, so they stay alive
+        self._abandoned: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, peer: int, key: Key, values: Sequence[Any]) -> None:
+        """Post the message of `values` to `peer`; returns without waiting for the receiver."""
+        header, payload = wire.pack(values, self.device)
+        preamble = [_MAGIC, *_key_ints(key), len(header), len(values)]
+        tag, what = message_tag(key), describe_key(key)
+        for tensor in (self._ints(preamble), self._ints(header), *payload):
+            if tensor.numel():
+                work = self._post(dist.isend, tensor, peer, tag, f"sending {what}")
+                self._sends.append((work, tensor, peer, f"the send of {what}"))
+        while self._sends and self._sends[0][0].is_completed():
+            self._wait(*self._sends.popleft())
+        logger.debug("rank %d: sent %s to rank %d", self.rank, what, peer)
+
+    def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]:
+        """Wait for the message of `key` from `peer` and check it against `channels`.
+
+        Raises:
+            StageCommError: a value does not fit its channel (after the whole message arrived,
+                so later messages are unaffected).
+            PipelineTimeoutError: nothing arrived within the timeout, or the peer died.
+        """
+        tag, what = message_tag(key), describe_key(key)
+        preamble = self._receive_ints(_PREAMBLE, peer, tag, what)
+        if preamble[0] != _MAGIC or preamble[1:5] != _key_ints(key):
+            raise StageCommError(
+                f"rank {self.rank} expected {what} from rank {peer} but received a message with "
+                f"preamble {preamble}: the two ranks' schedules order their messages differently"
+            )
+        header = self._receive_ints(preamble[5], peer, tag, what)
+        items = wire.parse_header(header, preamble[6])
+        error = self._check(items, channels, peer, key)
+        if error is not None:
+            raise error
+        buffers = [item.empty(self.device) for item in items]
+        works = [
+            (self._post(dist.irecv, buffer, peer, tag, f"receiving {what}"), buffer)
+            for buffer in buffers
+            if buffer.numel()
+        ]
+        for work, buffer in works:
+            self._wait(work, buffer, peer, what)
+        if error is not None:
+            raise error
+        values = [wire.unpack(item, buffer) for item, buffer in zip(items, buffers, strict=True)]
+        for value, item, channel in zip(values, items, channels, strict=True):
+            if item.dtype is None:
+                check_value(value, channel, peer, self.rank)
+        logger.debug("rank %d: received %s from rank %d", self.rank, what, peer)
+        return values
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any) -> None:
+        """Sum `tensors` in place over the ranks of `group`: one all-reduce per dtype."""
+        members = tuple(sorted(group))
+        if members not in self._groups or self._groups[members] is None:
+            raise StageCommError(
+                f"rank {self.rank}: all-reduce {key} over ranks {members}, which is not one of the "
+                f"groups this rank belongs to ({sorted(self._groups)}); pass every group to "
+                "DistributedComm on every rank"
+            )
+        if len(members) == 1 or not tensors:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        what = f"all-reduce {key}"
+        with torch.no_grad():
+            flats = [
+                torch.cat([t.reshape(-1) for t in ts]).to(self.device) for ts in by_dtype.values()
+            ]
+            works = [
+                self._post(dist.all_reduce, flat, members, self._groups[members], what)
+                for flat in flats
+            ]
+            for work, flat, parts in zip(works, flats, by_dtype.values(), strict=True):
+                self._wait(work, flat, members, what)
+                offset = 0
+                for part in parts:
+                    part.copy_(flat[offset : offset + part.numel()].view_as(part))
+                    offset += part.numel()
+
+    def flush(self) -> None:
+        """Wait until every message sent so far has been received."""
+        while self._sends:
+            self._wait(*self._sends.popleft())
+
+    def _ints(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _receive_ints(self, count: int, peer: int, tag: int, what: str) -> list[int]:
+        buffer = torch.empty(count, dtype=torch.int64, device=self.device)
+        if count:
+            work = self._post(dist.irecv, buffer, peer, tag, f"receiving {what}")
+            self._wait(work, buffer, peer, what)
+        return buffer.tolist()
+
+    def _post(self, op: Any, tensor: torch.Tensor, peer: Any, arg: Any, what: str) -> Any:
+        """Start a point-to-point operation (`arg`: tag) or an all-reduce (`arg`: group)."""
+        try:
+            if op is dist.all_reduce:
+                return op(tensor, group=arg, async_op=True)
+            return op(tensor, peer, tag=arg)
+        except RuntimeError as exc:
+            raise self._failure(peer, what, exc) from exc
+
+    def _wait(self, work: Any, tensor: torch.Tensor, peer: Any, what: str) -> None:
+        try:
+            if work.wait(timeout=self._timeout) is False:
+                raise RuntimeError("the operation was aborted")
+        except RuntimeError as exc:  # timeouts and dead peers (DistBackendError, ...) alike
+            self._abandoned.append((work, tensor))
+            raise self._failure(peer, what, exc) from exc
+
+    def _failure(self, peer: Any, what: str, exc: BaseException) -> PipelineTimeoutError:
+        peers = f"ranks {list(peer)}" if isinstance(peer, tuple) else f"rank {peer}"
+        logger.error("rank %d: %s with %s failed: %s", self.rank, what, peers, exc)
+        return PipelineTimeoutError(
+            f"rank {self.rank} gave up waiting for {what} with {peers} (timeout {self.timeout_s:g} "
+            f"s): {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}; "
+            "the peer died, hangs, or runs another schedule: see its own log"
+        )
+
+    def _check(
+        self, items: Sequence[wire.Item], channels: Sequence[Channel], peer: int, key: Key
+    ) -> StageCommError | None:
+        """The error the header shows before the payload arrives, if any (`check_value` rules)."""
+        if len(items) != len(channels):
+            return StageCommError(
+                f"{describe_key(key)}: rank {peer} sent {len(items)} values to rank {self.rank}, "
+                f"which expects {len(channels)} ({', '.join(c.name for c in channels)})"
+            )
+        for item, channel in zip(items, channels, strict=True):
+            if item.dtype is None and channel.kind == "tensor":
+                return StageCommError(
+                    f"channel {channel.name!r} (stage {channel.src_stage} -> {channel.dst_stage}): "
+                    f"rank {peer} sent {item.describe()} to rank {self.rank}, which expects a "
+                    f"tensor {channel.describe()}"
+                )
+            if item.dtype is not None:
+                try:
+                    meta = torch.empty(item.shape, dtype=item.dtype, device="meta")
+                    check_value(meta, channel, peer, self.rank)
+                except StageCommError as exc:
+                    return exc
+        return None
+
+
+def _key_ints(key: Key) -> list[int]:
+    stream, microbatch, src, dst = key
+    return [zlib.crc32(stream.encode()), microbatch, src, dst]

@@ -1,0 +1,279 @@
+"""One rank's stage: runs the actions of a schedule on its stage module.
+
+The worker owns a replica of one stage module, its optimizer and the state of the microbatches
+in flight (inputs received, outputs sent, gradients coming back). Under `pipedream` it stashes
+weight versions: the forward of a microbatch runs on a detached copy of the weights as they are
+then (`torch.func.functional_call`), shared by every microbatch that uses the same version, and
+the backward runs through that same copy; its gradients are added to the live weights, which
+the optimizer updates. A version is dropped when no microbatch in flight uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from pdcompile.runtime.actions import Action
+from pdcompile.runtime.comm import Comm, gradient_channels
+from pdcompile.staged_program import Channel, StagedProgram
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class Batch:
+    """One step's microbatches as the stages see them (every rank holds all of them)."""
+
+    args: list[tuple]
+    kwargs: list[dict[str, Any]]
+    targets: list[Any]
+    weights: list[float]  # each microbatch's share of the loss
+
+    def items(self, first: int) -> dict[int, tuple[tuple, dict[str, Any], Any, float]]:
+        """Microbatch index (from `first`) -> (args, kwargs, target, loss weight)."""
+        rows = zip(self.args, self.kwargs, self.targets, self.weights, strict=True)
+        return {first + j: row for j, row in enumerate(rows)}
+
+
+@dataclass
+class _InFlight:
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    grads: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # output name, gradient
+    version: int = 0
+
+
+class StageWorker:
+    """Executes one rank's actions.
+
+    Args:
+        program: the staged program; `module` is this rank's own replica of its stage.
+        stage: the stage index.
+        module: the stage module this rank trains (a copy per replica).
+        comm: the rank's communication.
+        loss_fn: `loss_fn(output, target)`, run on the last stage.
+        optimizer: a factory applied to the stage's parameters.
+        schedule_kind: "1f1b", "gpipe", "pipedream" or "2bw".
+        stash: under `pipedream`, keep each microbatch's weight version for its backward
+            (False recomputes the backward on the newest weights: only to show the difference).
+    """
+
+    def __init__(
+        self,
+        program: StagedProgram,
+        stage: int,
+        module: nn.Module,
+        comm: Comm,
+        *,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        schedule_kind: str,
+        stash: bool = True,
+    ) -> None:
+        self.program, self.stage, self.module, self.comm = program, stage, module, comm
+        self.last = stage == program.num_stages - 1
+        self.loss_fn = loss_fn
+        self.params = dict(module.named_parameters())
+        self.optimizer = optimizer(list(self.params.values()))
+        self.pipedream = schedule_kind == "pipedream"
+        self.stash = stash
+        self.inbound = {c.src_stage: [] for c in program.channels_to(stage)}
+        for c in program.channels_to(stage):
+            self.inbound[c.src_stage].append(c)
+        self.outbound: dict[int, list[Channel]] = {}
+        for c in program.channels_from(stage):
+            self.outbound.setdefault(c.dst_stage, []).append(c)
+        self.tied = [
+            [n for n in tie.names if n in self.params] for tie in program.ties
+        ]  # per tie group, this stage's names of it
+        self.updates = 0
+        self.flight: dict[int, _InFlight] = {}
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.users: dict[int, int] = {}
+        self.losses: dict[int, float] = {}
+        self.data: dict[int, tuple[tuple, dict[str, Any], Any, float]] = {}
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def run(self, action: Action) -> None:
+        """Execute one action of this rank's schedule."""
+        getattr(self, "_" + action.kind)(action)
+
+    def _recv(self, a: Action) -> None:
+        state = self.flight.setdefault(a.microbatch, _InFlight())
+        if a.stream == "act":
+            key = (a.stream, a.microbatch, a.peer_stage, a.stage)
+            channels = self.inbound[a.peer_stage]
+            for c, value in zip(channels, self.comm.recv(a.peer, key, channels), strict=True):
+                if c.kind == "tensor" and c.requires_grad:
+                    value = value.detach().requires_grad_(True)
+                state.inputs[c.name] = value
+        else:
+            channels = gradient_channels(self.outbound[a.peer_stage])
+            key = (a.stream, a.microbatch, a.stage, a.peer_stage)
+            values = self.comm.recv(a.peer, key, channels)
+            state.grads += [(c.name, grad) for c, grad in zip(channels, values, strict=True)]
+
+    def _send(self, a: Action) -> None:
+        state = self.flight[a.microbatch]
+        if a.stream == "act":
+            channels = self.outbound[a.peer_stage]
+            values = [state.outputs[c.name] for c in channels]
+            key = (a.stream, a.microbatch, a.stage, a.peer_stage)
+        else:
+            channels = gradient_channels(self.inbound[a.peer_stage])
+            values = [_grad_of(state.inputs[c.name]) for c in channels]
+            key = (a.stream, a.microbatch, a.peer_stage, a.stage)
+        self.comm.send(a.peer, key, values)
+
+    def _push(self, a: Action) -> None:
+        state = self.flight.setdefault(a.microbatch, _InFlight())
+        state.version = self.updates
+        if self.updates not in self.versions:
+            self.versions[self.updates] = {
+                n: p.detach().clone().requires_grad_(p.requires_grad)
+                for n, p in self.params.items()
+            }
+        self.users[self.updates] = self.users.get(self.updates, 0) + 1
+
+    def _pop(self, a: Action) -> None:
+        self.data.pop(a.microbatch)
+        version = self.flight.pop(a.microbatch).version
+        self.users[version] -= 1
+        if not self.users[version]:
+            del self.users[version], self.versions[version]
+
+    def _F(self, a: Action) -> None:
+        k = a.microbatch
+        state = self.flight.setdefault(k, _InFlight())
+        args, kwargs = self.data[k][:2] if self.stage == 0 else ((), state.inputs)
+        out = self._call(state, args, kwargs)
+        if self.last:
+            loss = self.loss_fn(out, self.data[k][2])
+            self.losses[k] = float(loss.detach())
+            state.loss = loss * self.data[k][3]
+        state.outputs = out
+        if self.stage == 0:
+            state.inputs = {}
+
+    def _call(self, state: _InFlight, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if self.pipedream:
+            return functional_call(self.module, self.versions[state.version], args, kwargs)
+        return self.module(*args, **kwargs)
+
+    def _B(self, a: Action) -> None:
+        k = a.microbatch
+        state = self.flight[k]
+        weights = self.versions.get(state.version)
+        if self.pipedream and not self.stash:
+            # no stashing: the backward sees the newest weights (forward again on them)
+            weights = {n: p.detach().clone().requires_grad_(p.requires_grad)
+                       for n, p in self.params.items()}  # fmt: skip
+            args, kwargs = self.data[k][:2] if self.stage == 0 else ((), state.inputs)
+            state.outputs = functional_call(self.module, weights, args, kwargs)
+            if self.last:
+                state.loss = self.loss_fn(state.outputs, self.data[k][2]) * self.data[k][3]
+        if self.last:
+            state.loss.backward()
+        elif state.grads:
+            tensors = [state.outputs[name] for name, _ in state.grads]
+            torch.autograd.backward(tensors, [g for _, g in state.grads])
+        if self.pipedream:
+            for name, copy in weights.items():
+                if copy.grad is not None:
+                    live = self.params[name]
+                    live.grad = copy.grad.clone() if live.grad is None else live.grad + copy.grad
+                    copy.grad = None
+        state.outputs, state.grads, state.loss = None, [], None
+
+    def _allreduce(self, a: Action) -> None:
+        if a.tie >= 0:
+            names = self.tied[a.tie]
+            tensors = [_ensure_grad(self.params[n]) for n in names[:1]]
+        else:
+            skip = {n for names in self.tied for n in names}
+            tensors = [_ensure_grad(p) for n, p in self.params.items() if n not in skip]
+        # pipedream's replicas make one shared update from the average of their gradients
+        average = a.tie < 0 and self.pipedream
+        self.comm.all_reduce(tensors, a.group, a.collective, average=average)
+
+    def _step(self, a: Action) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        if not self.pipedream:
+            self.flight.clear()  # a synchronous step ends with every microbatch done
+            self.data.clear()
+
+    # -- per step --------------------------------------------------------------------------
+
+    def add_microbatches(self, batch: Batch, first: int) -> None:
+        """Make a step's microbatches known, numbered from `first`."""
+        self.data.update(batch.items(first))
+        self.losses = {}
+
+
+def _grad_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+
+
+def _ensure_grad(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def split_batch(
+    args: Sequence[Any], kwargs: dict[str, Any], targets: Any, num_microbatches: int, *,
+    weighted: bool,
+) -> Batch:  # fmt: skip
+    """Split every tensor along dim 0 into `num_microbatches` (sizes differ by at most one).
+
+    `weighted`: each microbatch's loss counts by its share of the rows (gradient accumulation
+    equal to the whole batch), else 1 (PipeDream minibatches).
+    """
+    rows = _rows(args, kwargs)
+    if rows < num_microbatches:
+        from pdcompile.errors import ScheduleError
+
+        raise ScheduleError(
+            f"a batch of {rows} rows cannot be split into {num_microbatches} microbatches; "
+            "use a larger batch or fewer microbatches"
+        )
+    parts = [_split(a, num_microbatches) for a in args]
+    kw_parts = {k: _split(v, num_microbatches) for k, v in kwargs.items()}
+    target_parts = _split(targets, num_microbatches)
+    split_args = [tuple(p[i] for p in parts) for i in range(num_microbatches)]
+    split_kwargs = [{k: v[i] for k, v in kw_parts.items()} for i in range(num_microbatches)]
+    sizes = [_rows(a, kw) for a, kw in zip(split_args, split_kwargs, strict=True)]
+    weights = [s / rows for s in sizes] if weighted else [1.0] * num_microbatches
+    return Batch(split_args, split_kwargs, target_parts, weights)
+
+
+def _split(value: Any, n: int) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, n, dim=0))
+    if isinstance(value, (tuple, list)):
+        parts = [_split(v, n) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(n)]
+    if isinstance(value, dict):
+        parts = {k: _split(v, n) for k, v in value.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+    return [value] * n
+
+
+def _rows(args: Any, kwargs: Any = None) -> int:
+    for value in [*args, *(kwargs or {}).values()]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("the batch has no tensor with a batch dimension")

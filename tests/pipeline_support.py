@@ -1,0 +1,118 @@
+"""Models, plans and references shared by the runtime tests (local and distributed)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pdcompile
+from pdcompile import zoo
+from pdcompile.plans import Plan, consecutive_ranks
+from pdcompile.runtime import version
+
+
+def mlp_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
+    torch.manual_seed(seed)
+    model = zoo.MLP(p=0.0).train()
+    x, y = torch.randn(12, 32), torch.randint(0, 10, (12,))
+    return model, x, y, F.cross_entropy
+
+
+def resnet_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
+    torch.manual_seed(seed)
+    model = zoo.ResNet().train()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    return model, x, y, F.cross_entropy
+
+
+def gpt_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
+    torch.manual_seed(seed)
+    model = zoo.GPT(zoo.GPTConfig(dropout=0.0, n_layer=2)).train()
+    x = torch.randint(0, 128, (8, 16))
+    y = torch.randint(0, 128, (8, 16))
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    return model, x, y, loss_fn
+
+
+def program_for(model: nn.Module, x: torch.Tensor, replicas: list[int], solver: str = "uniform"):
+    """A StagedProgram of `model` cut into len(replicas) stages with these replica counts."""
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), profile=False)
+    plan = pdcompile.plan(costs, pdcompile.Cluster.parse(str(len(replicas))), solver=solver)
+    assert plan.num_stages == len(replicas), plan
+    ranks = consecutive_ranks(replicas)
+    stages = tuple(
+        dataclasses.replace(s, replicas=r, ranks=ranks[i])
+        for i, (s, r) in enumerate(zip(plan.stages, replicas, strict=True))
+    )
+    cluster = pdcompile.Cluster.parse(str(sum(replicas)))
+    return pdcompile.codegen(gm, Plan(stages=stages, cluster=cluster, schedule=plan.schedule))
+
+
+def microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[Any, Any, float]]:
+    xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+    return [(a, b, a.shape[0] / x.shape[0]) for a, b in zip(xs, ys, strict=True)]
+
+
+def accumulate_reference(
+    model, x, y, loss_fn, optimizer, m: int, steps: int
+) -> tuple[nn.Module, float]:
+    """Single-process gradient accumulation over the same microbatches in the same order;
+    returns the trained copy and the last step's loss."""
+    ref = copy.deepcopy(model)
+    opt = optimizer(list(ref.parameters()))
+    for _ in range(steps):
+        loss = 0.0
+        for a, b, share in microbatches(x, y, m):
+            part = loss_fn(ref(a), b) * share
+            part.backward()
+            loss += float(part.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ref, loss
+
+
+def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *, vertical=False):
+    """Replays PipeDream's version function sequentially: minibatch k runs forward and
+    backward at stage s on the weights after v(k, s) updates of s; each stage averages the
+    gradients of a round of r_s minibatches into one update."""
+    replicas = [s.replicas for s in program.plan.stages]
+    live = [copy.deepcopy(stage) for stage in program.stages]
+    opts = [optimizer(list(stage.parameters())) for stage in live]
+    history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in live]
+    pending: list[list[dict[str, torch.Tensor]]] = [[] for _ in live]
+    k = 0
+    for _ in range(steps):
+        for a, b, _share in microbatches(x, y, m):
+            versions = [history[s][version(replicas, s, k)] for s in range(len(live))]
+            weights = [{n: t.clone().requires_grad_(True) for n, t in v.items()} for v in versions]
+            inbox: dict[str, Any] = {}  # every value sent so far, by name
+            for s, stage in enumerate(live):
+                args = (a,) if s == 0 else ()
+                kwargs = {n: inbox[n] for n in program.signatures[s].inputs} if s else {}
+                out = torch.func.functional_call(stage, weights[s], args, kwargs)
+                if s < len(live) - 1:
+                    inbox.update(out)
+            loss_fn(out, b).backward()
+            for s in range(len(live)):
+                pending[s].append({n: w.grad for n, w in weights[s].items()})
+                if len(pending[s]) == replicas[s]:
+                    for n, p in live[s].named_parameters():
+                        p.grad = sum(g[n] for g in pending[s]) / replicas[s]
+                    opts[s].step()
+                    opts[s].zero_grad(set_to_none=True)
+                    pending[s] = []
+                    history[s].append(
+                        {n: p.detach().clone() for n, p in live[s].named_parameters()}
+                    )
+            k += 1
+    return live
