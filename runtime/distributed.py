@@ -123,7 +123,7 @@ class DistributedComm:
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s)
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[int, ...], Any] = {}  # None: a group without this rank
         for group in groups:
             members = tuple(sorted(group))
             if members not in self._groups:
@@ -138,56 +138,49 @@ class DistributedComm:
         """Post the message of `values` to `peer`; returns without waiting for the receiver."""
         header, payload = wire.pack(values, self.device)
         preamble = [_MAGIC, *_key_ints(key), len(header), len(values)]
-        tag, what = message_tag(key), describe_key(key)
+        tag, what = message_tag(key), f"sending {describe_key(key)}"
         for tensor in (self._ints(preamble), self._ints(header), *payload):
             if tensor.numel():
-                work = self._post(dist.isend, tensor, peer, tag, f"sending {what}")
-                self._sends.append((work, tensor, peer, f"the send of {what}"))
+                work = self._start(dist.isend, tensor, peer, what, dst=peer, tag=tag)
+                self._sends.append((work, tensor, peer, what))
         while self._sends and self._sends[0][0].is_completed():
-            self._wait(*self._sends.popleft())
-        logger.debug("rank %d: sent %s to rank %d", self.rank, what, peer)
+            self._wait(*self._sends.popleft())  # raises if it failed
+        logger.debug("rank %d: %s to rank %d", self.rank, what, peer)
 
     def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]:
         """Wait for the message of `key` from `peer` and check it against `channels`.
 
         Raises:
-            StageCommError: a value does not fit its channel (after the whole message arrived,
-                so later messages are unaffected).
+            StageCommError: a value does not fit its channel (raised once the whole message has
+                arrived, so later messages are unaffected).
             PipelineTimeoutError: nothing arrived within the timeout, or the peer died.
         """
-        tag, what = message_tag(key), describe_key(key)
-        preamble = self._receive_ints(_PREAMBLE, peer, tag, what)
+        tag, what = message_tag(key), f"receiving {describe_key(key)}"
+        preamble = self._receive([self._ints([0] * _PREAMBLE)], peer, tag, what)[0].tolist()
         if preamble[0] != _MAGIC or preamble[1:5] != _key_ints(key):
             raise StageCommError(
-                f"rank {self.rank} expected {what} from rank {peer} but received a message with "
-                f"preamble {preamble}: the two ranks' schedules order their messages differently"
+                f"rank {self.rank} was {what} from rank {peer} but got a message with preamble "
+                f"{preamble}: the two ranks' schedules order their messages differently"
             )
-        header = self._receive_ints(preamble[5], peer, tag, what)
-        items = wire.parse_header(header, preamble[6])
+        (header,) = self._receive([self._ints([0] * preamble[5])], peer, tag, what)
+        items = wire.parse_header(header.tolist(), preamble[6])
         error = self._check(items, channels, peer, key)
-        if error is not None:
-            raise error
-        buffers = [item.empty(self.device) for item in items]
-        works = [
-            (self._post(dist.irecv, buffer, peer, tag, f"receiving {what}"), buffer)
-            for buffer in buffers
-            if buffer.numel()
-        ]
-        for work, buffer in works:
-            self._wait(work, buffer, peer, what)
+        # drained even when it does not fit, so that the next message starts clean
+        buffers = self._receive([item.empty(self.device) for item in items], peer, tag, what)
         if error is not None:
             raise error
         values = [wire.unpack(item, buffer) for item, buffer in zip(items, buffers, strict=True)]
         for value, item, channel in zip(values, items, channels, strict=True):
             if item.dtype is None:
                 check_value(value, channel, peer, self.rank)
-        logger.debug("rank %d: received %s from rank %d", self.rank, what, peer)
+        logger.debug("rank %d: %s from rank %d", self.rank, what, peer)
         return values
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any) -> None:
         """Sum `tensors` in place over the ranks of `group`: one all-reduce per dtype."""
         members = tuple(sorted(group))
-        if members not in self._groups or self._groups[members] is None:
+        handle = self._groups.get(members)
+        if handle is None:
             raise StageCommError(
                 f"rank {self.rank}: all-reduce {key} over ranks {members}, which is not one of the "
                 f"groups this rank belongs to ({sorted(self._groups)}); pass every group to "
@@ -198,13 +191,13 @@ class DistributedComm:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        what = f"all-reduce {key}"
+        what = f"all-reducing {key}"
         with torch.no_grad():
             flats = [
                 torch.cat([t.reshape(-1) for t in ts]).to(self.device) for ts in by_dtype.values()
             ]
             works = [
-                self._post(dist.all_reduce, flat, members, self._groups[members], what)
+                self._start(dist.all_reduce, flat, members, what, group=handle, async_op=True)
                 for flat in flats
             ]
             for work, flat, parts in zip(works, flats, by_dtype.values(), strict=True):
@@ -222,19 +215,22 @@ class DistributedComm:
     def _ints(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _receive_ints(self, count: int, peer: int, tag: int, what: str) -> list[int]:
-        buffer = torch.empty(count, dtype=torch.int64, device=self.device)
-        if count:
-            work = self._post(dist.irecv, buffer, peer, tag, f"receiving {what}")
+    def _receive(
+        self, buffers: list[torch.Tensor], peer: int, tag: int, what: str
+    ) -> list[torch.Tensor]:
+        """Fill `buffers` in order (empty ones do not travel): post every receive, then wait."""
+        works = [
+            (self._start(dist.irecv, buffer, peer, what, src=peer, tag=tag), buffer)
+            for buffer in buffers
+            if buffer.numel()
+        ]
+        for work, buffer in works:
             self._wait(work, buffer, peer, what)
-        return buffer.tolist()
+        return buffers
 
-    def _post(self, op: Any, tensor: torch.Tensor, peer: Any, arg: Any, what: str) -> Any:
-        """Start a point-to-point operation (`arg`: tag) or an all-reduce (`arg`: group)."""
+    def _start(self, op: Any, tensor: torch.Tensor, peer: Any, what: str, **kwargs: Any) -> Any:
         try:
-            if op is dist.all_reduce:
-                return op(tensor, group=arg, async_op=True)
-            return op(tensor, peer, tag=arg)
+            return op(tensor, **kwargs)
         except RuntimeError as exc:
             raise self._failure(peer, what, exc) from exc
 
@@ -248,11 +244,11 @@ class DistributedComm:
 
     def _failure(self, peer: Any, what: str, exc: BaseException) -> PipelineTimeoutError:
         peers = f"ranks {list(peer)}" if isinstance(peer, tuple) else f"rank {peer}"
-        logger.error("rank %d: %s with %s failed: %s", self.rank, what, peers, exc)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        logger.error("rank %d: %s with %s failed: %s", self.rank, what, peers, reason)
         return PipelineTimeoutError(
-            f"rank {self.rank} gave up waiting for {what} with {peers} (timeout {self.timeout_s:g} "
-            f"s): {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}; "
-            "the peer died, hangs, or runs another schedule: see its own log"
+            f"rank {self.rank} gave up {what} with {peers} (timeout {self.timeout_s:g} s): "
+            f"{reason}; the peer died, hangs, or runs another schedule: see its own log"
         )
 
     def _check(

@@ -9,36 +9,20 @@ debugging and as the reference the distributed executor is compared with.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch.nn as nn
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import LocalComm
-from pdcompile.runtime.schedules import build_schedule
-from pdcompile.runtime.validate import validate_schedule
-from pdcompile.runtime.versions import warmup
-from pdcompile.runtime.worker import LossFn, OptimizerFactory, StageWorker, split_batch
+from pdcompile.runtime.pipeline import Pipeline, program_schedule
+from pdcompile.runtime.worker import Batch, LossFn, OptimizerFactory, StageWorker
 from pdcompile.staged_program import StagedProgram
 
 
-def program_schedule(program: StagedProgram, kind: str, num_microbatches: int) -> Schedule:
-    """The validated schedule of `program` under its plan's ranks."""
-    edges: dict[tuple[int, int], bool] = {}
-    for c in program.channels:
-        pair = (c.src_stage, c.dst_stage)
-        edges[pair] = edges.get(pair, False) or (c.kind == "tensor" and c.requires_grad)
-    ranks = [stage.ranks for stage in program.plan.stages]
-    ties = [tie.stages for tie in program.ties]
-    schedule = build_schedule(kind, ranks, edges, num_microbatches, ties)
-    validate_schedule(schedule)
-    return schedule
-
-
-class LocalPipeline:
+class LocalPipeline(Pipeline):
     """Train a StagedProgram with a schedule, all ranks in this process.
 
     Args:
@@ -48,10 +32,6 @@ class LocalPipeline:
         loss_fn: `loss_fn(output, target) -> scalar`, on the last stage.
         optimizer: a factory `params -> torch.optim.Optimizer`, applied per stage replica.
         stash: weight stashing under `pipedream` (False only to show what it prevents).
-
-    Under `pipedream` minibatches stay in flight across `train_step` calls: each call runs every
-    rank's actions up to the first forward of a minibatch it has not been given yet; `flush()`
-    completes the rest (and the next call fills the pipeline again).
     """
 
     def __init__(
@@ -64,72 +44,32 @@ class LocalPipeline:
         optimizer: OptimizerFactory,
         stash: bool = True,
     ) -> None:
-        self.program = program
-        self.kind = schedule
-        self.num_microbatches = num_microbatches
-        self.schedule = program_schedule(program, schedule, num_microbatches)
         mailbox = LocalComm(-1)
-        self.workers: dict[int, StageWorker] = {}
-        for stage, ranks in enumerate(self.schedule.ranks):
+        workers: dict[int, StageWorker] = {}
+        layout = program_schedule(program, schedule, num_microbatches)
+        for stage, ranks in enumerate(layout.ranks):
             for rank in ranks:
-                self.workers[rank] = StageWorker(
+                workers[rank] = StageWorker(
                     program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
                     loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule, stash=stash,
                 )  # fmt: skip
-        self.started = 0  # pipedream: minibatches given since the last flush
-        self.position = dict.fromkeys(self.workers, 0)  # pipedream: actions done since then
+        super().__init__(program, workers, schedule=schedule, num_microbatches=num_microbatches)
 
-    def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
-        """One step over the batch; returns the loss (weighted mean over its microbatches)."""
-        pipedream = self.kind == "pipedream"
-        batch = split_batch(
-            args, kwargs or {}, targets, self.num_microbatches, weighted=not pipedream
-        )
-        first = self.started if pipedream else 0
-        for worker in self.workers.values():
-            worker.add_microbatches(batch, first)
-        if pipedream:
-            self.started += self.num_microbatches
-            stream = self._stream(self.started + self._lookahead())
-            stop = {r: _cut(a, self.started) for r, a in stream.actions.items()}
-            _run(self.workers, stream.actions, self.position, stop)
-        else:
-            _run(self.workers, self.schedule.actions, dict.fromkeys(self.workers, 0), None)
-        losses = {k: v for w in self.workers.values() if w.last for k, v in w.losses.items()}
-        mine = range(first, first + self.num_microbatches)
-        return sum(losses[k] * batch.weights[k - first] for k in mine) / sum(batch.weights)
+    def _execute(
+        self,
+        actions: dict[int, tuple[Action, ...]],
+        position: dict[int, int],
+        stop: dict[int, int] | None,
+    ) -> None:
+        _run(self.workers, actions, position, stop)
 
-    def flush(self) -> None:
-        """Complete every minibatch in flight (`pipedream`; a no-op for the others)."""
-        if self.kind != "pipedream" or not self.started:
-            return
-        _run(self.workers, self._stream(self.started).actions, self.position, None)
-        self.started = 0
-        self.position = dict.fromkeys(self.workers, 0)
-
-    def _stream(self, minibatches: int) -> Schedule:
-        return program_schedule(self.program, self.kind, minibatches)
-
-    def _lookahead(self) -> int:
-        """Minibatches past the given ones that every replica's warm-up fits in (so that the
-        stream's prefix is that of an endless pipeline), a multiple of every replica count."""
-        replicas = self.schedule.replicas
-        period = math.lcm(*replicas)
-        deepest = max(warmup(replicas, s) for s in range(len(replicas)))
-        return period * (deepest + 1) * max(replicas)
+    def _loss(self, batch: Batch, first: int) -> float:
+        total, weight = self._local_loss(batch, first)
+        return total / weight
 
     def stage_modules(self) -> dict[int, nn.Module]:
         """Each rank's trained module."""
         return {rank: w.module for rank, w in self.workers.items()}
-
-
-def _cut(actions: Sequence[Action], bound: int) -> int:
-    """The index of a rank's first action that needs a minibatch >= bound."""
-    for i, a in enumerate(actions):
-        forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
-        if forward and a.microbatch >= bound:
-            return i
-    return len(actions)
 
 
 def _run(

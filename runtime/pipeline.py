@@ -1,0 +1,124 @@
+"""What every executor shares: the schedule, the microbatches, and `pipedream`'s endless stream.
+
+A synchronous step runs every rank's schedule to its end. Under `pipedream` minibatches stay in
+flight across `train_step` calls: the ranks walk one endless stream of actions (the schedule of
+a pipeline that never drains), and each call runs every rank up to its first forward of a
+minibatch it has not been given yet; `flush()` completes the rest, and the next call fills the
+pipeline again. Subclasses say how a rank's actions run (`_execute`) and how the loss reaches
+every rank (`_loss`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.runtime.schedules import build_schedule
+from pdcompile.runtime.validate import validate_schedule
+from pdcompile.runtime.versions import warmup
+from pdcompile.runtime.worker import Batch, StageWorker, split_batch
+from pdcompile.staged_program import StagedProgram
+
+
+def program_schedule(program: StagedProgram, kind: str, num_microbatches: int) -> Schedule:
+    """The validated schedule of `program` under its plan's ranks."""
+    edges: dict[tuple[int, int], bool] = {}
+    for c in program.channels:
+        pair = (c.src_stage, c.dst_stage)
+        edges[pair] = edges.get(pair, False) or (c.kind == "tensor" and c.requires_grad)
+    ranks = [stage.ranks for stage in program.plan.stages]
+    ties = [tie.stages for tie in program.ties]
+    schedule = build_schedule(kind, ranks, edges, num_microbatches, ties)
+    validate_schedule(schedule)
+    return schedule
+
+
+class Pipeline:
+    """Runs train steps of a StagedProgram on `workers` (the ranks this process drives)."""
+
+    def __init__(
+        self,
+        program: StagedProgram,
+        workers: dict[int, StageWorker],
+        *,
+        schedule: str,
+        num_microbatches: int,
+    ) -> None:
+        self.program = program
+        self.kind = schedule
+        self.num_microbatches = num_microbatches
+        self.schedule = program_schedule(program, schedule, num_microbatches)
+        self.workers = workers
+        self.started = 0  # pipedream: minibatches given since the last flush
+        self.position = dict.fromkeys(workers, 0)  # pipedream: actions done since then
+
+    def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
+        """One step over the batch (every rank passes the same batch); returns the loss, the
+        mean over its microbatches weighted by their rows, on every rank."""
+        pipedream = self.kind == "pipedream"
+        batch = split_batch(
+            args, kwargs or {}, targets, self.num_microbatches, weighted=not pipedream
+        )
+        first = self.started if pipedream else 0
+        for worker in self.workers.values():
+            worker.add_microbatches(batch, first)
+        if pipedream:
+            self.started += self.num_microbatches
+            stream = self._stream(self.started + self._lookahead())
+            stop = {r: _cut(stream.actions[r], self.started) for r in self.workers}
+            self._execute(stream.actions, self.position, stop)
+        else:
+            actions = self.schedule.actions
+            self._execute(actions, dict.fromkeys(self.workers, 0), None)
+        return self._loss(batch, first)
+
+    def flush(self) -> None:
+        """Complete every minibatch in flight (`pipedream`; nothing to do for the others)."""
+        if self.kind != "pipedream" or not self.started:
+            return
+        self._execute(self._stream(self.started).actions, self.position, None)
+        self.started = 0
+        self.position = dict.fromkeys(self.workers, 0)
+
+    def _execute(
+        self,
+        actions: dict[int, tuple[Action, ...]],
+        position: dict[int, int],
+        stop: dict[int, int] | None,
+    ) -> None:
+        raise NotImplementedError
+
+    def _loss(self, batch: Batch, first: int) -> float:
+        raise NotImplementedError
+
+    def _local_loss(self, batch: Batch, first: int) -> tuple[float, float]:
+        """(sum of weight * loss, sum of weights) over the step's microbatches this process's
+        last-stage ranks computed."""
+        total = weight = 0.0
+        for worker in self.workers.values():
+            if worker.last:
+                for k, loss in worker.losses.items():
+                    total += loss * batch.weights[k - first]
+                    weight += batch.weights[k - first]
+        return total, weight
+
+    def _stream(self, minibatches: int) -> Schedule:
+        return program_schedule(self.program, self.kind, minibatches)
+
+    def _lookahead(self) -> int:
+        """Minibatches past the given ones that every replica's warm-up fits in (so that the
+        stream's prefix is that of an endless pipeline), a multiple of every replica count."""
+        replicas = self.schedule.replicas
+        deepest = max(warmup(replicas, s) for s in range(len(replicas)))
+        return math.lcm(*replicas) * (deepest + 1) * max(replicas)
+
+
+def _cut(actions: Sequence[Action], bound: int) -> int:
+    """The index of a rank's first action that needs a minibatch >= bound."""
+    for i, a in enumerate(actions):
+        forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
+        if forward and a.microbatch >= bound:
+            return i
+    return len(actions)
