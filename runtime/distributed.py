@@ -3,12 +3,13 @@
 A message (the values of the channels for one `Key`: stream, microbatch, source and destination
 stage) travels as non-blocking point-to-point operations, all under one tag derived from the key:
 
-1. a preamble, int64[7]: magic number, the key (stream as CRC-32, microbatch, stages), the header
-   length and the number of values;
-2. the header (`runtime/wire.py`): dtype code, ndim and dims of every tensor, byte length of
-   every metadata value;
-3. every tensor (detached, contiguous), then the JSON bytes of every metadata value, in the order
-   of the values (empty ones are skipped at both ends).
+1. int64[64]: a preamble (magic number, the key with the stream as CRC-32, the header length and
+   the number of values), then the header (`runtime/wire.py`: dtype code, ndim and dims of every
+   tensor, byte length of every metadata value), padded with zeros; a header too long for it
+   continues in a second int64 tensor. A fixed size lets the receiver post it blindly, so a
+   message costs two rendezvous (this part, then the payload), not three;
+2. the payload: every value as one tensor in order (tensors detached and contiguous, metadata as
+   its JSON bytes); empty ones are skipped at both ends.
 
 Sends never wait for the receiver (`isend`; the handles and tensors are kept until completed,
 checked lazily at each send and all waited for by `flush`). On gloo the tag keeps messages with
@@ -20,6 +21,8 @@ preamble's key turns a violation into a `StageCommError` instead of garbage).
 Every wait has the timeout `timeout_s`. A timeout, or any failure of the backend (on gloo a dead
 peer closes its sockets and the wait raises a `RuntimeError` such as "Connection closed by
 peer"), becomes a `PipelineTimeoutError` naming this rank, the peer ranks and what it waited on.
+It is final: on gloo a timed-out wait also closes the connection to that peer. docs/runtime.md
+("Communication") has the details.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ __all__ = ["DistributedComm", "init_process_group", "message_tag"]
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x70646331  # "pdc1"
-_PREAMBLE = 7
+_PREAMBLE = 7  # magic, stream, microbatch, source stage, destination stage, header length, values
+_FIRST = 64  # int64s in the first part of a message: the preamble and most headers
 _STREAMS = {"act": 0, "grad": 1}
 
 
@@ -68,7 +72,7 @@ def init_process_group(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        local_rank = int(os.environ.get("LOCAL_RANK") or rank % torch.cuda.device_count())
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
@@ -96,6 +100,7 @@ def message_tag(key: Key) -> int:
 
 
 def describe_key(key: Key) -> str:
+    """`act of microbatch 3 (stage 0 -> 1)`."""
     stream, microbatch, src, dst = key
     return f"{stream} of microbatch {microbatch} (stage {src} -> {dst})"
 
@@ -137,9 +142,10 @@ class DistributedComm:
     def send(self, peer: int, key: Key, values: Sequence[Any]) -> None:
         """Post the message of `values` to `peer`; returns without waiting for the receiver."""
         header, payload = wire.pack(values, self.device)
-        preamble = [_MAGIC, *_key_ints(key), len(header), len(values)]
+        ints = [_MAGIC, *_key_ints(key), len(header), len(values), *header]
+        first = ints[:_FIRST] + [0] * (_FIRST - len(ints))
         tag, what = message_tag(key), f"sending {describe_key(key)}"
-        for tensor in (self._ints(preamble), self._ints(header), *payload):
+        for tensor in (self._ints(first), self._ints(ints[_FIRST:]), *payload):
             if tensor.numel():
                 work = self._start(dist.isend, tensor, peer, what, dst=peer, tag=tag)
                 self._sends.append((work, tensor, peer, what))
@@ -156,14 +162,18 @@ class DistributedComm:
             PipelineTimeoutError: nothing arrived within the timeout, or the peer died.
         """
         tag, what = message_tag(key), f"receiving {describe_key(key)}"
-        preamble = self._receive([self._ints([0] * _PREAMBLE)], peer, tag, what)[0].tolist()
-        if preamble[0] != _MAGIC or preamble[1:5] != _key_ints(key):
+        ints = self._receive([self._buffer(_FIRST)], peer, tag, what)[0].tolist()
+        if ints[0] != _MAGIC or ints[1:5] != _key_ints(key):
             raise StageCommError(
-                f"rank {self.rank} was {what} from rank {peer} but got a message with preamble "
-                f"{preamble}: the two ranks' schedules order their messages differently"
+                f"rank {self.rank} was {what} from rank {peer} but got a message starting with "
+                f"{ints[:_PREAMBLE]}: the two ranks' schedules order their messages differently"
             )
-        (header,) = self._receive([self._ints([0] * preamble[5])], peer, tag, what)
-        items = wire.parse_header(header.tolist(), preamble[6])
+        length, num_values = ints[5], ints[6]
+        if _PREAMBLE + length > _FIRST:  # the rest of a long header
+            rest = self._buffer(_PREAMBLE + length - _FIRST)
+            ints += self._receive([rest], peer, tag, what)[0].tolist()
+        header = ints[_PREAMBLE : _PREAMBLE + length]
+        items = wire.parse_header(header, num_values)
         error = self._check(items, channels, peer, key)
         # drained even when it does not fit, so that the next message starts clean
         buffers = self._receive([item.empty(self.device) for item in items], peer, tag, what)
@@ -176,8 +186,17 @@ class DistributedComm:
         logger.debug("rank %d: %s from rank %d", self.rank, what, peer)
         return values
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any) -> None:
-        """Sum `tensors` in place over the ranks of `group`: one all-reduce per dtype."""
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: tuple[int, ...],
+        key: Any,
+        average: bool = False,
+    ) -> None:
+        """Sum (or average) `tensors` in place over the ranks of `group`: one all-reduce per dtype.
+
+        Returns when this rank has the result (a group of one rank returns at once).
+        """
         members = tuple(sorted(group))
         handle = self._groups.get(members)
         if handle is None:
@@ -202,6 +221,8 @@ class DistributedComm:
             ]
             for work, flat, parts in zip(works, flats, by_dtype.values(), strict=True):
                 self._wait(work, flat, members, what)
+                if average:
+                    flat /= len(members)
                 offset = 0
                 for part in parts:
                     part.copy_(flat[offset : offset + part.numel()].view_as(part))
@@ -214,6 +235,9 @@ class DistributedComm:
 
     def _ints(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _buffer(self, count: int) -> torch.Tensor:
+        return torch.empty(count, dtype=torch.int64, device=self.device)
 
     def _receive(
         self, buffers: list[torch.Tensor], peer: int, tag: int, what: str

@@ -32,6 +32,7 @@ class LocalPipeline(Pipeline):
         loss_fn: `loss_fn(output, target) -> scalar`, on the last stage.
         optimizer: a factory `params -> torch.optim.Optimizer`, applied per stage replica.
         stash: weight stashing under `pipedream` (False only to show what it prevents).
+        vertical_sync: `pipedream` with vertical sync (docs/runtime.md).
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class LocalPipeline(Pipeline):
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         stash: bool = True,
+        vertical_sync: bool = False,
     ) -> None:
         mailbox = LocalComm(-1)
         workers: dict[int, StageWorker] = {}
@@ -52,6 +54,7 @@ class LocalPipeline(Pipeline):
                 workers[rank] = StageWorker(
                     program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
                     loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule, stash=stash,
+                    vertical_sync=vertical_sync,
                 )  # fmt: skip
         super().__init__(program, workers, schedule=schedule, num_microbatches=num_microbatches)
 

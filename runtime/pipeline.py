@@ -53,6 +53,8 @@ class Pipeline:
         self.workers = workers
         self.started = 0  # pipedream: minibatches given since the last flush
         self.position = dict.fromkeys(workers, 0)  # pipedream: actions done since then
+        for worker in workers.values():
+            worker.begin_stream()
 
     def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
         """One step over the batch (every rank passes the same batch); returns the loss, the
@@ -81,6 +83,8 @@ class Pipeline:
         self._execute(self._stream(self.started).actions, self.position, None)
         self.started = 0
         self.position = dict.fromkeys(self.workers, 0)
+        for worker in self.workers.values():
+            worker.begin_stream()
 
     def _execute(
         self,

@@ -21,6 +21,7 @@ from torch.func import functional_call
 
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Comm, gradient_channels
+from pdcompile.runtime.versions import vertical_version
 from pdcompile.staged_program import Channel, StagedProgram
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class StageWorker:
         schedule_kind: "1f1b", "gpipe", "pipedream" or "2bw".
         stash: under `pipedream`, keep each microbatch's weight version for its backward
             (False recomputes the backward on the newest weights: only to show the difference).
+        vertical_sync: under `pipedream`, minibatch k runs on `versions.vertical_version`.
     """
 
     def __init__(
@@ -79,14 +81,18 @@ class StageWorker:
         optimizer: OptimizerFactory,
         schedule_kind: str,
         stash: bool = True,
+        vertical_sync: bool = False,
     ) -> None:
         self.program, self.stage, self.module, self.comm = program, stage, module, comm
         self.last = stage == program.num_stages - 1
         self.loss_fn = loss_fn
         self.params = dict(module.named_parameters())
         self.optimizer = optimizer(list(self.params.values()))
+        self.kind = schedule_kind
         self.pipedream = schedule_kind == "pipedream"
         self.stash = stash
+        self.vertical = vertical_sync
+        self.replicas = [s.replicas for s in program.plan.stages]
         self.inbound = {c.src_stage: [] for c in program.channels_to(stage)}
         for c in program.channels_to(stage):
             self.inbound[c.src_stage].append(c)
@@ -98,8 +104,11 @@ class StageWorker:
         ]  # per tie group, this stage's names of it
         self.updates = 0
         self.flight: dict[int, _InFlight] = {}
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self.users: dict[int, int] = {}
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # updates -> weights (pipedream)
+        self.users: dict[int, int] = {}  # updates -> microbatches in flight on that version
+        self.newest = 0  # the version the latest push picked
+        self.stream_base = 0  # updates when the pipedream stream (re)started
+        self.shadow = _copy(self.params) if schedule_kind == "2bw" else {}  # 2bw: W(t - 1)
         self.losses: dict[int, float] = {}
         self.data: dict[int, tuple[tuple, dict[str, Any], Any, float]] = {}
 
@@ -138,20 +147,33 @@ class StageWorker:
 
     def _push(self, a: Action) -> None:
         state = self.flight.setdefault(a.microbatch, _InFlight())
-        state.version = self.updates
-        if self.updates not in self.versions:
-            self.versions[self.updates] = {
-                n: p.detach().clone().requires_grad_(p.requires_grad)
-                for n, p in self.params.items()
-            }
-        self.users[self.updates] = self.users.get(self.updates, 0) + 1
+        u = self.updates
+        if self.vertical:
+            u = self.stream_base + vertical_version(self.replicas, self.stage, a.microbatch)
+        if u not in self.versions:
+            assert u == self.updates, f"version {u} of stage {self.stage} was not kept"
+            self.versions[u] = _copy(self.params)
+        state.version, self.newest = u, u
+        self.users[u] = self.users.get(u, 0) + 1
+        self._drop_old()
 
     def _pop(self, a: Action) -> None:
         self.data.pop(a.microbatch)
-        version = self.flight.pop(a.microbatch).version
-        self.users[version] -= 1
-        if not self.users[version]:
-            del self.users[version], self.versions[version]
+        self.users[self.flight.pop(a.microbatch).version] -= 1
+        self._drop_old()
+
+    def _drop_old(self) -> None:
+        """Forget versions no microbatch in flight uses and no later one will."""
+        for u in [u for u in self.versions if u < self.newest and not self.users.get(u)]:
+            del self.versions[u]
+            self.users.pop(u, None)
+
+    def begin_stream(self) -> None:
+        """A pipedream stream (re)starts: minibatch numbers count from 0 again."""
+        self.stream_base = self.newest = self.updates
+        self.versions = {u: w for u, w in self.versions.items() if self.users.get(u)}
+        if self.vertical:
+            self.versions[self.updates] = _copy(self.params)
 
     def _F(self, a: Action) -> None:
         k = a.microbatch
@@ -166,19 +188,25 @@ class StageWorker:
         if self.stage == 0:
             state.inputs = {}
 
-    def _call(self, state: _InFlight, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _weights(self, state: _InFlight) -> dict[str, torch.Tensor] | None:
+        """The weight copy a microbatch runs on (None: the live weights)."""
         if self.pipedream:
-            return functional_call(self.module, self.versions[state.version], args, kwargs)
+            return self.versions[state.version]
+        return self.shadow or None
+
+    def _call(self, state: _InFlight, args: tuple, kwargs: dict[str, Any]) -> Any:
+        weights = self._weights(state)
+        if weights is not None:
+            return functional_call(self.module, weights, args, kwargs)
         return self.module(*args, **kwargs)
 
     def _B(self, a: Action) -> None:
         k = a.microbatch
         state = self.flight[k]
-        weights = self.versions.get(state.version)
+        weights = self._weights(state)
         if self.pipedream and not self.stash:
             # no stashing: the backward sees the newest weights (forward again on them)
-            weights = {n: p.detach().clone().requires_grad_(p.requires_grad)
-                       for n, p in self.params.items()}  # fmt: skip
+            weights = _copy(self.params)
             args, kwargs = self.data[k][:2] if self.stage == 0 else ((), state.inputs)
             state.outputs = functional_call(self.module, weights, args, kwargs)
             if self.last:
@@ -188,7 +216,7 @@ class StageWorker:
         elif state.grads:
             tensors = [state.outputs[name] for name, _ in state.grads]
             torch.autograd.backward(tensors, [g for _, g in state.grads])
-        if self.pipedream:
+        if weights is not None:  # the copy's gradients go to the live weights
             for name, copy in weights.items():
                 if copy.grad is not None:
                     live = self.params[name]
@@ -208,9 +236,14 @@ class StageWorker:
         self.comm.all_reduce(tensors, a.group, a.collective, average=average)
 
     def _step(self, a: Action) -> None:
+        before = _copy(self.params) if self.shadow else {}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
+        if self.shadow:
+            self.shadow = before  # 2bw: the next step computes on the weights before this one
+        if self.vertical:
+            self.versions[self.updates] = _copy(self.params)
         if not self.pipedream:
             self.flight.clear()  # a synchronous step ends with every microbatch done
             self.data.clear()
@@ -221,6 +254,11 @@ class StageWorker:
         """Make a step's microbatches known, numbered from `first`."""
         self.data.update(batch.items(first))
         self.losses = {}
+
+
+def _copy(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Detached copies of weights, as leaves a forward can run on and a backward fill."""
+    return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
 
 
 def _grad_of(tensor: torch.Tensor) -> torch.Tensor:

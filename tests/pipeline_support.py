@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import pdcompile
 from pdcompile import zoo
 from pdcompile.plans import Plan, consecutive_ranks
-from pdcompile.runtime import version
+from pdcompile.runtime import version, vertical_version
 
 
 def mlp_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
@@ -93,7 +93,8 @@ def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *
     k = 0
     for _ in range(steps):
         for a, b, _share in microbatches(x, y, m):
-            versions = [history[s][version(replicas, s, k)] for s in range(len(live))]
+            rule = vertical_version if vertical else version
+            versions = [history[s][rule(replicas, s, k)] for s in range(len(live))]
             weights = [{n: t.clone().requires_grad_(True) for n, t in v.items()} for v in versions]
             inbox: dict[str, Any] = {}  # every value sent so far, by name
             for s, stage in enumerate(live):
@@ -116,3 +117,22 @@ def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *
                     )
             k += 1
     return live
+
+
+def two_bw_reference(model, x, y, loss_fn, optimizer, m: int, steps: int) -> nn.Module:
+    """PipeDream-2BW: step t applies the gradient (accumulated over the microbatches) computed
+    on the weights before the previous step: W(t+1) = W(t) - lr grad(W(t-1)), the first on W(0)."""
+    ref = copy.deepcopy(model)
+    params = dict(ref.named_parameters())
+    opt = optimizer(list(params.values()))
+    older = {n: p.detach().clone() for n, p in params.items()}
+    for _ in range(steps):
+        weights = {n: t.clone().requires_grad_(True) for n, t in older.items()}
+        for a, b, share in microbatches(x, y, m):
+            (loss_fn(torch.func.functional_call(ref, weights, (a,)), b) * share).backward()
+        older = {n: p.detach().clone() for n, p in params.items()}
+        for n, p in params.items():
+            p.grad = weights[n].grad
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ref
