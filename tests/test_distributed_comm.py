@@ -40,6 +40,8 @@ CHANNELS = [
       enumerate(METADATA)),
 ]  # fmt: skip
 GRAD = [Channel(1, 0, "h", shape=("batch", 3), dtype="float32")]
+# a header longer than the first part of a message (64 int64s)
+MANY = [Channel(0, 1, f"x{i}", shape=("batch", 3, 1), dtype="float32") for i in range(15)]
 
 
 def message(microbatch: int, batch: int) -> list:
@@ -79,6 +81,9 @@ def _two_ranks(rank: int, world_size: int, init_file: str, backend: str) -> dict
         bad[3] = bad[3].squeeze(-1)  # one dimension fewer
         comm.send(1, act(5), bad)
         comm.send(1, act(6), message(6, 3))
+        comm.send(1, act(7), [torch.full((2, 3, 1), float(i)) for i in range(len(MANY))])
+        comm.send(1, act(8), [torch.Size([2, 3])])  # metadata where a tensor is expected
+        comm.send(1, act(9), [torch.ones(2, 3), 1])  # one value too many
         out["grad"] = comm.recv(1, ("grad", 0, 1, 0), GRAD)
         comm.flush()
     else:
@@ -91,6 +96,12 @@ def _two_ranks(rank: int, world_size: int, init_file: str, backend: str) -> dict
             except StageCommError as exc:
                 out["errors"].append(str(exc))
         out["after"] = comm.recv(0, act(6), CHANNELS)
+        out["many"] = comm.recv(0, act(7), MANY)
+        for mb in (8, 9):
+            try:
+                comm.recv(0, act(mb), CHANNELS[:1])
+            except StageCommError as exc:
+                out["errors"].append(str(exc))
         comm.send(0, ("grad", 0, 1, 0), [torch.full((4, 3), 2.0, device=device)])
         comm.flush()
     dist.barrier()
@@ -136,9 +147,12 @@ def check_two_ranks(backend: str) -> None:
     for mb, batch in [(0, 4), (1, 4), (2, 2)]:
         assert_same_values(receiver["received"][mb], message(mb, batch))
     assert_same_values(receiver["after"], message(6, 3))
+    assert_same_values(receiver["many"], [torch.full((2, 3, 1), float(i)) for i in range(15)])
     assert torch.equal(sender["grad"][0], torch.full((4, 3), 2.0))
 
-    shape, dtype, ndim = receiver["errors"]
+    shape, dtype, ndim, kind, count = receiver["errors"]
+    assert "channel 'h'" in kind and "a value of" in kind and "expects a tensor" in kind
+    assert "rank 0 sent 2 values to rank 1, which expects 1 (h)" in count
     assert "channel 'h' (stage 0 -> 1)" in shape and "rank 0" in shape and "rank 1" in shape
     assert "float32[4, 7]" in shape and "float32[batch, 3]" in shape
     assert "float64[4, 3]" in dtype and "float32[batch, 3]" in dtype
@@ -175,6 +189,9 @@ def _three_ranks(rank: int, world_size: int, init_file: str) -> dict:
     everyone = [torch.full((5,), float(rank)), base.t()]  # a transposed view: not contiguous
     comm.all_reduce(everyone, (0, 1, 2), ("tie", 0, -1, (0, 1, 2)))
     out["everyone"], out["base"] = everyone, base
+    mean = [torch.full((2,), float(rank)), torch.full((1,), 2.0 * rank, dtype=torch.float64)]
+    comm.all_reduce(mean, (2, 0, 1), ("replicas", 0, 1, (0, 1, 2)), average=True)
+    out["mean"] = mean
     alone = [torch.full((2,), 3.0 + rank)]
     comm.all_reduce(alone, (rank,), ("replicas", rank, -1, (rank,)))
     out["alone"] = alone
@@ -187,7 +204,7 @@ def _three_ranks(rank: int, world_size: int, init_file: str) -> dict:
     return out
 
 
-def test_all_reduce_sums_over_each_group() -> None:
+def test_all_reduce_sums_or_averages_over_each_group() -> None:
     results = run_ranks(_three_ranks, 3)
     for rank in (0, 1):
         a, b, c = results[rank]["pair"]
@@ -198,6 +215,8 @@ def test_all_reduce_sums_over_each_group() -> None:
     for rank, out in enumerate(results):
         assert torch.equal(out["everyone"][0], torch.full((5,), 3.0))
         assert torch.equal(out["base"], torch.arange(6.0).reshape(2, 3) * 6)
+        assert torch.equal(out["mean"][0], torch.full((2,), 1.0))
+        assert torch.equal(out["mean"][1], torch.full((1,), 2.0, dtype=torch.float64))
         assert torch.equal(out["alone"][0], torch.full((2,), 3.0 + rank))
         assert "not one of the groups" in out["undeclared"]
 
@@ -237,19 +256,19 @@ def test_a_dead_peer_raises_pipeline_timeout_error() -> None:
     assert "rank 1" in out["flush"] and "grad of microbatch 0 (stage 2 -> 1)" in out["flush"]
 
 
-def _misbehaving(rank: int, world_size: int, init_file: str) -> int:
+def _misbehaving(rank: int, world_size: int, init_file: str, sleeper: int) -> int:
+    if rank == sleeper:
+        time.sleep(600)
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
-    if rank == 2:
-        time.sleep(600)
     return rank
 
 
 def test_run_ranks_reports_a_failing_rank_and_kills_the_others() -> None:
     with pytest.raises(RankFailed, match=r"(?s)rank 1 raised ValueError: .*on purpose.*Traceback"):
-        run_ranks(_misbehaving, 3, timeout_s=60)
-    with pytest.raises(RankFailed, match=r"ranks \[2\] did not finish within 5 s"):
-        run_ranks(_misbehaving, 3, allow_failures=True, timeout_s=5)
+        run_ranks(_misbehaving, 3, 2, timeout_s=60)  # rank 2 sleeps: killed, not waited for
+    with pytest.raises(RankFailed, match=r"ranks \[0\] did not finish within 3 s"):
+        run_ranks(_misbehaving, 1, 0, allow_failures=True, timeout_s=3)
 
 
 def test_metadata_encoding_keeps_python_types_and_rejects_others() -> None:
