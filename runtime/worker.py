@@ -234,6 +234,12 @@ class StageWorker:
         # pipedream's replicas make one shared update from the average of their gradients
         average = a.tie < 0 and self.pipedream
         self.comm.all_reduce(tensors, a.group, a.collective, average=average)
+        buffers = [b for b in self.module.buffers() if b.dtype != torch.bool]
+        if a.tie < 0 and buffers:  # buffers are not averaged: the replicas take the first's
+            if self.comm.rank != a.group[0]:
+                for b in buffers:
+                    b.zero_()
+            self.comm.all_reduce(buffers, a.group, (*a.collective, "buffers"))
 
     def _step(self, a: Action) -> None:
         before = _copy(self.params) if self.shadow else {}

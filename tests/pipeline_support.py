@@ -31,6 +31,14 @@ def resnet_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, C
     return model, x, y, F.cross_entropy
 
 
+def unet_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
+    """Skip connections: cut in three, stage 0 sends two encoder features straight to stage 2."""
+    torch.manual_seed(seed)
+    model = zoo.UNet().train()
+    x, y = torch.randn(8, 3, 32, 32), torch.randn(8, 4, 32, 32)
+    return model, x, y, F.mse_loss
+
+
 def gpt_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
     torch.manual_seed(seed)
     model = zoo.GPT(zoo.GPTConfig(dropout=0.0, n_layer=2)).train()
@@ -136,3 +144,10 @@ def two_bw_reference(model, x, y, loss_fn, optimizer, m: int, steps: int) -> nn.
         opt.step()
         opt.zero_grad(set_to_none=True)
     return ref
+
+
+CASES = {"mlp": mlp_case, "resnet": resnet_case, "unet": unet_case, "gpt": gpt_case}
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+}

@@ -1,0 +1,96 @@
+"""The distributed executor: this process is one rank, talking to the others over
+torch.distributed (gloo on CPUs, NCCL on GPUs), started by `torchrun` or by tests.
+
+Each rank builds the same validated schedule from the program and walks its own actions in
+order: a receive waits (with a timeout) for its message, a send never waits, an all-reduce
+waits for its group. Every rank passes the same batch to `train_step`; stage 0 uses the inputs,
+the last stage the targets, and every rank gets the loss back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pdcompile.runtime.actions import Action
+from pdcompile.runtime.distributed import DistributedComm
+from pdcompile.runtime.pipeline import Pipeline, program_schedule
+from pdcompile.runtime.worker import Batch, LossFn, OptimizerFactory, StageWorker
+from pdcompile.staged_program import StagedProgram
+
+
+class DistributedPipeline(Pipeline):
+    """This rank's part of a pipeline (the process group must be initialised).
+
+    Args:
+        program: the staged program (the same on every rank); this rank trains its stage
+            module in place, moved to `device`.
+        rank: this process's rank.
+        schedule, num_microbatches, loss_fn, optimizer, stash, vertical_sync: as for
+            `LocalPipeline`.
+        device: where this rank computes (`runtime.distributed.init_process_group` returns it).
+        timeout_s: how long any wait lasts before `PipelineTimeoutError`.
+    """
+
+    def __init__(
+        self,
+        program: StagedProgram,
+        *,
+        rank: int,
+        schedule: str,
+        num_microbatches: int,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        device: torch.device,
+        timeout_s: float = 300.0,
+        stash: bool = True,
+        vertical_sync: bool = False,
+    ) -> None:
+        layout = program_schedule(program, schedule, num_microbatches)
+        groups = {a.group for actions in layout.actions.values() for a in actions if a.group}
+        self.world = tuple(sorted(layout.actions))
+        comm = DistributedComm(rank, sorted(groups | {self.world}), timeout_s=timeout_s,
+                               device=device)  # fmt: skip
+        stage, _ = layout.stage_of_rank(rank)
+        module = program.stages[stage].to(device)
+        worker = StageWorker(
+            program, stage, module, comm, loss_fn=loss_fn, optimizer=optimizer,
+            schedule_kind=schedule, stash=stash, vertical_sync=vertical_sync,
+        )  # fmt: skip
+        self.rank, self.device, self.comm, self.steps = rank, device, comm, 0
+        super().__init__(program, {rank: worker}, schedule=schedule,
+                         num_microbatches=num_microbatches)  # fmt: skip
+
+    @property
+    def worker(self) -> StageWorker:
+        return self.workers[self.rank]
+
+    def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
+        move = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        args = [move(a) for a in args]
+        kwargs = {k: move(v) for k, v in (kwargs or {}).items()}
+        loss = super().train_step(args, move(targets), kwargs)
+        if self.kind != "pipedream":
+            self.comm.flush()  # every message of a synchronous step has been received
+        return loss
+
+    def _execute(
+        self,
+        actions: dict[int, tuple[Action, ...]],
+        position: dict[int, int],
+        stop: dict[int, int] | None,
+    ) -> None:
+        mine = actions[self.rank]
+        end = len(mine) if stop is None else stop[self.rank]
+        while position[self.rank] < end:
+            self.worker.run(mine[position[self.rank]])
+            position[self.rank] += 1
+
+    def _loss(self, batch: Batch, first: int) -> float:
+        total, weight = self._local_loss(batch, first)
+        both = torch.tensor([total, weight], dtype=torch.float64, device=self.device)
+        self.steps += 1
+        self.comm.all_reduce([both], self.world, ("loss", self.steps))
+        return float(both[0] / both[1])
