@@ -69,8 +69,7 @@ class Pipeline:
         if pipedream:
             self.started += self.num_microbatches
             stream = self._stream(self.started + self._lookahead())
-            stop = {r: _cut(stream.actions[r], self.started) for r in self.workers}
-            self._execute(stream.actions, self.position, stop)
+            self._execute(stream.actions, self.position, cuts(stream, self.started))
         else:
             actions = self.schedule.actions
             self._execute(actions, dict.fromkeys(self.workers, 0), None)
@@ -119,10 +118,33 @@ class Pipeline:
         return math.lcm(*replicas) * (deepest + 1) * max(replicas)
 
 
-def _cut(actions: Sequence[Action], bound: int) -> int:
-    """The index of a rank's first action that needs a minibatch >= bound."""
+def cuts(stream: Schedule, bound: int) -> dict[int, int]:
+    """Where each rank stops in an endless `stream` when minibatches < `bound` are given: at
+    its first action that needs a later minibatch, or earlier at an all-reduce some member of
+    its group cannot reach before its own stop (a tied tensor's copies update together)."""
+    stop = {rank: _first_needing(actions, bound) for rank, actions in stream.actions.items()}
+    changed = True
+    while changed:
+        changed = False
+        for rank, actions in stream.actions.items():
+            for i, a in enumerate(actions[: stop[rank]]):
+                if a.kind == "allreduce" and not all(
+                    _reaches(stream.actions[m], stop[m], a) for m in a.group
+                ):
+                    stop[rank], changed = i, True
+                    break
+    return stop
+
+
+def _first_needing(actions: Sequence[Action], bound: int) -> int:
     for i, a in enumerate(actions):
         forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
         if forward and a.microbatch >= bound:
             return i
     return len(actions)
+
+
+def _reaches(actions: Sequence[Action], stop: int, collective: Action) -> bool:
+    return any(
+        a.kind == "allreduce" and a.collective == collective.collective for a in actions[:stop]
+    )

@@ -11,6 +11,7 @@ the optimizer updates. A version is dropped when no microbatch in flight uses it
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,12 +112,19 @@ class StageWorker:
         self.shadow = _copy(self.params) if schedule_kind == "2bw" else {}  # 2bw: W(t - 1)
         self.losses: dict[int, float] = {}
         self.data: dict[int, tuple[tuple, dict[str, Any], Any, float]] = {}
+        self.timeline: list[tuple[str, int, float, float]] | None = None
 
     # -- actions ---------------------------------------------------------------------------
 
     def run(self, action: Action) -> None:
-        """Execute one action of this rank's schedule."""
+        """Execute one action of this rank's schedule (recorded in `timeline` when it is a
+        list: (kind, microbatch, start, end), seconds of `time.perf_counter`)."""
+        if self.timeline is None:
+            getattr(self, "_" + action.kind)(action)
+            return
+        start = time.perf_counter()
         getattr(self, "_" + action.kind)(action)
+        self.timeline.append((action.kind, action.microbatch, start, time.perf_counter()))
 
     def _recv(self, a: Action) -> None:
         state = self.flight.setdefault(a.microbatch, _InFlight())

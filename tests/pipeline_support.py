@@ -112,6 +112,11 @@ def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *
                 if s < len(live) - 1:
                     inbox.update(out)
             loss_fn(out, b).backward()
+            for tie in program.ties:  # tied copies (one replica each) update with the sum
+                names = [next(n for n in tie.names if n in weights[s]) for s in tie.stages]
+                total = sum(weights[s][n].grad for s, n in zip(tie.stages, names, strict=True))
+                for s, n in zip(tie.stages, names, strict=True):
+                    weights[s][n].grad = total
             for s in range(len(live)):
                 pending[s].append({n: w.grad for n, w in weights[s].items()})
                 if len(pending[s]) == replicas[s]:

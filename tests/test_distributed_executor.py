@@ -33,6 +33,7 @@ THREE_RANKS = [
     ("mlp", [2, 1], "1f1b", "adam", 4, 5),
     ("gpt", [1, 1, 1], "1f1b", "sgd", 4, 5),
     ("mlp", [2, 1], "pipedream", "sgd", 2, 5),
+    ("gpt", [1, 1, 1], "pipedream", "sgd", 3, 4),
 ]
 FOUR_RANKS = [
     ("unet", [1, 1, 1, 1], "1f1b", "sgd", 4, 5),

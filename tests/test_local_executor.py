@@ -60,9 +60,13 @@ def test_synchronous_schedules_equal_gradient_accumulation(case, replicas, optim
     assert loss == pytest.approx(ref_loss, rel=1e-5)
 
 
-@pytest.mark.parametrize("replicas", [[1, 1, 1], [2, 1]], ids=["straight", "replicated"])
-def test_pipedream_equals_the_version_replay_and_differs_without_stashing(replicas) -> None:
-    model, x, y, loss_fn = mlp_case()
+@pytest.mark.parametrize(
+    ("case", "replicas"),
+    [(mlp_case, [1, 1, 1]), (mlp_case, [2, 1]), (gpt_case, [1, 1])],
+    ids=["straight", "replicated", "gpt-tied"],
+)
+def test_pipedream_equals_the_version_replay_and_differs_without_stashing(case, replicas) -> None:
+    model, x, y, loss_fn = case()
     program = program_for(model, x, replicas)
     m, steps = 2 if replicas == [2, 1] else 5, 5 if replicas == [2, 1] else 2  # 10 minibatches
     reference = pipedream_reference(program, x, y, loss_fn, SGD, m, steps)

@@ -1,0 +1,212 @@
+"""Runtime benchmark: pdcompile's `1f1b` against torch.distributed.pipelining's `Schedule1F1B`.
+
+    python benchmarks/runtime.py [--steps 10] [--rounds 5] [--json out.json]
+
+Two gloo ranks with one thread each run the same 2-stage split (pdcompile's stage modules; torch
+runs them through thin adapters taking and returning positional tensors) with 8 microbatches,
+alternating the two runtimes round by round in the same processes. Per runtime: the median over
+rounds of wall time and CPU time per step (rank 0's CPU plus rank 1's). Then `pipedream` runs for
+the same steps with its action timeline recorded: steady-state throughput (minibatches per second
+over the second half) against the ideal 1 / max over stages of a stage's forward + backward time
+per minibatch, from the same timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import pdcompile
+from pdcompile import zoo
+from pdcompile.runtime.distributed import init_process_group
+from pdcompile.runtime.executor import DistributedPipeline
+
+MICROBATCHES = 8
+
+
+def mlp_case():
+    torch.manual_seed(0)
+    model = zoo.MLP(d_in=256, d_hidden=1024, d_out=10, p=0.0).train()
+    return model, torch.randn(64, 256), torch.randint(0, 10, (64,)), F.cross_entropy
+
+
+def gpt_case():
+    torch.manual_seed(0)
+    model = zoo.GPT(zoo.GPTConfig(n_layer=4, n_embd=128, dropout=0.0)).train()
+    x, y = torch.randint(0, 128, (16, 32)), torch.randint(0, 128, (16, 32))
+    return model, x, y, lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+
+CASES = {"mlp": mlp_case, "gpt": gpt_case}
+
+
+def two_stage_program(model: nn.Module, x: torch.Tensor) -> pdcompile.StagedProgram:
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), profile=False)
+    return pdcompile.codegen(gm, pdcompile.plan(costs, pdcompile.Cluster.parse("2"),
+                                                solver="blocks"))  # fmt: skip
+
+
+class _First(nn.Module):
+    """Stage 0 for torch's pipelining: positional input, a tuple of the channel tensors."""
+
+    def __init__(self, stage: nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.stage, self.names = stage, names
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.stage(x)
+        return tuple(out[n] for n in self.names)
+
+
+class _Last(nn.Module):
+    def __init__(self, stage: nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.stage, self.names = stage, names
+
+    def forward(self, *values: torch.Tensor) -> torch.Tensor:
+        return self.stage(**dict(zip(self.names, values, strict=True)))
+
+
+def _step_times(run, steps: int) -> tuple[float, float]:
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        run()
+    dist.barrier()
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+
+def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
+    torch.set_num_threads(1)
+    device = init_process_group(rank, world_size, init_file=init_file, timeout_s=300)
+    results = {name: _compare(make, rank, device, steps, rounds) for name, make in CASES.items()}
+    gathered = [None, None]
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def _compare(make, rank: int, device: torch.device, steps: int, rounds: int) -> dict:
+    """Both runtimes on one model, alternating round by round."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    model, x, y, loss_fn = make()
+    sgd = lambda p: torch.optim.SGD(p, lr=0.01)  # noqa: E731
+    ours = DistributedPipeline(
+        two_stage_program(model, x), rank=rank, schedule="1f1b",
+        num_microbatches=MICROBATCHES, loss_fn=loss_fn, optimizer=sgd, device=device,
+    )  # fmt: skip
+    program = two_stage_program(model, x)
+    names = [c.name for c in program.channels]
+    stage = program.stages[rank]
+    adapter = _First(stage, names) if rank == 0 else _Last(stage, names)
+    # a group of its own, so that torch's messages never meet pdcompile's
+    torch_stage = PipelineStage(adapter, rank, 2, device, group=dist.new_group([0, 1]))
+    schedule = Schedule1F1B(torch_stage, MICROBATCHES, loss_fn=loss_fn)
+    opt = sgd(adapter.parameters())
+
+    def torch_step() -> None:
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        opt.step()
+        opt.zero_grad()
+
+    def our_step() -> None:
+        ours.train_step((x,), y)
+
+    our_step()  # warm up both
+    torch_step()
+    times: dict[str, list[tuple[float, float]]] = {"pdcompile": [], "torch": []}
+    for _ in range(rounds):
+        times["pdcompile"].append(_step_times(our_step, steps))
+        times["torch"].append(_step_times(torch_step, steps))
+    return {"times": times, "pipedream": _pipedream(model, x, y, loss_fn, rank, device, steps)}
+
+
+def _pipedream(model, x, y, loss_fn, rank, device, steps) -> dict:
+    """Steady-state minibatches per second and the stage's compute per minibatch."""
+    pipeline = DistributedPipeline(
+        two_stage_program(model, x), rank=rank, schedule="pipedream",
+        num_microbatches=MICROBATCHES, loss_fn=loss_fn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device=device,
+    )  # fmt: skip
+    pipeline.worker.timeline = []
+    for _ in range(steps):
+        pipeline.train_step((x,), y)
+    pipeline.flush()
+    events = pipeline.worker.timeline
+    half = len(events) // 2
+    compute = [e for e in events[half:] if e[0] in ("F", "B")]
+    minibatches = sum(1 for e in compute if e[0] == "B")
+    span = events[-1][3] - events[half][2]
+    busy = sum(e[3] - e[2] for e in compute)
+    return {"throughput": minibatches / span, "compute_per_minibatch": busy / minibatches}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
+                 nprocs=2, join=True)  # fmt: skip
+        with open(out) as f:
+            per_rank = json.load(f)
+    console = Console()
+    table = Table(title="2 gloo ranks, 1 thread each, 2 stages, 8 microbatches (medians)")
+    for column in ("model", "runtime", "wall / step", "CPU / step (both ranks)", "vs torch"):
+        table.add_column(column, justify="right")
+    summary = {}
+    for name in CASES:
+        medians = {}
+        for runtime in ("pdcompile", "torch"):
+            first, second = (per_rank[r][name]["times"][runtime] for r in range(2))
+            walls = [t[0] for t in first]
+            cpus = [a[1] + b[1] for a, b in zip(first, second, strict=True)]
+            medians[runtime] = (statistics.median(walls), statistics.median(cpus))
+        for runtime, (wall, cpu) in medians.items():
+            ratio = wall / medians["torch"][0]
+            table.add_row(name, runtime, f"{wall * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms",
+                          f"{ratio:.2f}x time, {cpu / medians['torch'][1]:.2f}x CPU")  # fmt: skip
+        stages = [per_rank[r][name]["pipedream"] for r in range(2)]
+        ideal = 1 / max(s["compute_per_minibatch"] for s in stages)
+        achieved = min(s["throughput"] for s in stages)
+        summary[name] = {
+            "medians": medians, "pipedream_throughput": achieved, "pipedream_ideal": ideal,
+            "pipedream_fraction": achieved / ideal,
+        }  # fmt: skip
+    console.print(table)
+    for name, s in summary.items():
+        console.print(
+            f"{name}: pipedream steady state {s['pipedream_throughput']:.1f} minibatches/s, "
+            f"ideal {s['pipedream_ideal']:.1f} (slowest stage's F+B), "
+            f"{s['pipedream_fraction']:.0%} of ideal"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
