@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 _MAGIC = 0x70646331  # "pdc1"
 _PREAMBLE = 7  # magic, stream, microbatch, source stage, destination stage, header length, values
 _FIRST = 64  # int64s in the first part of a message: the preamble and most headers
+_REAP_TIMEOUT = timedelta(days=1)
 _STREAMS = {"act": 0, "grad": 1}
 
 
@@ -134,8 +136,14 @@ class DistributedComm:
             if members not in self._groups:
                 handle = dist.new_group(list(members), timeout=self._timeout)
                 self._groups[members] = handle if rank in members else None
-        # (work, tensor, peer, what) of sends not known to be complete, oldest first
+        # (work, tensor, peer, what) of sends not known to be complete, oldest first. gloo marks
+        # a send complete only inside `wait`, so there a thread waits on them in order;
+        # elsewhere (NCCL) `is_completed` is polled at each send.
         self._sends: deque[tuple[Any, torch.Tensor, int, str]] = deque()
+        self._threaded = dist.get_backend() == "gloo"
+        self._reaper: threading.Thread | None = None
+        self._changed = threading.Condition()
+        self._send_error: PipelineTimeoutError | None = None
         # buffers of failed waits: the backend may still write into them, so they stay alive
         self._abandoned: list[tuple[Any, torch.Tensor]] = []
 
@@ -145,11 +153,19 @@ class DistributedComm:
         ints = [_MAGIC, *_key_ints(key), len(header), len(values), *header]
         first = ints[:_FIRST] + [0] * (_FIRST - len(ints))
         tag, what = message_tag(key), f"sending {describe_key(key)}"
-        for tensor in (self._ints(first), self._ints(ints[_FIRST:]), *payload):
-            if tensor.numel():
-                work = self._start(dist.isend, tensor, peer, what, dst=peer, tag=tag)
-                self._sends.append((work, tensor, peer, what))
-        while self._sends and self._sends[0][0].is_completed():
+        posted = [
+            (self._start(dist.isend, tensor, peer, what, dst=peer, tag=tag), tensor, peer, what)
+            for tensor in (self._ints(first), self._ints(ints[_FIRST:]), *payload)
+            if tensor.numel()
+        ]
+        with self._changed:
+            self._raise_send_error()
+            self._sends.extend(posted)
+            self._changed.notify_all()
+            if self._threaded and self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name="sends", daemon=True)
+                self._reaper.start()
+        while not self._threaded and self._sends and self._sends[0][0].is_completed():
             self._wait(*self._sends.popleft())  # raises if it failed
         logger.debug("rank %d: %s to rank %d", self.rank, what, peer)
 
@@ -228,10 +244,53 @@ class DistributedComm:
                     part.copy_(flat[offset : offset + part.numel()].view_as(part))
                     offset += part.numel()
 
+    @property
+    def pending_sends(self) -> int:
+        """How many posted sends (parts of messages) are not known to be complete."""
+        return len(self._sends)
+
     def flush(self) -> None:
-        """Wait until every message sent so far has been received."""
-        while self._sends:
-            self._wait(*self._sends.popleft())
+        """Wait until every message sent so far has been received (`timeout_s` per send)."""
+        if not self._threaded:
+            while self._sends:
+                self._wait(*self._sends.popleft())
+            return
+        with self._changed:
+            while self._sends and self._send_error is None:
+                if not self._changed.wait(self.timeout_s):  # no send completed for timeout_s
+                    _, _, peer, what = self._sends[0]
+                    raise self._failure(peer, what, TimeoutError("the peer did not receive it"))
+            self._raise_send_error()
+
+    def _reap(self) -> None:
+        """The thread that waits on sends in order (gloo); it ends when none is left for 1 s.
+
+        Its waits are long: a gloo wait that times out closes the connection, and a message may
+        legitimately wait for its receiver across `train_step` calls (`pipedream`). A dead peer
+        still fails them at once; `flush` applies `timeout_s`.
+        """
+        while True:
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._sends, timeout=1.0):
+                    self._reaper = None
+                    return
+                send = self._sends[0]
+            error = None
+            try:
+                self._wait(*send, timeout=_REAP_TIMEOUT)
+            except Exception as exc:  # any: the thread must not die with sends queued
+                work, _, peer, what = send
+                error = (
+                    exc if isinstance(exc, PipelineTimeoutError) else self._failure(peer, what, exc)
+                )
+            with self._changed:
+                self._sends.popleft()
+                self._send_error = self._send_error or error
+                self._changed.notify_all()
+
+    def _raise_send_error(self) -> None:
+        if self._send_error is not None:
+            raise self._send_error
 
     def _ints(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -258,9 +317,16 @@ class DistributedComm:
         except RuntimeError as exc:
             raise self._failure(peer, what, exc) from exc
 
-    def _wait(self, work: Any, tensor: torch.Tensor, peer: Any, what: str) -> None:
+    def _wait(
+        self,
+        work: Any,
+        tensor: torch.Tensor,
+        peer: Any,
+        what: str,
+        timeout: timedelta | None = None,
+    ) -> None:
         try:
-            if work.wait(timeout=self._timeout) is False:
+            if work.wait(timeout=timeout or self._timeout) is False:
                 raise RuntimeError("the operation was aborted")
         except RuntimeError as exc:  # timeouts and dead peers (DistBackendError, ...) alike
             self._abandoned.append((work, tensor))

@@ -84,7 +84,11 @@ def _two_ranks(rank: int, world_size: int, init_file: str, backend: str) -> dict
         comm.send(1, act(7), [torch.full((2, 3, 1), float(i)) for i in range(len(MANY))])
         comm.send(1, act(8), [torch.Size([2, 3])])  # metadata where a tensor is expected
         comm.send(1, act(9), [torch.ones(2, 3), 1])  # one value too many
-        out["grad"] = comm.recv(1, ("grad", 0, 1, 0), GRAD)
+        out["grad"] = comm.recv(1, ("grad", 0, 1, 0), GRAD)  # rank 1 has received everything
+        deadline = time.monotonic() + 30
+        while comm.pending_sends and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["pending"] = comm.pending_sends  # complete without a flush: their memory is free
         comm.flush()
     else:
         order = [2, 0, 1] if backend == "gloo" else [0, 1, 2]  # NCCL matches in order
@@ -105,14 +109,29 @@ def _two_ranks(rank: int, world_size: int, init_file: str, backend: str) -> dict
         comm.send(0, ("grad", 0, 1, 0), [torch.full((4, 3), 2.0, device=device)])
         comm.flush()
     dist.barrier()
-    # Last, as a gloo timeout closes the connection: rank 1 stays alive but never sends.
+    # A message may wait for its receiver longer than the timeout while nobody waits on it
+    # (pipedream between train_step calls); a flush after it was received succeeds.
     side = dist.FileStore(init_file + ".side", world_size)
+    lazy = DistributedComm(rank, [], timeout_s=1, device=device)
     if rank == 0:
-        lazy = DistributedComm(rank, [], timeout_s=1, device=device)
-        try:
-            lazy.recv(1, ("act", 99, 1, 0), GRAD)
-        except PipelineTimeoutError as exc:
-            out["timeout"] = str(exc)
+        lazy.send(1, act(97), [torch.ones(2, 3)])
+        side.wait(["received"])
+        lazy.flush()
+    else:
+        time.sleep(2)
+        out["late"] = lazy.recv(0, act(97), CHANNELS[:1])
+        side.set("received", "1")
+    # Last, as a gloo timeout closes the connection: rank 1 stays alive but never sends.
+    if rank == 0:
+        lazy.send(1, act(98), [torch.ones(2, 3)])
+        for name, wait in [
+            ("unreceived", lazy.flush),
+            ("timeout", lambda: lazy.recv(1, ("act", 99, 1, 0), GRAD)),
+        ]:
+            try:
+                wait()
+            except PipelineTimeoutError as exc:
+                out[name] = str(exc)
         side.set("done", "1")
     else:
         side.wait(["done"])
@@ -149,6 +168,8 @@ def check_two_ranks(backend: str) -> None:
     assert_same_values(receiver["after"], message(6, 3))
     assert_same_values(receiver["many"], [torch.full((2, 3, 1), float(i)) for i in range(15)])
     assert torch.equal(sender["grad"][0], torch.full((4, 3), 2.0))
+    assert sender["pending"] == 0
+    assert torch.equal(receiver["late"][0], torch.ones(2, 3))
 
     shape, dtype, ndim, kind, count = receiver["errors"]
     assert "channel 'h'" in kind and "a value of" in kind and "expects a tensor" in kind
@@ -158,6 +179,8 @@ def check_two_ranks(backend: str) -> None:
     assert "float64[4, 3]" in dtype and "float32[batch, 3]" in dtype
     assert "channel 'mask'" in ndim and "bool[4, 2]" in ndim and "bool[batch, 2, 1]" in ndim
 
+    unreceived = sender["unreceived"]
+    assert "rank 0 gave up sending act of microbatch 98 (stage 0 -> 1) with rank 1" in unreceived
     timeout = sender["timeout"]
     assert "rank 0" in timeout and "rank 1" in timeout
     assert "act of microbatch 99 (stage 1 -> 0)" in timeout
@@ -236,6 +259,7 @@ def _dying_peer(rank: int, world_size: int, init_file: str) -> dict:
     for name, wait in [
         ("recv", lambda: comm.recv(1, ("act", 1, 1, 2), channel)),
         ("flush", comm.flush),
+        ("send", lambda: comm.send(1, ("grad", 1, 2, 1), [torch.ones(2)])),
     ]:
         try:
             wait()
@@ -254,6 +278,7 @@ def test_a_dead_peer_raises_pipeline_timeout_error() -> None:
     assert "rank 0" in out["recv"] and "rank 1" in out["recv"]
     assert "act of microbatch 1 (stage 1 -> 2)" in out["recv"]
     assert "rank 1" in out["flush"] and "grad of microbatch 0 (stage 2 -> 1)" in out["flush"]
+    assert "rank 1" in out["send"] and "rank 0" in out["send"]
 
 
 def _misbehaving(rank: int, world_size: int, init_file: str, sleeper: int) -> int:
