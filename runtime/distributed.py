@@ -1,28 +1,14 @@
 """`DistributedComm`: stage messages and all-reduces over torch.distributed (gloo or NCCL).
 
-A message (the values of the channels for one `Key`: stream, microbatch, source and destination
-stage) travels as non-blocking point-to-point operations, all under one tag derived from the key:
-
-1. int64[64]: a preamble (magic number, the key with the stream as CRC-32, the header length and
-   the number of values), then the header (`runtime/wire.py`: dtype code, ndim and dims of every
-   tensor, byte length of every metadata value), padded with zeros; a header too long for it
-   continues in a second int64 tensor. A fixed size lets the receiver post it blindly, so a
-   message costs two rendezvous (this part, then the payload), not three;
-2. the payload: every value as one tensor in order (tensors detached and contiguous, metadata as
-   its JSON bytes); empty ones are skipped at both ends.
-
-Sends never wait for the receiver (`isend`; the handles and tensors are kept until completed,
-checked lazily at each send and all waited for by `flush`). On gloo the tag keeps messages with
-different keys apart, so a rank may receive them in any order; NCCL ignores tags and matches
-point-to-point operations between two ranks in order, which holds by construction because every
-pair of ranks sends and receives its messages in the order of one validated schedule (the
-preamble's key turns a violation into a `StageCommError` instead of garbage).
-
-Every wait has the timeout `timeout_s`. A timeout, or any failure of the backend (on gloo a dead
-peer closes its sockets and the wait raises a `RuntimeError` such as "Connection closed by
-peer"), becomes a `PipelineTimeoutError` naming this rank, the peer ranks and what it waited on.
-It is final: on gloo a timed-out wait also closes the connection to that peer. docs/runtime.md
-("Communication") has the details.
+A message (the values of the channels for one `Key`) is a few non-blocking point-to-point
+operations under one tag derived from the key: a fixed int64[64] first part (a preamble with the
+key, then the header of `runtime/wire.py`; a longer header continues in a second part), then one
+tensor per value. The receiver checks the header against the channels before the payload arrives.
+Sends never wait for the receiver. On gloo the tags keep messages apart; NCCL ignores tags and
+matches the operations between two ranks in order, which holds by construction: both walk one
+validated schedule. Every wait has a timeout; a timeout or a failure of the backend (a dead peer)
+becomes a `PipelineTimeoutError` naming this rank, the peer ranks and what it waited on. The wire
+format, the tags and the timeouts are described in docs/runtime.md ("Communication").
 """
 
 from __future__ import annotations
@@ -190,7 +176,7 @@ class DistributedComm:
             ints += self._receive([rest], peer, tag, what)[0].tolist()
         header = ints[_PREAMBLE : _PREAMBLE + length]
         items = wire.parse_header(header, num_values)
-        error = self._check(items, channels, peer, key)
+        error = wire.check_header(items, channels, peer, self.rank, describe_key(key))
         # drained even when it does not fit, so that the next message starts clean
         buffers = self._receive([item.empty(self.device) for item in items], peer, tag, what)
         if error is not None:
@@ -340,30 +326,6 @@ class DistributedComm:
             f"rank {self.rank} gave up {what} with {peers} (timeout {self.timeout_s:g} s): "
             f"{reason}; the peer died, hangs, or runs another schedule: see its own log"
         )
-
-    def _check(
-        self, items: Sequence[wire.Item], channels: Sequence[Channel], peer: int, key: Key
-    ) -> StageCommError | None:
-        """The error the header shows before the payload arrives, if any (`check_value` rules)."""
-        if len(items) != len(channels):
-            return StageCommError(
-                f"{describe_key(key)}: rank {peer} sent {len(items)} values to rank {self.rank}, "
-                f"which expects {len(channels)} ({', '.join(c.name for c in channels)})"
-            )
-        for item, channel in zip(items, channels, strict=True):
-            if item.dtype is None and channel.kind == "tensor":
-                return StageCommError(
-                    f"channel {channel.name!r} (stage {channel.src_stage} -> {channel.dst_stage}): "
-                    f"rank {peer} sent {item.describe()} to rank {self.rank}, which expects a "
-                    f"tensor {channel.describe()}"
-                )
-            if item.dtype is not None:
-                try:
-                    meta = torch.empty(item.shape, dtype=item.dtype, device="meta")
-                    check_value(meta, channel, peer, self.rank)
-                except StageCommError as exc:
-                    return exc
-        return None
 
 
 def _key_ints(key: Key) -> list[int]:

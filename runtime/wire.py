@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from pdcompile.errors import StageCommError
+from pdcompile.runtime.comm import check_value
+from pdcompile.staged_program import Channel
 
 VALUE = -1  # the code of a metadata value in a header
 
@@ -87,6 +89,33 @@ def parse_header(header: Sequence[int], num_values: int) -> list[Item]:
             "run different versions of pdcompile, or their messages are out of order"
         )
     return items
+
+
+def check_header(
+    items: Sequence[Item], channels: Sequence[Channel], src: int, dst: int, what: str
+) -> StageCommError | None:
+    """The error a header already shows, if any, under `check_value`'s rules (metadata values
+    are checked once they have arrived)."""
+    if len(items) != len(channels):
+        return StageCommError(
+            f"{what}: rank {src} sent {len(items)} values to rank {dst}, which expects "
+            f"{len(channels)} ({', '.join(c.name for c in channels)})"
+        )
+    for item, channel in zip(items, channels, strict=True):
+        if item.dtype is None and channel.kind == "tensor":
+            return StageCommError(
+                f"channel {channel.name!r} (stage {channel.src_stage} -> {channel.dst_stage}): "
+                f"rank {src} sent {item.describe()} to rank {dst}, which expects a tensor "
+                f"{channel.describe()}"
+            )
+        if item.dtype is not None:
+            try:
+                check_value(
+                    torch.empty(item.shape, dtype=item.dtype, device="meta"), channel, src, dst
+                )
+            except StageCommError as exc:
+                return exc
+    return None
 
 
 def unpack(item: Item, buffer: torch.Tensor) -> Any:

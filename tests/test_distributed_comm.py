@@ -246,7 +246,7 @@ def test_all_reduce_sums_or_averages_over_each_group() -> None:
 
 def _dying_peer(rank: int, world_size: int, init_file: str) -> dict:
     init_process_group(rank, world_size, init_file=init_file, backend="gloo", timeout_s=60)
-    comm = DistributedComm(rank, [], timeout_s=10, device=torch.device("cpu"))
+    comm = DistributedComm(rank, [(0, 1)], timeout_s=10, device=torch.device("cpu"))
     if rank == 1:
         comm.send(0, ("act", 0, 1, 2), [torch.ones(2)])
         comm.flush()
@@ -259,6 +259,7 @@ def _dying_peer(rank: int, world_size: int, init_file: str) -> dict:
     for name, wait in [
         ("recv", lambda: comm.recv(1, ("act", 1, 1, 2), channel)),
         ("flush", comm.flush),
+        ("all_reduce", lambda: comm.all_reduce([torch.ones(3)], (0, 1), ("replicas", 0, 0))),
         ("send", lambda: comm.send(1, ("grad", 1, 2, 1), [torch.ones(2)])),
     ]:
         try:
@@ -279,6 +280,7 @@ def test_a_dead_peer_raises_pipeline_timeout_error() -> None:
     assert "act of microbatch 1 (stage 1 -> 2)" in out["recv"]
     assert "rank 1" in out["flush"] and "grad of microbatch 0 (stage 2 -> 1)" in out["flush"]
     assert "rank 1" in out["send"] and "rank 0" in out["send"]
+    assert "rank 0 gave up all-reducing ('replicas', 0, 0) with ranks [0, 1]" in out["all_reduce"]
 
 
 def _misbehaving(rank: int, world_size: int, init_file: str, sleeper: int) -> int:
