@@ -52,7 +52,10 @@ class Pipeline:
         self.schedule = program_schedule(program, schedule, num_microbatches)
         self.workers = workers
         self.started = 0  # pipedream: minibatches given since the last flush
-        self.position = dict.fromkeys(workers, 0)  # pipedream: actions done since then
+        # pipedream: actions every rank has done since the stream (re)started (each call, every
+        # rank runs to its cut, so this process knows where the other ranks are too)
+        self.position = dict.fromkeys(self.schedule.actions, 0)
+        self._cached: Schedule | None = None
         for worker in workers.values():
             worker.begin_stream()
 
@@ -69,7 +72,9 @@ class Pipeline:
         if pipedream:
             self.started += self.num_microbatches
             stream = self._stream(self.started + self._lookahead())
-            self._execute(stream.actions, self.position, cuts(stream, self.started))
+            stop = cuts(stream, self.started, self.position)
+            self._execute(stream.actions, self.position, stop)
+            self.position.update(stop)
         else:
             actions = self.schedule.actions
             self._execute(actions, dict.fromkeys(self.workers, 0), None)
@@ -79,9 +84,10 @@ class Pipeline:
         """Complete every minibatch in flight (`pipedream`; nothing to do for the others)."""
         if self.kind != "pipedream" or not self.started:
             return
-        self._execute(self._stream(self.started).actions, self.position, None)
+        drain = program_schedule(self.program, self.kind, self.started)  # ends the stream
+        self._execute(drain.actions, self.position, None)
         self.started = 0
-        self.position = dict.fromkeys(self.workers, 0)
+        self.position = dict.fromkeys(self.schedule.actions, 0)
         for worker in self.workers.values():
             worker.begin_stream()
 
@@ -108,7 +114,11 @@ class Pipeline:
         return total, weight
 
     def _stream(self, minibatches: int) -> Schedule:
-        return program_schedule(self.program, self.kind, minibatches)
+        """A schedule of at least `minibatches` (whose prefix is the endless stream's), built
+        and validated again only when it runs out: then for twice as many."""
+        if self._cached is None or self._cached.num_microbatches < minibatches:
+            self._cached = program_schedule(self.program, self.kind, 2 * minibatches)
+        return self._cached
 
     def _lookahead(self) -> int:
         """Minibatches past the given ones that every replica's warm-up fits in (so that the
@@ -118,33 +128,40 @@ class Pipeline:
         return math.lcm(*replicas) * (deepest + 1) * max(replicas)
 
 
-def cuts(stream: Schedule, bound: int) -> dict[int, int]:
+def cuts(stream: Schedule, bound: int, position: dict[int, int]) -> dict[int, int]:
     """Where each rank stops in an endless `stream` when minibatches < `bound` are given: at
     its first action that needs a later minibatch, or earlier at an all-reduce some member of
-    its group cannot reach before its own stop (a tied tensor's copies update together)."""
-    stop = {rank: _first_needing(actions, bound) for rank, actions in stream.actions.items()}
+    its group cannot reach before its own stop (a tied tensor's copies update together).
+    Every rank has done the actions before `position`."""
+    start = position
+    stop = {
+        rank: _first_needing(actions, bound, start[rank])
+        for rank, actions in stream.actions.items()
+    }
     changed = True
     while changed:
         changed = False
         for rank, actions in stream.actions.items():
-            for i, a in enumerate(actions[: stop[rank]]):
+            for i in range(start[rank], stop[rank]):
+                a = actions[i]
                 if a.kind == "allreduce" and not all(
-                    _reaches(stream.actions[m], stop[m], a) for m in a.group
+                    _reaches(stream.actions[m], start[m], stop[m], a) for m in a.group
                 ):
                     stop[rank], changed = i, True
                     break
     return stop
 
 
-def _first_needing(actions: Sequence[Action], bound: int) -> int:
-    for i, a in enumerate(actions):
+def _first_needing(actions: Sequence[Action], bound: int, start: int) -> int:
+    for i in range(start, len(actions)):
+        a = actions[i]
         forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
         if forward and a.microbatch >= bound:
             return i
     return len(actions)
 
 
-def _reaches(actions: Sequence[Action], stop: int, collective: Action) -> bool:
+def _reaches(actions: Sequence[Action], start: int, stop: int, collective: Action) -> bool:
     return any(
-        a.kind == "allreduce" and a.collective == collective.collective for a in actions[:stop]
+        a.kind == "allreduce" and a.collective == collective.collective for a in actions[start:stop]
     )
