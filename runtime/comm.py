@@ -43,6 +43,10 @@ class Comm(Protocol):
         it; the result may land only when the last member has called)."""
         ...
 
+    def flush(self) -> None:
+        """Wait until every message sent so far has been received."""
+        ...
+
 
 def check_value(value: Any, channel: Channel, src: int, dst: int) -> None:
     """Raise `StageCommError` unless `value` fits `channel` (any size along batch dimensions)."""
@@ -97,6 +101,9 @@ class LocalComm:
         for value, channel in zip(values, channels, strict=True):
             check_value(value, channel, peer, self.rank)
         return values
+
+    def flush(self) -> None:
+        """Nothing to wait for: a message is in the mailbox as soon as it is sent."""
 
     def all_reduce(
         self,
