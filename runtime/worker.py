@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from pdcompile.errors import ScheduleError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.versions import vertical_version
@@ -193,8 +194,6 @@ class StageWorker:
             self.losses[k] = float(loss.detach())
             state.loss = loss * self.data[k][3]
         state.outputs = out
-        if self.stage == 0:
-            state.inputs = {}
 
     def _weights(self, state: _InFlight) -> dict[str, torch.Tensor] | None:
         """The weight copy a microbatch runs on (None: the live weights)."""
@@ -296,8 +295,6 @@ def split_batch(
     """
     rows = _rows(args, kwargs)
     if rows < num_microbatches:
-        from pdcompile.errors import ScheduleError
-
         raise ScheduleError(
             f"a batch of {rows} rows cannot be split into {num_microbatches} microbatches; "
             "use a larger batch or fewer microbatches"
@@ -328,4 +325,7 @@ def _rows(args: Any, kwargs: Any = None) -> int:
     for value in [*args, *(kwargs or {}).values()]:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.shape[0]
-    raise ValueError("the batch has no tensor with a batch dimension")
+    raise ScheduleError(
+        "the batch has no tensor with a batch dimension to split into microbatches; pass the "
+        "model's inputs with the batch along dim 0"
+    )

@@ -15,6 +15,7 @@ from pipeline_support import (
     two_bw_reference,
 )
 
+from pdcompile.errors import ScheduleError
 from pdcompile.runtime.local import LocalPipeline
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
@@ -130,3 +131,15 @@ def test_two_bw_applies_gradients_one_step_stale(case, replicas) -> None:
     fresh = accumulate_reference(model, x, y, loss_fn, SGD, m, steps)[0]
     with pytest.raises(AssertionError):  # and that differs from fresh gradients
         assert_matches(pipeline, dict(fresh.named_parameters(remove_duplicate=False)))
+
+
+def test_a_batch_too_small_for_the_microbatches_is_refused() -> None:
+    model, x, y, loss_fn = mlp_case()
+    pipeline = LocalPipeline(
+        program_for(model, x, [1, 1]), schedule="1f1b", num_microbatches=4, loss_fn=loss_fn,
+        optimizer=SGD,
+    )  # fmt: skip
+    with pytest.raises(ScheduleError, match="a batch of 3 rows cannot be split into 4 micro"):
+        pipeline.train_step((x[:3],), y[:3])
+    # a smaller last batch that still splits works, with the same stage modules
+    assert pipeline.train_step((x[:5],), y[:5]) > 0
