@@ -1,9 +1,9 @@
 """How a rank talks to the others: messages of channel values, and all-reduces.
 
 A message carries the values of the channels from one stage to another for one microbatch (or
-their gradients), in the order of `program.channels`. Receivers check every value against its
-channel: a tensor with another shape (the batch dimension is free) or dtype raises
-`StageCommError` naming the channel, both ranks and both shapes.
+their gradients), in the order of `program.channels`. Every value is checked against its
+channel: a tensor with another shape or dtype raises `StageCommError` naming the channel, both
+ranks and both shapes.
 
 `LocalComm` passes messages within one process (the local executor); `DistributedComm`
 (`runtime/distributed.py`) uses torch.distributed point-to-point operations.
@@ -28,9 +28,19 @@ class Comm(Protocol):
 
     rank: int
 
-    def send(self, peer: int, key: Key, values: Sequence[Any]) -> None: ...
+    def send(
+        self, peer: int, key: Key, values: Sequence[Any], channels: Sequence[Channel], rows: int
+    ) -> None:
+        """Send the values of `channels` for a microbatch of `rows` rows."""
+        ...
 
-    def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]: ...
+    def recv(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> list[Any]:
+        """Wait for them (posted early if `expect` was called)."""
+        ...
+
+    def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
+        """A receive that will come: post it now if the backend allows."""
+        ...
 
     def all_reduce(
         self,
@@ -92,11 +102,16 @@ class LocalComm:
     def has(self, peer: int, key: Key) -> bool:
         return (peer, self.rank, key) in self.mailbox
 
-    def send(self, peer: int, key: Key, values: Sequence[Any]) -> None:
+    def send(
+        self, peer: int, key: Key, values: Sequence[Any], channels: Sequence[Channel], rows: int
+    ) -> None:
         detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
         self.mailbox[(self.rank, peer, key)] = detached
 
-    def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]:
+    def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
+        """Nothing to post: the mailbox holds messages until they are read."""
+
+    def recv(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> list[Any]:
         values = self.mailbox.pop((peer, self.rank, key))
         for value, channel in zip(values, channels, strict=True):
             check_value(value, channel, peer, self.rank)

@@ -1,10 +1,10 @@
 """`DistributedComm`: stage messages and all-reduces over torch.distributed (gloo or NCCL).
 
-A message (the values of the channels for one `Key`) is a few non-blocking point-to-point
-operations under one tag derived from the key: a fixed int64[64] first part (a preamble with the
-key, then the header of `runtime/wire.py`; a longer header continues in a second part), then one
-tensor per value. The receiver checks the header against the channels before the payload arrives.
-Sends never wait for the receiver. On gloo the tags keep messages apart; NCCL ignores tags and
+A message (the values of the channels for one `Key`) is one non-blocking point-to-point
+operation of one byte buffer (`runtime/wire.py`), under a tag derived from the key. Both ends
+know its layout from the channels and the microbatch's rows, so receives are posted early
+(`expect`) and the sender checks the values against their channels. Sends never wait for the
+receiver. On gloo the tags keep messages apart; NCCL ignores tags and
 matches the operations between two ranks in order, which holds by construction: both walk one
 validated schedule. Every wait has a timeout; a timeout or a failure of the backend (a dead peer)
 becomes a `PipelineTimeoutError` naming this rank, the peer ranks and what it waited on. The wire
@@ -27,16 +27,13 @@ import torch.distributed as dist
 
 from pdcompile.errors import PipelineTimeoutError, StageCommError
 from pdcompile.runtime import wire
-from pdcompile.runtime.comm import Key, check_value
+from pdcompile.runtime.comm import Key
 from pdcompile.staged_program import Channel
 
 __all__ = ["DistributedComm", "init_process_group", "message_tag"]
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = 0x70646331  # "pdc1"
-_PREAMBLE = 7  # magic, stream, microbatch, source stage, destination stage, header length, values
-_FIRST = 64  # int64s in the first part of a message: the preamble and most headers
 _REAP_TIMEOUT = timedelta(days=1)
 _STREAMS = {"act": 0, "grad": 1}
 
@@ -132,21 +129,36 @@ class DistributedComm:
         self._send_error: PipelineTimeoutError | None = None
         # buffers of failed waits: the backend may still write into them, so they stay alive
         self._abandoned: list[tuple[Any, torch.Tensor]] = []
+        # receives posted early (`expect`), by (peer, key)
+        self._posted: dict[tuple[int, Key], tuple[Any, torch.Tensor, wire.Layout, str]] = {}
 
-    def send(self, peer: int, key: Key, values: Sequence[Any]) -> None:
-        """Post the message of `values` to `peer`; returns without waiting for the receiver."""
-        header, payload = wire.pack(values, self.device)
-        ints = [_MAGIC, *_key_ints(key), len(header), len(values), *header]
-        first = ints[:_FIRST] + [0] * (_FIRST - len(ints))
+    def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
+        """Post the receive of a message now, so that its sender never waits (gloo).
+
+        On NCCL receives are posted when `recv` is called: the point-to-point operations of a
+        pair of ranks share a stream, and a receive posted early would hold up the sends behind
+        it.
+        """
+        if not self._threaded or (peer, key) in self._posted:
+            return
+        self._posted[(peer, key)] = self._post(peer, key, channels, rows)
+
+    def send(
+        self, peer: int, key: Key, values: Sequence[Any], channels: Sequence[Channel], rows: int
+    ) -> None:
+        """Post the message of `values` to `peer`; returns without waiting for the receiver.
+
+        Raises:
+            StageCommError: a value does not fit its channel (the receiver is told and raises
+                the same error).
+        """
+        lay = wire.layout(channels, rows)
+        buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
-        posted = [
-            (self._start(dist.isend, tensor, peer, what, dst=peer, tag=tag), tensor, peer, what)
-            for tensor in (self._ints(first), self._ints(ints[_FIRST:]), *payload)
-            if tensor.numel()
-        ]
+        work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag)
         with self._changed:
             self._raise_send_error()
-            self._sends.extend(posted)
+            self._sends.append((work, buffer, peer, what))
             self._changed.notify_all()
             if self._threaded and self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="sends", daemon=True)
@@ -154,39 +166,32 @@ class DistributedComm:
         while not self._threaded and self._sends and self._sends[0][0].is_completed():
             self._wait(*self._sends.popleft())  # raises if it failed
         logger.debug("rank %d: %s to rank %d", self.rank, what, peer)
-
-    def recv(self, peer: int, key: Key, channels: Sequence[Channel]) -> list[Any]:
-        """Wait for the message of `key` from `peer` and check it against `channels`.
-
-        Raises:
-            StageCommError: a value does not fit its channel (raised once the whole message has
-                arrived, so later messages are unaffected).
-            PipelineTimeoutError: nothing arrived within the timeout, or the peer died.
-        """
-        tag, what = message_tag(key), f"receiving {describe_key(key)}"
-        ints = self._receive([self._buffer(_FIRST)], peer, tag, what)[0].tolist()
-        if ints[0] != _MAGIC or ints[1:5] != _key_ints(key):
-            raise StageCommError(
-                f"rank {self.rank} was {what} from rank {peer} but got a message starting with "
-                f"{ints[:_PREAMBLE]}: the two ranks' schedules order their messages differently"
-            )
-        length, num_values = ints[5], ints[6]
-        if _PREAMBLE + length > _FIRST:  # the rest of a long header
-            rest = self._buffer(_PREAMBLE + length - _FIRST)
-            ints += self._receive([rest], peer, tag, what)[0].tolist()
-        header = ints[_PREAMBLE : _PREAMBLE + length]
-        items = wire.parse_header(header, num_values)
-        error = wire.check_header(items, channels, peer, self.rank, describe_key(key))
-        # drained even when it does not fit, so that the next message starts clean
-        buffers = self._receive([item.empty(self.device) for item in items], peer, tag, what)
         if error is not None:
             raise error
-        values = [wire.unpack(item, buffer) for item, buffer in zip(items, buffers, strict=True)]
-        for value, item, channel in zip(values, items, channels, strict=True):
-            if item.dtype is None:
-                check_value(value, channel, peer, self.rank)
+
+    def recv(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> list[Any]:
+        """Wait for the message of `key` from `peer` (posted by `expect`, or now).
+
+        Raises:
+            StageCommError: the sender found a value that does not fit its channel, or the
+                message is not the one expected.
+            PipelineTimeoutError: nothing arrived within the timeout, or the peer died.
+        """
+        posted = self._posted.pop((peer, key), None) or self._post(peer, key, channels, rows)
+        work, buffer, lay, what = posted
+        self._wait(work, buffer, peer, what)
+        values = wire.unpack(buffer, lay, key)
         logger.debug("rank %d: %s from rank %d", self.rank, what, peer)
         return values
+
+    def _post(
+        self, peer: int, key: Key, channels: Sequence[Channel], rows: int
+    ) -> tuple[Any, torch.Tensor, wire.Layout, str]:
+        lay = wire.layout(channels, rows)
+        buffer = torch.empty(lay.size, dtype=torch.uint8, device=self.device)
+        what = f"receiving {describe_key(key)}"
+        work = self._start(dist.irecv, buffer, peer, what, src=peer, tag=message_tag(key))
+        return work, buffer, lay, what
 
     def all_reduce(
         self,
@@ -278,25 +283,6 @@ class DistributedComm:
         if self._send_error is not None:
             raise self._send_error
 
-    def _ints(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-    def _buffer(self, count: int) -> torch.Tensor:
-        return torch.empty(count, dtype=torch.int64, device=self.device)
-
-    def _receive(
-        self, buffers: list[torch.Tensor], peer: int, tag: int, what: str
-    ) -> list[torch.Tensor]:
-        """Fill `buffers` in order (empty ones do not travel): post every receive, then wait."""
-        works = [
-            (self._start(dist.irecv, buffer, peer, what, src=peer, tag=tag), buffer)
-            for buffer in buffers
-            if buffer.numel()
-        ]
-        for work, buffer in works:
-            self._wait(work, buffer, peer, what)
-        return buffers
-
     def _start(self, op: Any, tensor: torch.Tensor, peer: Any, what: str, **kwargs: Any) -> Any:
         try:
             return op(tensor, **kwargs)
@@ -326,8 +312,3 @@ class DistributedComm:
             f"rank {self.rank} gave up {what} with {peers} (timeout {self.timeout_s:g} s): "
             f"{reason}; the peer died, hangs, or runs another schedule: see its own log"
         )
-
-
-def _key_ints(key: Key) -> list[int]:
-    stream, microbatch, src, dst = key
-    return [zlib.crc32(stream.encode()), microbatch, src, dst]

@@ -84,6 +84,9 @@ class DistributedPipeline(Pipeline):
     ) -> None:
         mine = actions[self.rank]
         end = len(mine) if stop is None else stop[self.rank]
+        for a in mine[position[self.rank] : end]:  # receives posted early: no sender waits
+            if a.kind == "recv":
+                self.worker.expect(a)
         while position[self.rank] < end:
             self.worker.run(mine[position[self.rank]])
             position[self.rank] += 1

@@ -1,14 +1,23 @@
-"""The wire format of stage messages: dtype codes, message headers and metadata without pickle.
+"""The wire format of stage messages: one byte buffer per message, laid out from the channels.
 
-A message is a list of values. Its header is a flat list of int64, one entry per value:
-`[dtype code, ndim, *dims]` for a tensor and `[VALUE, num_bytes]` for metadata, which travels as
-the UTF-8 bytes of a JSON document with type tags (`{"size": [2, 3]}` is `torch.Size([2, 3])`),
-so a receiver never unpickles what a peer sent.
+Both ends know a message's layout before it travels: the channels between the two stages, in
+the order of `program.channels`, at the rows of the microbatch (every rank holds the whole
+batch, so both know them). So the receiver posts its receive early, into a buffer of exactly the
+message's size, and a message is one point-to-point operation.
+
+Layout: a preamble of 4 int64 (magic, checksum of the key, status, length of an error text),
+then each channel's bytes at an 8-aligned offset: a tensor of the channel's shape at those rows
+and its dtype, or a slot of `VALUE_SLOT` bytes for metadata (an int64 length, then UTF-8 JSON
+with type tags: `{"size": [2, 3]}` is `torch.Size([2, 3])`, so no one unpickles what a peer
+sent). The sender checks every value against its channel first; on a mismatch it sends the
+message with status 1 and the error's text instead, and raises: both ranks raise the same
+`StageCommError`, and the next message between them is unaffected.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,113 +25,140 @@ from typing import Any
 import torch
 
 from pdcompile.errors import StageCommError
-from pdcompile.runtime.comm import check_value
 from pdcompile.staged_program import Channel
 
-VALUE = -1  # the code of a metadata value in a header
-
-# The position of a dtype is its code: append new dtypes, never reorder (both ends must agree).
-_DTYPE_NAMES = (
-    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
-)  # fmt: skip
-DTYPES = tuple(getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name))
-_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+MAGIC = 0x70646332  # "pdc2"
+PREAMBLE = 4  # int64: magic, key checksum, status, error length
+VALUE_SLOT = 1024  # bytes for one metadata value, its 8-byte length included
+ERROR_ROOM = 1024  # bytes a message keeps for an error text however small its values
 _SUPPORTED = "None, bool, int, float, str, torch.Size, torch.dtype, torch.device, tuples and lists"
 
 
 @dataclass(frozen=True)
-class Item:
-    """One value of a message as its header describes it: `dtype` is None for metadata."""
+class Slot:
+    """Where one channel's value sits in a message: `dtype` None for metadata."""
 
+    channel: Channel
+    offset: int
+    nbytes: int
     dtype: torch.dtype | None
     shape: tuple[int, ...]
 
-    def empty(self, device: torch.device) -> torch.Tensor:
-        """A receive buffer: the tensor itself, or the bytes of the metadata's encoding."""
-        return torch.empty(self.shape, dtype=self.dtype or torch.uint8, device=device)
 
-    def describe(self) -> str:
-        if self.dtype is None:
-            return f"a value of {self.shape[0]} bytes"
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+@dataclass(frozen=True)
+class Layout:
+    slots: tuple[Slot, ...]
+    size: int  # bytes
 
 
-def pack(values: Sequence[Any], device: torch.device) -> tuple[list[int], list[torch.Tensor]]:
-    """The header and the payload (one contiguous tensor on `device` per value) of a message."""
-    header: list[int] = []
-    payload: list[torch.Tensor] = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in _CODES:
-                raise StageCommError(
-                    f"cannot send a {value.dtype} tensor between stages: the wire format knows "
-                    f"{', '.join(_DTYPE_NAMES)}; cast it in the model or add the dtype to "
-                    "runtime/wire.py"
-                )
-            header += [_CODES[value.dtype], value.dim(), *value.shape]
-            payload.append(value.detach().to(device).contiguous())
+def layout(channels: Sequence[Channel], rows: int) -> Layout:
+    """The layout of the message of `channels` for a microbatch of `rows` rows."""
+    offset, slots = 8 * PREAMBLE, []
+    for c in channels:
+        if c.kind == "tensor":
+            dtype, shape = getattr(torch, c.dtype), c.shape_for(rows)
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
         else:
+            dtype, shape, nbytes = None, (), VALUE_SLOT
+        slots.append(Slot(c, offset, nbytes, dtype, shape))
+        offset += -(-nbytes // 8) * 8
+    return Layout(tuple(slots), max(offset, 8 * PREAMBLE + ERROR_ROOM))
+
+
+def key_checksum(key: tuple) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def pack(
+    values: Sequence[Any], lay: Layout, key: tuple, device: torch.device, src: int, dst: int
+) -> tuple[torch.Tensor, StageCommError | None]:
+    """The message of `values`, or, if one does not fit its channel, the error message and the
+    error (the sender raises it after sending)."""
+    buffer = torch.zeros(lay.size, dtype=torch.uint8, device=device)
+    error = _mismatch(values, lay, src, dst)
+    if error is not None:
+        text = str(error).encode()[: lay.size - 8 * PREAMBLE]
+        _preamble(buffer, key, status=1, length=len(text))
+        buffer[8 * PREAMBLE : 8 * PREAMBLE + len(text)] = _bytes(text, device)
+        return buffer, error
+    _preamble(buffer, key, status=0, length=0)
+    for slot, value in zip(lay.slots, values, strict=True):
+        if slot.dtype is None:
             data = encode_value(value)
-            header += [VALUE, len(data)]
-            payload.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device))
-    return header, payload
+            buffer[slot.offset : slot.offset + 8] = _bytes(len(data).to_bytes(8, "little"), device)
+            buffer[slot.offset + 8 : slot.offset + 8 + len(data)] = _bytes(data, device)
+        elif slot.nbytes:
+            flat = value.detach().reshape(-1).view(torch.uint8)
+            buffer[slot.offset : slot.offset + slot.nbytes] = flat
+    return buffer, None
 
 
-def parse_header(header: Sequence[int], num_values: int) -> list[Item]:
-    """The items a header describes; `StageCommError` if it is not a header of `num_values`."""
-    items, i = [], 0
-    while i < len(header):
-        code, count = header[i], header[i + 1] if i + 1 < len(header) else -1
-        dims = tuple(header[i + 2 : i + 2 + count])
-        if code == VALUE:
-            items.append(Item(None, (count,)))
-            i += 2
-        elif 0 <= code < len(DTYPES) and len(dims) == count >= 0:
-            items.append(Item(DTYPES[code], dims))
-            i += 2 + count
-        else:
-            break
-    if i != len(header) or len(items) != num_values:
+def unpack(buffer: torch.Tensor, lay: Layout, key: tuple) -> list[Any]:
+    """The values of a received message; the sender's `StageCommError` if it sent one."""
+    magic, checksum, status, length = buffer[: 8 * PREAMBLE].view(torch.int64).tolist()
+    if magic != MAGIC or checksum != key_checksum(key):
         raise StageCommError(
-            f"malformed message header {list(header)} (expected {num_values} values): the ranks "
-            "run different versions of pdcompile, or their messages are out of order"
+            f"a message for {key} starts with {[magic, checksum]}, not the expected "
+            f"{[MAGIC, key_checksum(key)]}: the two ranks order their messages differently or "
+            "run different versions of pdcompile"
         )
-    return items
+    if status:
+        text = bytes(buffer[8 * PREAMBLE : 8 * PREAMBLE + length].cpu().tolist()).decode()
+        raise StageCommError(text)
+    values = []
+    for slot in lay.slots:
+        part = buffer[slot.offset : slot.offset + slot.nbytes]
+        if slot.dtype is None:
+            size = int.from_bytes(bytes(part[:8].cpu().tolist()), "little")
+            values.append(decode_value(bytes(part[8 : 8 + size].cpu().tolist())))
+        else:  # a copy: aligned, and owning its memory
+            values.append(part.view(slot.dtype).reshape(slot.shape).clone())
+    return values
 
 
-def check_header(
-    items: Sequence[Item], channels: Sequence[Channel], src: int, dst: int, what: str
-) -> StageCommError | None:
-    """The error a header already shows, if any, under `check_value`'s rules (metadata values
-    are checked once they have arrived)."""
-    if len(items) != len(channels):
+def _mismatch(values: Sequence[Any], lay: Layout, src: int, dst: int) -> StageCommError | None:
+    if len(values) != len(lay.slots):
+        names = ", ".join(s.channel.name for s in lay.slots)
         return StageCommError(
-            f"{what}: rank {src} sent {len(items)} values to rank {dst}, which expects "
-            f"{len(channels)} ({', '.join(c.name for c in channels)})"
+            f"rank {src} sends {len(values)} values to rank {dst}, which expects "
+            f"{len(lay.slots)} ({names})"
         )
-    for item, channel in zip(items, channels, strict=True):
-        if item.dtype is None and channel.kind == "tensor":
-            return StageCommError(
-                f"channel {channel.name!r} (stage {channel.src_stage} -> {channel.dst_stage}): "
-                f"rank {src} sent {item.describe()} to rank {dst}, which expects a tensor "
-                f"{channel.describe()}"
-            )
-        if item.dtype is not None:
-            try:
-                check_value(
-                    torch.empty(item.shape, dtype=item.dtype, device="meta"), channel, src, dst
+    for slot, value in zip(lay.slots, values, strict=True):
+        c = slot.channel
+        where = f"channel {c.name!r} (stage {c.src_stage} -> {c.dst_stage})"
+        if slot.dtype is None:
+            if isinstance(value, torch.Tensor):
+                return StageCommError(
+                    f"{where}: rank {src} sent a tensor to rank {dst}, which expects a value "
+                    f"({c.value_type})"
                 )
-            except StageCommError as exc:
-                return exc
+            size = len(encode_value(value))
+            if size > VALUE_SLOT - 8:
+                return StageCommError(
+                    f"{where}: a value of {size} bytes does not fit the {VALUE_SLOT - 8} a "
+                    "message keeps for metadata; send it as a tensor"
+                )
+            continue
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        shape = list(value.shape) if isinstance(value, torch.Tensor) else None
+        if got != slot.dtype or tuple(shape or ()) != slot.shape or shape is None:
+            expected = f"{str(slot.dtype).removeprefix('torch.')}{list(slot.shape)}"
+            sent = f"{str(got).removeprefix('torch.')}{shape if shape is not None else ''}"
+            return StageCommError(
+                f"{where}: rank {src} sent {sent} to rank {dst}, which expects "
+                f"{c.describe()} = {expected} for this microbatch; the sender's stage computes "
+                "another shape than the one captured (a different sequence length or dtype?)"
+            )
     return None
 
 
-def unpack(item: Item, buffer: torch.Tensor) -> Any:
-    """The value a received buffer holds."""
-    if item.dtype is not None:
-        return buffer
-    return decode_value(buffer.cpu().numpy().tobytes())
+def _preamble(buffer: torch.Tensor, key: tuple, status: int, length: int) -> None:
+    ints = torch.tensor([MAGIC, key_checksum(key), status, length], dtype=torch.int64)
+    buffer[: 8 * PREAMBLE] = ints.view(torch.uint8).to(buffer.device)
+
+
+def _bytes(data: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
 def encode_value(value: Any) -> bytes:

@@ -127,32 +127,44 @@ class StageWorker:
         getattr(self, "_" + action.kind)(action)
         self.timeline.append((action.kind, action.microbatch, start, time.perf_counter()))
 
+    def _message(self, a: Action) -> tuple[tuple, list[Channel], int]:
+        """The key, channels and rows of the message a `send` or `recv` moves."""
+        if a.stream == "act":
+            outgoing = a.kind == "send"
+            channels = self.outbound[a.peer_stage] if outgoing else self.inbound[a.peer_stage]
+            pair = (a.stage, a.peer_stage) if outgoing else (a.peer_stage, a.stage)
+        else:  # gradients travel against the channels they belong to
+            outgoing = a.kind == "send"
+            channels = gradient_channels(
+                self.inbound[a.peer_stage] if outgoing else self.outbound[a.peer_stage]
+            )
+            pair = (a.peer_stage, a.stage) if outgoing else (a.stage, a.peer_stage)
+        return (a.stream, a.microbatch, *pair), channels, _rows(*self.data[a.microbatch][:2])
+
+    def expect(self, a: Action) -> None:
+        """Post the receive of a `recv` action ahead of time."""
+        self.comm.expect(a.peer, *self._message(a))
+
     def _recv(self, a: Action) -> None:
         state = self.flight.setdefault(a.microbatch, _InFlight())
+        key, channels, rows = self._message(a)
+        values = self.comm.recv(a.peer, key, channels, rows)
         if a.stream == "act":
-            key = (a.stream, a.microbatch, a.peer_stage, a.stage)
-            channels = self.inbound[a.peer_stage]
-            for c, value in zip(channels, self.comm.recv(a.peer, key, channels), strict=True):
+            for c, value in zip(channels, values, strict=True):
                 if c.kind == "tensor" and c.requires_grad:
                     value = value.detach().requires_grad_(True)
                 state.inputs[c.name] = value
         else:
-            channels = gradient_channels(self.outbound[a.peer_stage])
-            key = (a.stream, a.microbatch, a.stage, a.peer_stage)
-            values = self.comm.recv(a.peer, key, channels)
             state.grads += [(c.name, grad) for c, grad in zip(channels, values, strict=True)]
 
     def _send(self, a: Action) -> None:
         state = self.flight[a.microbatch]
+        key, channels, rows = self._message(a)
         if a.stream == "act":
-            channels = self.outbound[a.peer_stage]
             values = [state.outputs[c.name] for c in channels]
-            key = (a.stream, a.microbatch, a.stage, a.peer_stage)
         else:
-            channels = gradient_channels(self.inbound[a.peer_stage])
             values = [_grad_of(state.inputs[c.name]) for c in channels]
-            key = (a.stream, a.microbatch, a.peer_stage, a.stage)
-        self.comm.send(a.peer, key, values)
+        self.comm.send(a.peer, key, values, channels, rows)
 
     def _push(self, a: Action) -> None:
         state = self.flight.setdefault(a.microbatch, _InFlight())

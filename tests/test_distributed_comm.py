@@ -40,8 +40,7 @@ CHANNELS = [
       enumerate(METADATA)),
 ]  # fmt: skip
 GRAD = [Channel(1, 0, "h", shape=("batch", 3), dtype="float32")]
-# a header longer than the first part of a message (64 int64s)
-MANY = [Channel(0, 1, f"x{i}", shape=("batch", 3, 1), dtype="float32") for i in range(15)]
+ONE = CHANNELS[:1]
 
 
 def message(microbatch: int, batch: int) -> list:
@@ -52,7 +51,7 @@ def message(microbatch: int, batch: int) -> list:
         torch.randint(-(2**40), 2**40, (batch, 5), generator=gen),
         torch.randn(batch, generator=gen).to(torch.bfloat16),
         torch.rand(batch, 2, 1, generator=gen) > 0.5,
-        torch.randn(2 * batch, 2, generator=gen, dtype=torch.float64),
+        torch.randn(2 * batch, 2, generator=gen, dtype=torch.float64).t().contiguous().t(),
         torch.tensor(float(microbatch)),
         *METADATA,
     ]
@@ -62,51 +61,57 @@ def act(microbatch: int) -> tuple[str, int, int, int]:
     return ("act", microbatch, 0, 1)
 
 
+BATCHES = {0: 4, 1: 4, 2: 2, 6: 3}
+
+
 def _two_ranks(rank: int, world_size: int, init_file: str, backend: str) -> dict:
     device = init_process_group(
         rank, world_size, init_file=init_file, backend=backend, timeout_s=60
     )
     comm = DistributedComm(rank, [], timeout_s=30, device=device)
-    out: dict = {}
+    out: dict = {"errors": []}
+
+    def send(mb: int, values: list, channels=CHANNELS, rows: int = 4) -> None:
+        try:
+            comm.send(1, act(mb), values, channels, rows)
+        except StageCommError as exc:
+            out["errors"].append(str(exc))
+
     if rank == 0:
-        for mb, batch in [(0, 4), (1, 4), (2, 2)]:  # all in flight before rank 1 receives
-            comm.send(1, act(mb), message(mb, batch))
+        for mb in (0, 1, 2):  # all in flight before rank 1 receives
+            send(mb, message(mb, BATCHES[mb]), rows=BATCHES[mb])
         bad = message(3, 4)
         bad[0] = torch.zeros(4, 7)  # a non-batch dimension differs
-        comm.send(1, act(3), bad)
+        send(3, bad)
         bad = message(4, 4)
         bad[0] = bad[0].double()  # the dtype differs
-        comm.send(1, act(4), bad)
+        send(4, bad)
         bad = message(5, 4)
         bad[3] = bad[3].squeeze(-1)  # one dimension fewer
-        comm.send(1, act(5), bad)
-        comm.send(1, act(6), message(6, 3))
-        comm.send(1, act(7), [torch.full((2, 3, 1), float(i)) for i in range(len(MANY))])
-        comm.send(1, act(8), [torch.Size([2, 3])])  # metadata where a tensor is expected
-        comm.send(1, act(9), [torch.ones(2, 3), 1])  # one value too many
-        out["grad"] = comm.recv(1, ("grad", 0, 1, 0), GRAD)  # rank 1 has received everything
+        send(5, bad)
+        send(6, message(6, 3), rows=3)
+        send(7, [torch.Size([2, 3])], ONE)  # metadata where a tensor is expected
+        send(8, [torch.ones(4, 3), 1], ONE)  # one value too many
+        send(9, [torch.ones(5, 3)], ONE)  # another batch size than the microbatch's
+        out["grad"] = comm.recv(1, ("grad", 0, 1, 0), GRAD, 4)  # rank 1 has received all
         deadline = time.monotonic() + 30
         while comm.pending_sends and time.monotonic() < deadline:
             time.sleep(0.01)
         out["pending"] = comm.pending_sends  # complete without a flush: their memory is free
         comm.flush()
     else:
+        for mb in (0, 1, 2, 6):  # posted early, before anything was sent
+            comm.expect(0, act(mb), CHANNELS, BATCHES[mb])
         order = [2, 0, 1] if backend == "gloo" else [0, 1, 2]  # NCCL matches in order
-        out["received"] = {mb: comm.recv(0, act(mb), CHANNELS) for mb in order}
-        out["errors"] = []
-        for mb in (3, 4, 5):
+        out["received"] = {mb: comm.recv(0, act(mb), CHANNELS, BATCHES[mb]) for mb in order}
+        for mb, channels in [(3, CHANNELS), (4, CHANNELS), (5, CHANNELS), (7, ONE), (8, ONE),
+                             (9, ONE)]:  # fmt: skip
             try:
-                comm.recv(0, act(mb), CHANNELS)
+                comm.recv(0, act(mb), channels, 4)
             except StageCommError as exc:
                 out["errors"].append(str(exc))
-        out["after"] = comm.recv(0, act(6), CHANNELS)
-        out["many"] = comm.recv(0, act(7), MANY)
-        for mb in (8, 9):
-            try:
-                comm.recv(0, act(mb), CHANNELS[:1])
-            except StageCommError as exc:
-                out["errors"].append(str(exc))
-        comm.send(0, ("grad", 0, 1, 0), [torch.full((4, 3), 2.0, device=device)])
+        out["after"] = comm.recv(0, act(6), CHANNELS, 3)
+        comm.send(0, ("grad", 0, 1, 0), [torch.full((4, 3), 2.0, device=device)], GRAD, 4)
         comm.flush()
     dist.barrier()
     # A message may wait for its receiver longer than the timeout while nobody waits on it
@@ -114,19 +119,19 @@ def _two_ranks(rank: int, world_size: int, init_file: str, backend: str) -> dict
     side = dist.FileStore(init_file + ".side", world_size)
     lazy = DistributedComm(rank, [], timeout_s=1, device=device)
     if rank == 0:
-        lazy.send(1, act(97), [torch.ones(2, 3)])
+        lazy.send(1, act(97), [torch.ones(2, 3)], ONE, 2)
         side.wait(["received"])
         lazy.flush()
     else:
         time.sleep(2)
-        out["late"] = lazy.recv(0, act(97), CHANNELS[:1])
+        out["late"] = lazy.recv(0, act(97), ONE, 2)
         side.set("received", "1")
     # Last, as a gloo timeout closes the connection: rank 1 stays alive but never sends.
     if rank == 0:
-        lazy.send(1, act(98), [torch.ones(2, 3)])
+        lazy.send(1, act(98), [torch.ones(2, 3)], ONE, 2)
         for name, wait in [
             ("unreceived", lazy.flush),
-            ("timeout", lambda: lazy.recv(1, ("act", 99, 1, 0), GRAD)),
+            ("timeout", lambda: lazy.recv(1, ("act", 99, 1, 0), GRAD, 2)),
         ]:
             try:
                 wait()
@@ -163,21 +168,23 @@ def assert_same_values(got: list, want: list) -> None:
 def check_two_ranks(backend: str) -> None:
     sender, receiver = run_ranks(_two_ranks, 2, backend, timeout_s=120)
 
-    for mb, batch in [(0, 4), (1, 4), (2, 2)]:
-        assert_same_values(receiver["received"][mb], message(mb, batch))
+    for mb in (0, 1, 2):
+        assert_same_values(receiver["received"][mb], message(mb, BATCHES[mb]))
     assert_same_values(receiver["after"], message(6, 3))
-    assert_same_values(receiver["many"], [torch.full((2, 3, 1), float(i)) for i in range(15)])
     assert torch.equal(sender["grad"][0], torch.full((4, 3), 2.0))
     assert sender["pending"] == 0
     assert torch.equal(receiver["late"][0], torch.ones(2, 3))
 
-    shape, dtype, ndim, kind, count = receiver["errors"]
-    assert "channel 'h'" in kind and "a value of" in kind and "expects a tensor" in kind
-    assert "rank 0 sent 2 values to rank 1, which expects 1 (h)" in count
+    # the sender finds each mismatch, tells the receiver, and both raise the same error
+    assert sender["errors"] == receiver["errors"] and len(sender["errors"]) == 6
+    shape, dtype, ndim, kind, count, rows = sender["errors"]
     assert "channel 'h' (stage 0 -> 1)" in shape and "rank 0" in shape and "rank 1" in shape
-    assert "float32[4, 7]" in shape and "float32[batch, 3]" in shape
+    assert "float32[4, 7]" in shape and "float32[batch, 3] = float32[4, 3]" in shape
     assert "float64[4, 3]" in dtype and "float32[batch, 3]" in dtype
     assert "channel 'mask'" in ndim and "bool[4, 2]" in ndim and "bool[batch, 2, 1]" in ndim
+    assert "channel 'h'" in kind and "sent Size" in kind and "float32[batch, 3]" in kind
+    assert "rank 0 sends 2 values to rank 1, which expects 1 (h)" in count
+    assert "float32[5, 3]" in rows and "float32[4, 3] for this microbatch" in rows
 
     unreceived = sender["unreceived"]
     assert "rank 0 gave up sending act of microbatch 98 (stage 0 -> 1) with rank 1" in unreceived
@@ -186,7 +193,7 @@ def check_two_ranks(backend: str) -> None:
     assert "act of microbatch 99 (stage 1 -> 0)" in timeout
 
 
-def test_messages_round_trip_and_mismatches_raise_on_the_receiver() -> None:
+def test_messages_round_trip_and_mismatches_raise_on_both_ranks() -> None:
     check_two_ranks("gloo")
 
 
@@ -247,20 +254,21 @@ def test_all_reduce_sums_or_averages_over_each_group() -> None:
 def _dying_peer(rank: int, world_size: int, init_file: str) -> dict:
     init_process_group(rank, world_size, init_file=init_file, backend="gloo", timeout_s=60)
     comm = DistributedComm(rank, [(0, 1)], timeout_s=10, device=torch.device("cpu"))
+    channel = [Channel(1, 2, "x", shape=("batch",), dtype="float32")]
+    back = [Channel(1, 2, "x", shape=("batch",), dtype="float32", requires_grad=True)]
     if rank == 1:
-        comm.send(0, ("act", 0, 1, 2), [torch.ones(2)])
+        comm.send(0, ("act", 0, 1, 2), [torch.ones(2)], channel, 2)
         comm.flush()
         os._exit(1)  # abruptly: no goodbye, the sockets close
     out = {}
-    channel = [Channel(1, 2, "x", shape=("batch",), dtype="float32")]
-    comm.send(1, ("grad", 0, 2, 1), [torch.ones(2)])  # rank 1 never receives it
-    out["first"] = comm.recv(1, ("act", 0, 1, 2), channel)
+    comm.send(1, ("grad", 0, 2, 1), [torch.ones(2)], back, 2)  # rank 1 never receives it
+    out["first"] = comm.recv(1, ("act", 0, 1, 2), channel, 2)
     start = time.monotonic()
     for name, wait in [
-        ("recv", lambda: comm.recv(1, ("act", 1, 1, 2), channel)),
+        ("recv", lambda: comm.recv(1, ("act", 1, 1, 2), channel, 2)),
         ("flush", comm.flush),
         ("all_reduce", lambda: comm.all_reduce([torch.ones(3)], (0, 1), ("replicas", 0, 0))),
-        ("send", lambda: comm.send(1, ("grad", 1, 2, 1), [torch.ones(2)])),
+        ("send", lambda: comm.send(1, ("grad", 1, 2, 1), [torch.ones(2)], back, 2)),
     ]:
         try:
             wait()
