@@ -2,8 +2,10 @@
 
 Kinds: `F`/`B` (forward/backward of one microbatch at one stage), `send`/`recv` (activations
 `act` forward or gradients `grad` backward, to or from one peer rank), `allreduce` (the
-replicas of a stage average their gradients), `step` (optimizer update), `push`/`pop` (a weight
-version is stashed at a forward and dropped after its backward).
+replicas of a stage average their gradients), `clip` (scale the gradients to a largest norm:
+over every rank for the synchronous schedules, an all-reduce over `group`; per stage, with no
+group, under `pipedream`), `step` (optimizer update), `push`/`pop` (a weight version is stashed
+at a forward and dropped after its backward).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-KINDS = ("F", "B", "send", "recv", "allreduce", "step", "push", "pop")
+KINDS = ("F", "B", "send", "recv", "allreduce", "clip", "step", "push", "pop")
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,18 @@ class Action:
     tie: int = -1
 
     @property
+    def is_collective(self) -> bool:
+        """Whether the ranks of `group` take part in it together."""
+        return self.kind in ("allreduce", "clip") and bool(self.group)
+
+    @property
     def collective(self) -> tuple:
-        """What identifies an all-reduce across the ranks that take part in it."""
-        return (
-            ("tie", self.tie, self.microbatch, self.group)
-            if self.tie >= 0
-            else ("replicas", self.stage, self.microbatch, self.group)
-        )
+        """What identifies a collective across the ranks that take part in it."""
+        if self.kind == "clip":
+            return ("clip", self.microbatch, self.group)
+        if self.tie >= 0:
+            return ("tie", self.tie, self.microbatch, self.group)
+        return ("replicas", self.stage, self.microbatch, self.group)
 
     def __str__(self) -> str:
         mb = "" if self.microbatch < 0 else str(self.microbatch)

@@ -17,7 +17,13 @@ import torch
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
-from pdcompile.runtime.worker import Batch, LossFn, OptimizerFactory, StageWorker
+from pdcompile.runtime.worker import (
+    Batch,
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    StageWorker,
+)
 from pdcompile.staged_program import StagedProgram
 
 
@@ -28,8 +34,8 @@ class DistributedPipeline(Pipeline):
         program: the staged program (the same on every rank); this rank trains its stage
             module in place, moved to `device`.
         rank: this process's rank.
-        schedule, num_microbatches, loss_fn, optimizer, stash, vertical_sync: as for
-            `LocalPipeline`.
+        schedule, num_microbatches, loss_fn, optimizer, stash, vertical_sync, clip_grad_norm,
+            lr_scheduler: as for `LocalPipeline`.
         device: where this rank computes (`runtime.distributed.init_process_group` returns it).
         timeout_s: how long any wait lasts before `PipelineTimeoutError`.
     """
@@ -47,8 +53,10 @@ class DistributedPipeline(Pipeline):
         timeout_s: float = 300.0,
         stash: bool = True,
         vertical_sync: bool = False,
+        clip_grad_norm: float | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
-        layout = program_schedule(program, schedule, num_microbatches)
+        layout = program_schedule(program, schedule, num_microbatches, clip_grad_norm is not None)
         groups = {a.group for actions in layout.actions.values() for a in actions if a.group}
         self.world = tuple(sorted(layout.actions))
         comm = DistributedComm(rank, sorted(groups | {self.world}), timeout_s=timeout_s,
@@ -58,6 +66,7 @@ class DistributedPipeline(Pipeline):
         worker = StageWorker(
             program, stage, module, comm, loss_fn=loss_fn, optimizer=optimizer,
             schedule_kind=schedule, stash=stash, vertical_sync=vertical_sync,
+            clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
         )  # fmt: skip
         self.rank, self.device, self.comm, self.steps = rank, device, comm, 0
         super().__init__(program, {rank: worker}, schedule=schedule,
@@ -88,7 +97,9 @@ class DistributedPipeline(Pipeline):
             if a.kind == "recv":
                 self.worker.expect(a)
         while position[self.rank] < end:
-            self.worker.run(mine[position[self.rank]])
+            action = mine[position[self.rank]]
+            self.worker.run(action)
+            self.worker.finish(action)
             position[self.rank] += 1
 
     def _loss(self, batch: Batch, first: int) -> float:

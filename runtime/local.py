@@ -18,7 +18,13 @@ from pdcompile.errors import ScheduleError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import LocalComm
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
-from pdcompile.runtime.worker import Batch, LossFn, OptimizerFactory, StageWorker
+from pdcompile.runtime.worker import (
+    Batch,
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    StageWorker,
+)
 from pdcompile.staged_program import StagedProgram
 
 
@@ -33,6 +39,9 @@ class LocalPipeline(Pipeline):
         optimizer: a factory `params -> torch.optim.Optimizer`, applied per stage replica.
         stash: weight stashing under `pipedream` (False only to show what it prevents).
         vertical_sync: `pipedream` with vertical sync (docs/runtime.md).
+        clip_grad_norm: the largest gradient norm: over the whole model for the synchronous
+            schedules, per stage for `pipedream`.
+        lr_scheduler: a factory `optimizer -> LRScheduler` per rank, stepped after each update.
     """
 
     def __init__(
@@ -45,6 +54,8 @@ class LocalPipeline(Pipeline):
         optimizer: OptimizerFactory,
         stash: bool = True,
         vertical_sync: bool = False,
+        clip_grad_norm: float | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
         mailbox = LocalComm(-1)
         workers: dict[int, StageWorker] = {}
@@ -54,7 +65,8 @@ class LocalPipeline(Pipeline):
                 workers[rank] = StageWorker(
                     program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
                     loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule, stash=stash,
-                    vertical_sync=vertical_sync,
+                    vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
+                    lr_scheduler=lr_scheduler,
                 )  # fmt: skip
         super().__init__(program, workers, schedule=schedule, num_microbatches=num_microbatches)
 
@@ -91,13 +103,15 @@ def _run(
                 comm = workers[rank].comm
                 if a.kind == "recv" and not comm.has(a.peer, _key(a)):
                     break
-                if a.kind == "allreduce":
+                if a.is_collective:
                     if not all(
                         position[m] < stop[m] and _at(actions[m], position[m], a) for m in a.group
                     ):
                         break
                     for member in a.group:
                         workers[member].run(actions[member][position[member]])
+                    for member in a.group:
+                        workers[member].finish(actions[member][position[member]])
                         position[member] += 1
                     moved = True
                     continue
@@ -111,7 +125,7 @@ def _run(
 
 def _at(actions: Sequence[Any], position: int, collective: Any) -> bool:
     """Whether a rank stands at (its part of) the same all-reduce."""
-    if position >= len(actions) or actions[position].kind != "allreduce":
+    if position >= len(actions) or not actions[position].is_collective:
         return False
     return actions[position].collective == collective.collective
 

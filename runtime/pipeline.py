@@ -22,7 +22,9 @@ from pdcompile.runtime.worker import Batch, StageWorker, split_batch
 from pdcompile.staged_program import StagedProgram
 
 
-def program_schedule(program: StagedProgram, kind: str, num_microbatches: int) -> Schedule:
+def program_schedule(
+    program: StagedProgram, kind: str, num_microbatches: int, clip: bool = False
+) -> Schedule:
     """The validated schedule of `program` under its plan's ranks."""
     edges: dict[tuple[int, int], bool] = {}
     for c in program.channels:
@@ -30,7 +32,7 @@ def program_schedule(program: StagedProgram, kind: str, num_microbatches: int) -
         edges[pair] = edges.get(pair, False) or (c.kind == "tensor" and c.requires_grad)
     ranks = [stage.ranks for stage in program.plan.stages]
     ties = [tie.stages for tie in program.ties]
-    schedule = build_schedule(kind, ranks, edges, num_microbatches, ties)
+    schedule = build_schedule(kind, ranks, edges, num_microbatches, ties, clip)
     validate_schedule(schedule)
     return schedule
 
@@ -49,7 +51,8 @@ class Pipeline:
         self.program = program
         self.kind = schedule
         self.num_microbatches = num_microbatches
-        self.schedule = program_schedule(program, schedule, num_microbatches)
+        self.clip = any(w.clip_grad_norm is not None for w in workers.values())
+        self.schedule = program_schedule(program, schedule, num_microbatches, self.clip)
         self.workers = workers
         self.started = 0  # pipedream: minibatches given since the last flush
         # pipedream: actions every rank has done since the stream (re)started (each call, every
@@ -84,7 +87,7 @@ class Pipeline:
         """Complete every minibatch in flight (`pipedream`; nothing to do for the others)."""
         if self.kind != "pipedream" or not self.started:
             return
-        drain = program_schedule(self.program, self.kind, self.started)  # ends the stream
+        drain = program_schedule(self.program, self.kind, self.started, self.clip)  # the end
         self._execute(drain.actions, self.position, None)
         self.started = 0
         self.position = dict.fromkeys(self.schedule.actions, 0)
@@ -117,7 +120,7 @@ class Pipeline:
         """A schedule of at least `minibatches` (whose prefix is the endless stream's), built
         and validated again only when it runs out: then for twice as many."""
         if self._cached is None or self._cached.num_microbatches < minibatches:
-            self._cached = program_schedule(self.program, self.kind, 2 * minibatches)
+            self._cached = program_schedule(self.program, self.kind, 2 * minibatches, self.clip)
         return self._cached
 
     def _lookahead(self) -> int:
@@ -144,7 +147,7 @@ def cuts(stream: Schedule, bound: int, position: dict[int, int]) -> dict[int, in
         for rank, actions in stream.actions.items():
             for i in range(start[rank], stop[rank]):
                 a = actions[i]
-                if a.kind == "allreduce" and not all(
+                if a.is_collective and not all(
                     _reaches(stream.actions[m], start[m], stop[m], a) for m in a.group
                 ):
                     stop[rank], changed = i, True
@@ -163,5 +166,5 @@ def _first_needing(actions: Sequence[Action], bound: int, start: int) -> int:
 
 def _reaches(actions: Sequence[Action], start: int, stop: int, collective: Action) -> bool:
     return any(
-        a.kind == "allreduce" and a.collective == collective.collective for a in actions[start:stop]
+        a.is_collective and a.collective == collective.collective for a in actions[start:stop]
     )

@@ -11,7 +11,7 @@ the compute that produced them (the executor posts receives early and never bloc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import SCHEDULES
@@ -40,6 +40,7 @@ def build_schedule(
     edges: Edges,
     num_microbatches: int,
     ties: Sequence[Sequence[int]] = (),
+    clip: bool = False,
 ) -> Schedule:
     """Every rank's actions for one step of `num_microbatches` microbatches.
 
@@ -50,6 +51,8 @@ def build_schedule(
         num_microbatches: microbatches per step (PipeDream minibatches under `pipedream`).
         ties: per tie group, the stages using the tensor: before each update their ranks sum
             its gradients.
+        clip: clip the gradients' norm before each update: over all ranks together for the
+            synchronous schedules, per stage for `pipedream`.
 
     Raises:
         ScheduleError: unknown kind, bad stage pairs, too few microbatches for `2bw`.
@@ -84,7 +87,13 @@ def build_schedule(
             "would update once per round of different replica counts; tie stages must have one "
             "replica each"
         )
+    if kind == "pipedream" and clip and ties:
+        raise ScheduleError(
+            "pipedream clips gradients per stage, so the copies of a tied tensor would be scaled "
+            "by different norms and drift apart; train without clip_grad_norm or without ties"
+        )
     schedule = Schedule(kind, num_microbatches, replicas, ranks)
+    world = () if kind == "pipedream" else tuple(sorted(r for rs in ranks for r in rs))
     actions = {}
     for s, stage_ranks in enumerate(ranks):
         w = warmup(replicas, s)
@@ -95,7 +104,8 @@ def build_schedule(
         ]
         for i, rank in enumerate(stage_ranks):
             mine = list(range(i, num_microbatches, replicas[s]))
-            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, my_ties))
+            update = _update(s, ranks[s], my_ties, world if clip else None)
+            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, update))
     return Schedule(kind, num_microbatches, replicas, ranks, actions)
 
 
@@ -105,7 +115,7 @@ def _expand(
     stage: int,
     w: int,
     mine: list[int],
-    ties: list[tuple[int, tuple[int, ...]]],
+    update: Callable[[int], list[Action]],
 ) -> list[Action]:
     """One replica's compute order with its communication, stashing and updates."""
     into = sorted(src for src, dst in edges if dst == stage)
@@ -132,20 +142,30 @@ def _expand(
                 actions.append(_comm("send", stage, k, schedule.rank_of(src, k), src, "grad"))
         if pipedream:
             actions.append(Action("pop", stage, k))
-            actions += _update(stage, k // len(group), group, ties)  # once per round
+            actions += update(k // len(group))  # once per round
     if not pipedream:
-        actions += _update(stage, -1, group, ties)
+        actions += update(-1)
     return actions
 
 
 def _update(
-    stage: int, round_: int, group: tuple[int, ...], ties: list[tuple[int, tuple[int, ...]]]
-) -> list[Action]:
-    """Sum tied gradients, average the rest among the replicas, step the optimizer."""
-    actions = [Action("allreduce", stage, round_, group=ranks, tie=i) for i, ranks in ties]
-    if len(group) > 1:
-        actions.append(Action("allreduce", stage, round_, group=group))
-    return [*actions, Action("step", stage, round_)]
+    stage: int,
+    group: tuple[int, ...],
+    ties: list[tuple[int, tuple[int, ...]]],
+    clip_group: tuple[int, ...] | None,
+) -> Callable[[int], list[Action]]:
+    """The actions of one update: sum tied gradients, average the rest among the replicas,
+    clip (over `clip_group`, or per stage when it is empty), step the optimizer."""
+
+    def actions(round_: int) -> list[Action]:
+        out = [Action("allreduce", stage, round_, group=ranks, tie=i) for i, ranks in ties]
+        if len(group) > 1:
+            out.append(Action("allreduce", stage, round_, group=group))
+        if clip_group is not None:
+            out.append(Action("clip", stage, round_, group=clip_group))
+        return [*out, Action("step", stage, round_)]
+
+    return actions
 
 
 def _comm(kind: str, stage: int, k: int, peer: int, peer_stage: int, stream: str) -> Action:

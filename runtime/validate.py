@@ -76,7 +76,7 @@ def _run(schedule: Schedule) -> None:
                 a = actions[position[rank]]
                 if a.kind == "recv" and _message(rank, a) not in sent:
                     break
-                if a.kind == "allreduce":
+                if a.is_collective:
                     key = a.collective
                     arrived.setdefault(key, set()).add(rank)
                     if arrived[key] == set(a.group):

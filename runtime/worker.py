@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 @dataclass
@@ -70,6 +71,8 @@ class StageWorker:
         stash: under `pipedream`, keep each microbatch's weight version for its backward
             (False recomputes the backward on the newest weights: only to show the difference).
         vertical_sync: under `pipedream`, minibatch k runs on `versions.vertical_version`.
+        clip_grad_norm: the largest gradient norm (the schedule's `clip` actions apply it).
+        lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
     """
 
     def __init__(
@@ -84,12 +87,17 @@ class StageWorker:
         schedule_kind: str,
         stash: bool = True,
         vertical_sync: bool = False,
+        clip_grad_norm: float | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
         self.program, self.stage, self.module, self.comm = program, stage, module, comm
         self.last = stage == program.num_stages - 1
         self.loss_fn = loss_fn
         self.params = dict(module.named_parameters())
         self.optimizer = optimizer(list(self.params.values()))
+        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        self.clip_grad_norm = clip_grad_norm
+        self.norm_squares = torch.zeros(1, dtype=torch.float64)  # of the last global clip
         self.kind = schedule_kind
         self.pipedream = schedule_kind == "pipedream"
         self.stash = stash
@@ -260,10 +268,42 @@ class StageWorker:
                     b.zero_()
             self.comm.all_reduce(buffers, a.group, (*a.collective, "buffers"))
 
+    def _clip(self, a: Action) -> None:
+        """Scale the gradients so that their norm is at most `clip_grad_norm`: the norm over
+        every rank (`a.group`: each tensor counted once, on first replicas and tie owners;
+        applied by `finish` once the all-reduce is complete) or over this stage (no group,
+        `pipedream`)."""
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        if not a.group:
+            self._scale(float(sum(g.double().pow(2).sum() for g in grads)))
+            return
+        first = self.comm.rank == self.program.plan.stages[self.stage].ranks[0]
+        copies = {n for tie in self.program.ties if tie.owner != self.stage for n in tie.names}
+        counted = [p.grad for n, p in self.params.items() if p.grad is not None and n not in copies]
+        mine = float(sum(g.double().pow(2).sum() for g in counted)) if first else 0.0
+        device = getattr(self.comm, "device", torch.device("cpu"))
+        self.norm_squares = torch.tensor([mine], dtype=torch.float64, device=device)
+        self.comm.all_reduce([self.norm_squares], a.group, a.collective)
+
+    def finish(self, a: Action) -> None:
+        """Complete a collective once every member has taken part (the local executor runs
+        the members one after another; an all-reduce may land only with the last)."""
+        if a.kind == "clip" and a.group:
+            self._scale(float(self.norm_squares[0]))
+
+    def _scale(self, squares: float) -> None:
+        coefficient = self.clip_grad_norm / (squares**0.5 + 1e-6)
+        if coefficient < 1:
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+
     def _step(self, a: Action) -> None:
         before = _copy(self.params) if self.shadow else {}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.updates += 1
         if self.shadow:
             self.shadow = before  # 2bw: the next step computes on the weights before this one

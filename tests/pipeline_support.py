@@ -72,24 +72,33 @@ def microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[Any, An
 
 
 def accumulate_reference(
-    model, x, y, loss_fn, optimizer, m: int, steps: int
+    model, x, y, loss_fn, optimizer, m: int, steps: int, clip=None, scheduler=None
 ) -> tuple[nn.Module, float]:
-    """Single-process gradient accumulation over the same microbatches in the same order;
+    """Single-process gradient accumulation over the same microbatches in the same order
+    (clipped with `torch.nn.utils.clip_grad_norm_`, the learning rate from `scheduler`);
     returns the trained copy and the last step's loss."""
     ref = copy.deepcopy(model)
     opt = optimizer(list(ref.parameters()))
+    sched = scheduler(opt) if scheduler else None
     for _ in range(steps):
         loss = 0.0
         for a, b, share in microbatches(x, y, m):
             part = loss_fn(ref(a), b) * share
             part.backward()
             loss += float(part.detach())
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            assert norm > clip, "the test's clip never acts"
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
     return ref, loss
 
 
-def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *, vertical=False):
+def pipedream_reference(
+    program, x, y, loss_fn, optimizer, m: int, steps: int, *, vertical=False, clip=None
+):
     """Replays PipeDream's version function sequentially: minibatch k runs forward and
     backward at stage s on the weights after v(k, s) updates of s; each stage averages the
     gradients of a round of r_s minibatches into one update."""
@@ -98,6 +107,7 @@ def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *
     opts = [optimizer(list(stage.parameters())) for stage in live]
     history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in live]
     pending: list[list[dict[str, torch.Tensor]]] = [[] for _ in live]
+    clipped: list[bool] = []
     k = 0
     for _ in range(steps):
         for a, b, _share in microbatches(x, y, m):
@@ -122,6 +132,9 @@ def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *
                 if len(pending[s]) == replicas[s]:
                     for n, p in live[s].named_parameters():
                         p.grad = sum(g[n] for g in pending[s]) / replicas[s]
+                    if clip is not None:  # pipedream clips per stage
+                        norm = torch.nn.utils.clip_grad_norm_(live[s].parameters(), clip)
+                        clipped.append(bool(norm > clip))
                     opts[s].step()
                     opts[s].zero_grad(set_to_none=True)
                     pending[s] = []
@@ -129,6 +142,7 @@ def pipedream_reference(program, x, y, loss_fn, optimizer, m: int, steps: int, *
                         {n: p.detach().clone() for n, p in live[s].named_parameters()}
                     )
             k += 1
+    assert clip is None or any(clipped), "the test's clip never acts"
     return live
 
 
@@ -152,6 +166,7 @@ def two_bw_reference(model, x, y, loss_fn, optimizer, m: int, steps: int) -> nn.
 
 
 CASES = {"mlp": mlp_case, "resnet": resnet_case, "unet": unet_case, "gpt": gpt_case}
+STEP_LR = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-2),

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from pipeline_support import (
     CASES,
     OPTIMIZERS,
+    STEP_LR,
     accumulate_reference,
     pipedream_reference,
     program_for,
@@ -23,7 +24,7 @@ from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
 
-# (case, replicas, schedule, optimizer, microbatches, steps)
+# (case, replicas, schedule, optimizer, microbatches, steps[, clip_grad_norm with StepLR])
 TWO_RANKS = [
     ("mlp", [1, 1], "1f1b", "sgd", 4, 5),
     ("resnet", [1, 1], "gpipe", "adam", 4, 5),
@@ -34,22 +35,25 @@ THREE_RANKS = [
     ("gpt", [1, 1, 1], "1f1b", "sgd", 4, 5),
     ("mlp", [2, 1], "pipedream", "sgd", 2, 5),
     ("gpt", [1, 1, 1], "pipedream", "sgd", 3, 4),
+    ("gpt", [1, 1, 1], "1f1b", "sgd", 4, 4, 0.05),  # global clipping over tied copies
 ]
 FOUR_RANKS = [
     ("unet", [1, 1, 1, 1], "1f1b", "sgd", 4, 5),
     ("mlp", [2, 1, 1], "gpipe", "sgd", 4, 5),
+    ("mlp", [2, 1, 1], "1f1b", "sgd", 4, 4, 0.05),  # global clipping over replicas
 ]
 
 
 def _train(rank: int, world_size: int, init_file: str, configs) -> list:
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
     results = []
-    for case, replicas, schedule, optimizer, m, steps in configs:
+    for case, replicas, schedule, optimizer, m, steps, *clip in configs:
         model, x, y, loss_fn = CASES[case]()
         program = program_for(model, x, replicas)
         pipeline = DistributedPipeline(
             program, rank=rank, schedule=schedule, num_microbatches=m, loss_fn=loss_fn,
             optimizer=OPTIMIZERS[optimizer], device=device, timeout_s=60,
+            **_clipping(clip),
         )  # fmt: skip
         losses = [pipeline.train_step((x,), y) for _ in range(steps)]
         pipeline.flush()
@@ -59,7 +63,11 @@ def _train(rank: int, world_size: int, init_file: str, configs) -> list:
     return results
 
 
-def _expected(case, replicas, schedule, optimizer, m, steps):
+def _clipping(clip: list) -> dict:
+    return {"clip_grad_norm": clip[0], "lr_scheduler": STEP_LR} if clip else {}
+
+
+def _expected(case, replicas, schedule, optimizer, m, steps, *clip):
     """Reference parameters by name, and the local executor's per rank."""
     model, x, y, loss_fn = CASES[case]()
     program = program_for(model, x, replicas)
@@ -67,11 +75,14 @@ def _expected(case, replicas, schedule, optimizer, m, steps):
         stages = pipedream_reference(program, x, y, loss_fn, OPTIMIZERS[optimizer], m, steps)
         reference = {n: p for stage in stages for n, p in stage.named_parameters()}
     else:
-        ref, _ = accumulate_reference(model, x, y, loss_fn, OPTIMIZERS[optimizer], m, steps)
+        extra = {"clip": clip[0], "scheduler": STEP_LR} if clip else {}
+        ref, _ = accumulate_reference(
+            model, x, y, loss_fn, OPTIMIZERS[optimizer], m, steps, **extra
+        )
         reference = dict(ref.named_parameters(remove_duplicate=False))
     local = LocalPipeline(
         program, schedule=schedule, num_microbatches=m, loss_fn=loss_fn,
-        optimizer=OPTIMIZERS[optimizer],
+        optimizer=OPTIMIZERS[optimizer], **_clipping(list(clip)),
     )  # fmt: skip
     losses = [local.train_step((x,), y) for _ in range(steps)]
     local.flush()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pipeline_support import (
+    STEP_LR,
     accumulate_reference,
     gpt_case,
     mlp_case,
@@ -143,3 +144,44 @@ def test_a_batch_too_small_for_the_microbatches_is_refused() -> None:
         pipeline.train_step((x[:3],), y[:3])
     # a smaller last batch that still splits works, with the same stage modules
     assert pipeline.train_step((x[:5],), y[:5]) > 0
+
+
+@pytest.mark.parametrize(
+    ("case", "replicas"), [(gpt_case, [1, 1, 1]), (mlp_case, [2, 1])], ids=["gpt-tied", "mlp-2x1"]
+)
+def test_synchronous_clipping_is_global_and_the_lr_schedule_steps(case, replicas) -> None:
+    """One norm over the whole model (each tied or replicated tensor once), as
+    `clip_grad_norm_` on the unpipelined model, and a StepLR per rank."""
+    model, x, y, loss_fn = case()
+    program = program_for(model, x, replicas)
+    pipeline = LocalPipeline(
+        program, schedule="1f1b", num_microbatches=4, loss_fn=loss_fn, optimizer=SGD,
+        clip_grad_norm=0.05, lr_scheduler=STEP_LR,
+    )  # fmt: skip
+    for _ in range(5):
+        pipeline.train_step((x,), y)
+    ref, _ = accumulate_reference(model, x, y, loss_fn, SGD, 4, 5, clip=0.05, scheduler=STEP_LR)
+    assert_matches(pipeline, dict(ref.named_parameters(remove_duplicate=False)))
+    unclipped, _ = accumulate_reference(model, x, y, loss_fn, SGD, 4, 5, scheduler=STEP_LR)
+    with pytest.raises(AssertionError):
+        assert_matches(pipeline, dict(unclipped.named_parameters(remove_duplicate=False)))
+
+
+def test_pipedream_clips_per_stage_and_refuses_clipping_tied_copies() -> None:
+    model, x, y, loss_fn = mlp_case()
+    program = program_for(model, x, [1, 1, 1])
+    reference = pipedream_reference(program, x, y, loss_fn, SGD, 5, 2, clip=0.05)
+    pipeline = LocalPipeline(
+        program, schedule="pipedream", num_microbatches=5, loss_fn=loss_fn, optimizer=SGD,
+        clip_grad_norm=0.05,
+    )  # fmt: skip
+    for _ in range(2):
+        pipeline.train_step((x,), y)
+    pipeline.flush()
+    assert_matches(pipeline, {n: p for st in reference for n, p in st.named_parameters()})
+    model, x, y, loss_fn = gpt_case()
+    with pytest.raises(ScheduleError, match="copies of a tied tensor would be scaled"):
+        LocalPipeline(
+            program_for(model, x, [1, 1]), schedule="pipedream", num_microbatches=2,
+            loss_fn=loss_fn, optimizer=SGD, clip_grad_norm=1.0,
+        )  # fmt: skip
