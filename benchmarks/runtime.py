@@ -5,7 +5,8 @@
 Two gloo ranks with one thread each run the same 2-stage split (pdcompile's stage modules; torch
 runs them through thin adapters taking and returning positional tensors) with 8 microbatches,
 alternating the two runtimes round by round in the same processes. Per runtime: the median over
-rounds of wall time and CPU time per step (rank 0's CPU plus rank 1's). Then `pipedream` runs for
+rounds of wall time and CPU time per step (rank 0's CPU plus rank 1's), and the median over
+rounds of the ratio of the two runtimes in the same round. Then `pipedream` runs for
 the same steps with its action timeline recorded: steady-state throughput (minibatches per second
 over the second half) against the ideal 1 / max over stages of a stage's forward + backward time
 per minibatch, from the same timeline.
@@ -175,25 +176,34 @@ def main() -> None:
             per_rank = json.load(f)
     console = Console()
     table = Table(title="2 gloo ranks, 1 thread each, 2 stages, 8 microbatches (medians)")
-    for column in ("model", "runtime", "wall / step", "CPU / step (both ranks)", "vs torch"):
+    columns = ("model", "runtime", "wall / step", "CPU / step (both ranks)",
+               "paired ratio to torch (time, CPU)")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     summary = {}
     for name in CASES:
-        medians = {}
+        medians, per_round = {}, {}
         for runtime in ("pdcompile", "torch"):
             first, second = (per_rank[r][name]["times"][runtime] for r in range(2))
             walls = [t[0] for t in first]
             cpus = [a[1] + b[1] for a, b in zip(first, second, strict=True)]
+            per_round[runtime] = (walls, cpus)
             medians[runtime] = (statistics.median(walls), statistics.median(cpus))
+        # each round ran both runtimes back to back: the median of per-round ratios is the
+        # comparison least disturbed by a noisy machine
+        ratios = [
+            statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+            for ours, theirs in zip(per_round["pdcompile"], per_round["torch"], strict=True)
+        ]
         for runtime, (wall, cpu) in medians.items():
-            ratio = wall / medians["torch"][0]
-            table.add_row(name, runtime, f"{wall * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms",
-                          f"{ratio:.2f}x time, {cpu / medians['torch'][1]:.2f}x CPU")  # fmt: skip
+            paired = f"{ratios[0]:.2f}x, {ratios[1]:.2f}x" if runtime == "pdcompile" else "1"
+            table.add_row(name, runtime, f"{wall * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms", paired)
         stages = [per_rank[r][name]["pipedream"] for r in range(2)]
         ideal = 1 / max(s["compute_per_minibatch"] for s in stages)
         achieved = min(s["throughput"] for s in stages)
         summary[name] = {
-            "medians": medians, "pipedream_throughput": achieved, "pipedream_ideal": ideal,
+            "medians": medians, "paired_time_ratio": ratios[0], "paired_cpu_ratio": ratios[1],
+            "pipedream_throughput": achieved, "pipedream_ideal": ideal,
             "pipedream_fraction": achieved / ideal,
         }  # fmt: skip
     console.print(table)

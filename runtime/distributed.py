@@ -152,7 +152,7 @@ class DistributedComm:
             StageCommError: a value does not fit its channel (the receiver is told and raises
                 the same error).
         """
-        lay = wire.layout(channels, rows)
+        lay = wire.layout(tuple(channels), rows)
         buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
         work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag)
@@ -187,7 +187,7 @@ class DistributedComm:
     def _post(
         self, peer: int, key: Key, channels: Sequence[Channel], rows: int
     ) -> tuple[Any, torch.Tensor, wire.Layout, str]:
-        lay = wire.layout(channels, rows)
+        lay = wire.layout(tuple(channels), rows)
         buffer = torch.empty(lay.size, dtype=torch.uint8, device=self.device)
         what = f"receiving {describe_key(key)}"
         work = self._start(dist.irecv, buffer, peer, what, src=peer, tag=message_tag(key))
