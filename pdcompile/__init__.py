@@ -42,6 +42,8 @@ _LAZY = {
     "register_solver": "pdcompile.planning",
     "solvers": "pdcompile.planning",
     "codegen": "pdcompile.stage_codegen",
+    "compile": "pdcompile.compiler",
+    "PipelinedModule": "pdcompile.pipelined_module",
     "StagedProgram": "pdcompile.staged_program",
 }
 _SUBMODULES = ("ir", "zoo", "passes", "runtime")

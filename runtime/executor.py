@@ -35,7 +35,7 @@ class DistributedPipeline(Pipeline):
             module in place, moved to `device`.
         rank: this process's rank.
         schedule, num_microbatches, loss_fn, optimizer, stash, vertical_sync, clip_grad_norm,
-            lr_scheduler: as for `LocalPipeline`.
+            lr_scheduler, autocast: as for `LocalPipeline`.
         device: where this rank computes (`runtime.distributed.init_process_group` returns it).
         timeout_s: how long any wait lasts before `PipelineTimeoutError`.
     """
@@ -55,6 +55,7 @@ class DistributedPipeline(Pipeline):
         vertical_sync: bool = False,
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         layout = program_schedule(program, schedule, num_microbatches, clip_grad_norm is not None)
         groups = {a.group for actions in layout.actions.values() for a in actions if a.group}
@@ -66,7 +67,7 @@ class DistributedPipeline(Pipeline):
         worker = StageWorker(
             program, stage, module, comm, loss_fn=loss_fn, optimizer=optimizer,
             schedule_kind=schedule, stash=stash, vertical_sync=vertical_sync,
-            clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
+            clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler, autocast=autocast,
         )  # fmt: skip
         self.rank, self.device, self.comm, self.steps = rank, device, comm, 0
         super().__init__(program, {rank: worker}, schedule=schedule,
@@ -91,8 +92,9 @@ class DistributedPipeline(Pipeline):
         position: dict[int, int],
         stop: dict[int, int] | None,
     ) -> None:
-        mine = actions[self.rank]
+        mine = actions.get(self.rank, ())
         end = len(mine) if stop is None else stop[self.rank]
+        position.setdefault(self.rank, 0)
         for a in mine[position[self.rank] : end]:  # receives posted early: no sender waits
             if a.kind == "recv":
                 self.worker.expect(a)

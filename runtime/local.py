@@ -12,6 +12,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from pdcompile.errors import ScheduleError
@@ -42,6 +43,7 @@ class LocalPipeline(Pipeline):
         clip_grad_norm: the largest gradient norm: over the whole model for the synchronous
             schedules, per stage for `pipedream`.
         lr_scheduler: a factory `optimizer -> LRScheduler` per rank, stepped after each update.
+        autocast: the dtype of `torch.autocast` around every forward (None: off).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class LocalPipeline(Pipeline):
         vertical_sync: bool = False,
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         mailbox = LocalComm(-1)
         workers: dict[int, StageWorker] = {}
@@ -66,7 +69,7 @@ class LocalPipeline(Pipeline):
                     program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
                     loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule, stash=stash,
                     vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
-                    lr_scheduler=lr_scheduler,
+                    lr_scheduler=lr_scheduler, autocast=autocast,
                 )  # fmt: skip
         super().__init__(program, workers, schedule=schedule, num_microbatches=num_microbatches)
 

@@ -10,28 +10,37 @@ every rank (`_loss`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from pdcompile.runtime.actions import Action, Schedule
-from pdcompile.runtime.schedules import build_schedule
+from pdcompile.runtime.schedules import build_schedule, forward_schedule
 from pdcompile.runtime.validate import validate_schedule
 from pdcompile.runtime.versions import warmup
 from pdcompile.runtime.worker import Batch, StageWorker, split_batch
 from pdcompile.staged_program import StagedProgram
 
 
-def program_schedule(
-    program: StagedProgram, kind: str, num_microbatches: int, clip: bool = False
-) -> Schedule:
-    """The validated schedule of `program` under its plan's ranks."""
+def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:
+    """(source stage, destination stage) -> whether gradients flow back along it."""
     edges: dict[tuple[int, int], bool] = {}
     for c in program.channels:
         pair = (c.src_stage, c.dst_stage)
         edges[pair] = edges.get(pair, False) or (c.kind == "tensor" and c.requires_grad)
+    return edges
+
+
+def program_schedule(
+    program: StagedProgram, kind: str, num_microbatches: int, clip: bool = False
+) -> Schedule:
+    """The validated schedule of `program` under its plan's ranks."""
     ranks = [stage.ranks for stage in program.plan.stages]
     ties = [tie.stages for tie in program.ties]
+    edges = program_edges(program)
     schedule = build_schedule(kind, ranks, edges, num_microbatches, ties, clip)
     validate_schedule(schedule)
     return schedule
@@ -59,6 +68,7 @@ class Pipeline:
         # rank runs to its cut, so this process knows where the other ranks are too)
         self.position = dict.fromkeys(self.schedule.actions, 0)
         self._cached: Schedule | None = None
+        self._forward: Schedule | None = None  # evaluation
         for worker in workers.values():
             worker.begin_stream()
 
@@ -82,6 +92,26 @@ class Pipeline:
             actions = self.schedule.actions
             self._execute(actions, dict.fromkeys(self.workers, 0), None)
         return self._loss(batch, first)
+
+    def eval_step(self, args: Sequence[Any], kwargs: dict | None = None) -> Any:
+        """Forward the batch without gradients (after a flush); returns what the model returns
+        for the whole batch on the first replica of the last stage, None elsewhere."""
+        self.flush()
+        batch = split_batch(args, kwargs or {}, None, self.num_microbatches, weighted=False)
+        if self._forward is None:
+            ranks = [stage.ranks for stage in self.program.plan.stages]
+            self._forward = forward_schedule(ranks, program_edges(self.program), batch.size)
+            validate_schedule(self._forward)
+        with contextlib.ExitStack() as stack:
+            for worker in self.workers.values():
+                stack.enter_context(worker.evaluation())
+                worker.add_microbatches(batch, 0)
+            actions = self._forward.actions
+            self._execute(actions, dict.fromkeys(actions, 0), None)
+            holders = [w for w in self.workers.values() if w.last and w.outputs]
+            if not holders:
+                return None
+            return concat([holders[0].outputs[k] for k in range(self.num_microbatches)])
 
     def flush(self) -> None:
         """Complete every minibatch in flight (`pipedream`; nothing to do for the others)."""
@@ -168,3 +198,17 @@ def _reaches(actions: Sequence[Action], start: int, stop: int, collective: Actio
     return any(
         a.is_collective and a.collective == collective.collective for a in actions[start:stop]
     )
+
+
+def concat(parts: list[Any]) -> Any:
+    """Microbatch outputs joined along dim 0, keeping their structure (tuples, dicts, model
+    output classes); values that are not tensors come from the first microbatch."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else first
+    if isinstance(first, (tuple, list)) and not hasattr(first, "_fields"):
+        return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, dict):
+        joined = {k: concat([p[k] for p in parts]) for k in first}
+        return joined if type(first) is dict else type(first)(**joined)
+    return first

@@ -170,3 +170,22 @@ def _update(
 
 def _comm(kind: str, stage: int, k: int, peer: int, peer_stage: int, stream: str) -> Action:
     return Action(kind, stage, k, peer=peer, peer_stage=peer_stage, stream=stream)
+
+
+def forward_schedule(
+    ranks: Sequence[Sequence[int]], edges: Edges, num_microbatches: int
+) -> Schedule:
+    """Forwards only (evaluation): every microbatch on the first replica of each stage, so the
+    last stage's first replica holds every output; no backwards, no updates."""
+    firsts = tuple((tuple(r)[0],) for r in ranks)
+    actions = {}
+    for stage, (rank,) in enumerate(firsts):
+        into = sorted(src for src, dst in edges if dst == stage)
+        out = sorted(dst for src, dst in edges if src == stage)
+        mine: list[Action] = []
+        for k in range(num_microbatches):
+            mine += [_comm("recv", stage, k, firsts[src][0], src, "act") for src in into]
+            mine.append(Action("F", stage, k))
+            mine += [_comm("send", stage, k, firsts[dst][0], dst, "act") for dst in out]
+        actions[rank] = tuple(mine)
+    return Schedule("forward", num_microbatches, (1,) * len(firsts), firsts, actions)

@@ -10,9 +10,10 @@ the optimizer updates. A version is dropped when no microbatch in flight uses it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,10 @@ class Batch:
     kwargs: list[dict[str, Any]]
     targets: list[Any]
     weights: list[float]  # each microbatch's share of the loss
+
+    @property
+    def size(self) -> int:
+        return len(self.args)
 
     def items(self, first: int) -> dict[int, tuple[tuple, dict[str, Any], Any, float]]:
         """Microbatch index (from `first`) -> (args, kwargs, target, loss weight)."""
@@ -73,6 +78,7 @@ class StageWorker:
         vertical_sync: under `pipedream`, minibatch k runs on `versions.vertical_version`.
         clip_grad_norm: the largest gradient norm (the schedule's `clip` actions apply it).
         lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
+        autocast: run forwards under `torch.autocast` with this dtype (e.g. torch.bfloat16).
     """
 
     def __init__(
@@ -89,6 +95,7 @@ class StageWorker:
         vertical_sync: bool = False,
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.program, self.stage, self.module, self.comm = program, stage, module, comm
         self.last = stage == program.num_stages - 1
@@ -97,6 +104,9 @@ class StageWorker:
         self.optimizer = optimizer(list(self.params.values()))
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.clip_grad_norm = clip_grad_norm
+        self.autocast = autocast
+        self.evaluating = False
+        self.outputs: dict[int, Any] = {}  # evaluation: the last stage's output per microbatch
         self.norm_squares = torch.zeros(1, dtype=torch.float64)  # of the last global clip
         self.kind = schedule_kind
         self.pipedream = schedule_kind == "pipedream"
@@ -208,12 +218,46 @@ class StageWorker:
         k = a.microbatch
         state = self.flight.setdefault(k, _InFlight())
         args, kwargs = self.data[k][:2] if self.stage == 0 else ((), state.inputs)
-        out = self._call(state, args, kwargs)
+        if self.evaluating:
+            with torch.no_grad(), self._autocast():
+                out = self.module(*args, **kwargs)
+            if self.last:
+                self.outputs[k] = out
+            state.outputs = out
+            return
+        with self._autocast():
+            out = self._call(state, args, kwargs)
         if self.last:
             loss = self.loss_fn(out, self.data[k][2])
             self.losses[k] = float(loss.detach())
             state.loss = loss * self.data[k][3]
         state.outputs = out
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision on the forward (weights and stashed versions stay in their dtype)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        device = next(iter(self.params.values()), torch.empty(0)).device
+        return torch.autocast(device.type, dtype=self.autocast)
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Forwards without gradients, leaf modules (BatchNorm, Dropout) in eval mode; the
+        outputs of the last stage land in `outputs`. Branches the capture traced through on
+        `self.training` keep the captured mode (the graph is fixed to it)."""
+        leaves = [m for m in self.module.modules() if m is not self.module]
+        modes = [m.training for m in leaves]
+        self.evaluating, self.outputs = True, {}
+        for m in leaves:
+            m.training = False
+        try:
+            yield
+        finally:
+            for m, mode in zip(leaves, modes, strict=True):
+                m.training = mode
+            self.evaluating = False
+            self.flight.clear()
+            self.data.clear()
 
     def _weights(self, state: _InFlight) -> dict[str, torch.Tensor] | None:
         """The weight copy a microbatch runs on (None: the live weights)."""

@@ -1,0 +1,171 @@
+"""`pdcompile.compile`: any nn.Module to a pipelined one, in one call on every rank.
+
+The lowering, top to bottom:
+1. join the process group (torchrun's variables, or one already initialised), if any;
+2. capture the model (`trace`), the same on every rank;
+3. check a fingerprint of the graph and the call against rank 0's (a rank started with another
+   model, input or option fails here, naming it);
+4. plan (rank 0: costs from `analyze`, then `plan`; or the given `plan=`), and broadcast it;
+5. generate the stage modules (`codegen`);
+6. build the executor: this process's rank over torch.distributed, or, without a process group,
+   every rank of the plan in this process (the local executor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
+from pdcompile.errors import PdcompileError
+from pdcompile.plans import Plan
+
+
+def compile(  # noqa: A001 - the public name API.md gives it
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    cluster: Cluster | str | None = None,
+    schedule: str = "1f1b",
+    num_microbatches: int | None = None,
+    solver: str = "dp",
+    plan: Plan | str | None = None,
+    profile: bool = True,
+    leaf_modules: Sequence[Any] = (),
+    autocast: torch.dtype | None = None,
+    clip_grad_norm: float | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    timeout: float = 300.0,
+    startup_timeout: float = 900.0,
+) -> Any:
+    """Turn `model` into a pipelined module: call it the same way on every rank.
+
+    Args:
+        model: the model, in the mode to train (`model.train()`).
+        example_inputs: one example call's positional inputs (a microbatch or a batch).
+        example_kwargs: its keyword inputs.
+        loss_fn: `loss_fn(output, target) -> scalar`, run on the last stage.
+        optimizer: a factory `params -> torch.optim.Optimizer`, applied to each stage.
+        cluster: the devices (`Cluster` or its text); None: the job's ranks on one level (one
+            device in a single process).
+        schedule: "1f1b" (default: synchronous, equal to single-process gradient
+            accumulation), "gpipe", "pipedream" (asynchronous, weight stashing) or "2bw".
+        num_microbatches: microbatches per `train_step` (default: twice the stages, rounded up
+            to a multiple of every stage's replica count).
+        solver: the partitioning solver (`pdcompile.solvers()`).
+        plan: a Plan (or a saved plan's path): skips profiling and solving.
+        profile: measure node times (False: analytic costs, e.g. for meta-device models).
+        leaf_modules: modules the capture keeps whole (classes or qualified names).
+        autocast: a dtype for `torch.autocast` around every forward (weights stay fp32).
+        clip_grad_norm: the largest gradient norm (global; per stage under `pipedream`).
+        lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
+        timeout: seconds any wait of a training step may last.
+        startup_timeout: seconds the start-up (capture, planning, broadcast) may last.
+
+    Returns:
+        A `PipelinedModule`.
+
+    Raises:
+        PdcompileError: (a subclass saying which phase) the model cannot be captured, no plan
+            fits, the ranks disagree on the model, or the plan needs more ranks than the job.
+    """
+    from pdcompile.analysis import analyze
+    from pdcompile.pipelined_module import PipelinedModule
+    from pdcompile.planning import plan as make_plan
+    from pdcompile.runtime.distributed import init_process_group
+    from pdcompile.runtime.executor import DistributedPipeline
+    from pdcompile.runtime.local import LocalPipeline
+    from pdcompile.stage_codegen import codegen
+    from pdcompile.tracing import trace
+
+    distributed = dist.is_initialized() or {"RANK", "WORLD_SIZE"} <= set(os.environ)
+    rank, world_size, device = 0, 1, _local_device(model)
+    if distributed:
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            device = _local_device(model)
+        else:
+            device = init_process_group(rank, world_size, timeout_s=startup_timeout)
+    inputs = tuple(example_inputs)
+    gm = trace(model, inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules)
+    options = dict(schedule=schedule, num_microbatches=num_microbatches, solver=solver,
+                   profile=profile, cluster=str(cluster), clip=clip_grad_norm)  # fmt: skip
+    if distributed:
+        _check_fingerprints(_fingerprint(gm, options), rank, world_size)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    if plan is None and rank == 0:
+        if isinstance(cluster, str):
+            cluster = Cluster.parse(cluster)
+        cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
+        costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
+        plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
+                         num_microbatches=num_microbatches)  # fmt: skip
+    if distributed:
+        shared = [plan.to_json() if plan is not None else None]
+        dist.broadcast_object_list(shared, src=0)
+        plan = Plan.from_json(shared[0])
+    if distributed and plan.num_devices_used != world_size:
+        raise PdcompileError(
+            f"the plan places its stages on {plan.num_devices_used} devices but the job has "
+            f"{world_size} ranks; start as many ranks as the plan uses (torchrun "
+            f"--nproc_per_node {plan.num_devices_used}) or plan for cluster={world_size}"
+        )
+    microbatches = num_microbatches or _default_microbatches(plan)
+    program = codegen(gm, plan.with_(num_microbatches=microbatches))
+    settings = dict(schedule=schedule, num_microbatches=microbatches, loss_fn=loss_fn,
+                    optimizer=optimizer, clip_grad_norm=clip_grad_norm,
+                    lr_scheduler=lr_scheduler, autocast=autocast)  # fmt: skip
+    if distributed:
+        pipeline = DistributedPipeline(program, rank=rank, device=device, timeout_s=timeout,
+                                       **settings)  # fmt: skip
+    else:
+        pipeline = LocalPipeline(program, **settings)
+    return PipelinedModule(pipeline, rank=rank)
+
+
+def _default_microbatches(plan: Plan) -> int:
+    """Twice the stages, rounded up so that every replica of every stage gets as many."""
+    period = math.lcm(*(s.replicas for s in plan.stages))
+    return -(-2 * plan.num_stages // period) * period
+
+
+def _local_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "meta":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return param.device
+
+
+def _fingerprint(gm: torch.fx.GraphModule, options: dict[str, Any]) -> str:
+    """A digest of what every rank must agree on: the graph's code, its tensors' names, shapes
+    and dtypes, and the options."""
+    digest = hashlib.sha256(gm.code.encode())
+    for name, tensor in [*gm.named_parameters(), *gm.named_buffers()]:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    digest.update(repr(sorted(options.items())).encode())
+    return digest.hexdigest()
+
+
+def _check_fingerprints(mine: str, rank: int, world_size: int) -> None:
+    everyone: list[str | None] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
+    if differ:
+        raise PdcompileError(
+            f"ranks {differ} captured another model or call than rank 0 (graph fingerprint "
+            f"{everyone[differ[0]][:12]} vs {everyone[0][:12]}): every rank must call "
+            "pdcompile.compile with the same model, example inputs and options"
+            + (" (this is one of them)" if rank in differ else "")
+        )

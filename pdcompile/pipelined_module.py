@@ -1,0 +1,139 @@
+"""`PipelinedModule`: what `pdcompile.compile` returns: train, evaluate, inspect, checkpoint."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from pdcompile.plans import Plan
+from pdcompile.runtime.pipeline import Pipeline
+from pdcompile.runtime.versions import version as pipedream_version
+from pdcompile.text import human_bytes, human_seconds
+
+MEANING = {
+    "1f1b": "synchronous (PipeDream-Flush): gradients of all microbatches are accumulated, each "
+    "weighted by its share of the batch, and every stage updates once per step: exactly "
+    "single-process gradient accumulation; the pipeline drains at every step (a bubble).",
+    "gpipe": "synchronous: all forwards, then all backwards, one update per step; the same "
+    "optimisation as 1f1b with more activations in flight.",
+    "pipedream": "asynchronous: every microbatch is a minibatch with its own update; stage s "
+    "computes minibatch k on weights v(k, s) updates old (weight stashing keeps forward and "
+    "backward on the same version), so later stages see fresher weights than earlier ones: "
+    "staleness of up to the pipeline depth, no bubble. Minibatches stay in flight across "
+    "train_step calls until flush().",
+    "2bw": "PipeDream-2BW: one update per step from the gradient computed on the weights "
+    "before the previous update (one step stale), two weight versions, no flush.",
+}
+_KEEP_STEPS = 1000  # measured steps kept for explain()
+
+
+class PipelinedModule:
+    """A model cut into pipeline stages, trained by the ranks of a job (or all in this process).
+
+    Every rank calls `train_step` with the same global batch; stage 0 uses the inputs, the last
+    stage the targets; every rank gets the loss back.
+    """
+
+    def __init__(self, pipeline: Pipeline, *, rank: int) -> None:
+        self.pipeline = pipeline
+        self.rank = rank
+        self.steps = 0
+        self._measured: deque[tuple[float, int]] = deque(maxlen=_KEEP_STEPS)  # seconds, rows
+        for worker in pipeline.workers.values():
+            worker.timeline = []
+
+    @property
+    def plan(self) -> Plan:
+        return self.pipeline.program.plan
+
+    @property
+    def stage(self) -> int | None:
+        """This rank's stage (None in a single process, which runs every stage)."""
+        stages = {w.stage for w in self.pipeline.workers.values()}
+        return stages.pop() if len(stages) == 1 else None
+
+    def train_step(self, inputs: Any, targets: Any, kwargs: dict | None = None) -> float:
+        """One step on a batch (a tensor or a tuple of positional inputs); returns the loss."""
+        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        start = time.perf_counter()
+        loss = self.pipeline.train_step(args, targets, kwargs)
+        rows = next(a.shape[0] for a in [*args, *(kwargs or {}).values()] if hasattr(a, "shape"))
+        self._measured.append((time.perf_counter() - start, rows))
+        self.steps += 1
+        for worker in self.pipeline.workers.values():  # bounded memory
+            del worker.timeline[: -50 * _KEEP_STEPS]
+        return loss
+
+    def eval_step(self, inputs: Any, kwargs: dict | None = None) -> Any:
+        """The model's outputs for a batch, without gradients (flushes first); on the rank
+        holding the last stage's first replica, None on the others."""
+        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        return self.pipeline.eval_step(args, kwargs)
+
+    def flush(self) -> None:
+        """Complete the minibatches in flight (`pipedream`)."""
+        self.pipeline.flush()
+
+    def version(self, stage: int, minibatch: int) -> int:
+        """The number of updates of `stage` in the weights minibatch `minibatch` (counted from
+        the last flush for `pipedream`, over the whole run otherwise) runs on."""
+        replicas = [s.replicas for s in self.plan.stages]
+        if self.pipeline.kind == "pipedream":
+            return pipedream_version(replicas, stage, minibatch)
+        step = minibatch // self.pipeline.num_microbatches
+        return max(0, step - 1) if self.pipeline.kind == "2bw" else step
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's slice of the original model's state dict (original names; every
+        stage in a single process). Flushes first."""
+        self.flush()
+        state: dict[str, torch.Tensor] = {}
+        for worker in self.pipeline.workers.values():
+            for name, tensor in worker.module.state_dict().items():
+                state.setdefault(name, tensor)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load this process's slice from a state dict of the original model (strict: every
+        tensor the stage holds must be there)."""
+        self.flush()
+        for worker in self.pipeline.workers.values():
+            names = worker.module.state_dict().keys()
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise KeyError(f"stage {worker.stage} needs {missing[:5]} (of {len(missing)})")
+            worker.module.load_state_dict({n: state[n] for n in names})
+
+    def explain(self) -> str:
+        """The plan, what the schedule means for the optimisation, and measured against
+        predicted time per stage so far."""
+        kind = self.pipeline.kind
+        lines = [str(self.plan), "", f"schedule {kind}: {MEANING.get(kind, '')}", ""]
+        if self._measured:
+            seconds = sorted(s for s, _ in self._measured)[len(self._measured) // 2]
+            rows = sum(r for _, r in self._measured) / len(self._measured)
+            lines.append(
+                f"measured over {len(self._measured)} steps: median {human_seconds(seconds)} "
+                f"per step, {rows / seconds:.1f} samples/s"
+            )
+        for rank, worker in sorted(self.pipeline.workers.items()):
+            busy = sum(e[3] - e[2] for e in worker.timeline if e[0] in ("F", "B"))
+            span = worker.timeline[-1][3] - worker.timeline[0][2] if worker.timeline else 0.0
+            microbatches = sum(1 for e in worker.timeline if e[0] == "B")
+            predicted = self.plan.stages[worker.stage]
+            memory = (
+                human_bytes(torch.cuda.max_memory_allocated())
+                if torch.cuda.is_available()
+                else f"{human_bytes(predicted.memory_bytes)} (predicted)"
+            )
+            per = human_seconds(busy / microbatches) if microbatches else "-"
+            lines.append(
+                f"rank {rank} (stage {worker.stage}): forward+backward {per}/microbatch "
+                f"(predicted {human_seconds(predicted.forward_s + predicted.backward_s)}/"
+                f"minibatch of {self.plan.microbatch_size or 'the profiled'} rows), bubble "
+                f"{1 - busy / span if span else 0:.0%}, peak memory {memory}"
+            )
+        return "\n".join(lines)

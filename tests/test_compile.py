@@ -1,0 +1,127 @@
+"""`pdcompile.compile` end to end: in one process (the local executor) and on spawned gloo ranks
+(the process group already initialised, as under torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from pipeline_support import (
+    CASES,
+    OPTIMIZERS,
+    accumulate_reference,
+    mlp_case,
+    pipedream_reference,
+)
+from spawn import run_ranks
+
+import pdcompile
+from pdcompile import zoo
+from pdcompile.errors import PdcompileError
+from pdcompile.runtime.distributed import init_process_group
+
+SGD = OPTIMIZERS["sgd"]
+
+
+def test_compile_in_one_process_trains_like_gradient_accumulation() -> None:
+    model, x, y, loss_fn = mlp_case()
+    pipe = pdcompile.compile(
+        model, (x,), loss_fn=loss_fn, optimizer=SGD, cluster="4", solver="uniform",
+        profile=False,
+    )  # fmt: skip
+    assert pipe.plan.num_stages == 4 and pipe.stage is None
+    losses = [pipe.train_step(x, y) for _ in range(3)]
+    ref, ref_loss = accumulate_reference(
+        model, x, y, loss_fn, SGD, pipe.pipeline.num_microbatches, 3
+    )
+    state = pipe.state_dict()
+    assert state.keys() == ref.state_dict().keys()
+    for name, tensor in ref.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, msg=name)
+    assert losses[-1] == pytest.approx(ref_loss, rel=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.eval_step(x), ref(x))
+    text = pipe.explain()
+    assert "schedule 1f1b: synchronous" in text and "rank 3 (stage 3)" in text
+    assert pipe.version(2, 9) == 9 // pipe.pipeline.num_microbatches
+
+
+def _train(rank: int, world_size: int, init_file: str, case: str, schedule: str) -> dict:
+    init_process_group(rank, world_size, init_file=init_file, timeout_s=120)
+    model, x, y, loss_fn = CASES[case]()
+    pipe = pdcompile.compile(
+        model, (x,), loss_fn=loss_fn, optimizer=SGD, schedule=schedule, solver="uniform",
+        profile=False,
+    )  # fmt: skip
+    losses = [pipe.train_step(x, y) for _ in range(3)]
+    outputs = pipe.eval_step(x)
+    result = {"state": pipe.state_dict(), "losses": losses, "plan": pipe.plan.to_json(),
+              "stage": pipe.stage, "outputs": outputs}  # fmt: skip
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.mark.parametrize(
+    ("world_size", "case", "schedule"),
+    [(2, "gpt", "1f1b"), (3, "mlp", "pipedream")],
+    ids=["2-gpt-1f1b", "3-mlp-pipedream"],
+)
+def test_compile_on_ranks_matches_the_runtime_semantics(world_size, case, schedule) -> None:
+    results = run_ranks(_train, world_size, case, schedule, timeout_s=240)
+    assert [r["stage"] for r in results] == list(range(world_size))
+    assert all(r["losses"] == results[0]["losses"] for r in results)  # every rank gets the loss
+    model, x, y, loss_fn = CASES[case]()
+    plan = pdcompile.Plan.from_json(results[0]["plan"])
+    m = plan.num_microbatches
+    if schedule == "pipedream":
+        local = pdcompile.compile(model, (x,), loss_fn=loss_fn, optimizer=SGD, plan=plan,
+                                  schedule=schedule)  # fmt: skip
+        stages = pipedream_reference(local.pipeline.program, x, y, loss_fn, SGD, m, 3)
+        reference = {n: t for st in stages for n, t in st.state_dict().items()}
+    else:
+        ref, _ = accumulate_reference(model, x, y, loss_fn, SGD, m, 3)
+        reference = ref.state_dict()
+    for r in results:
+        for name, tensor in r["state"].items():
+            torch.testing.assert_close(tensor, reference[name], msg=f"{case} rank {r}: {name}")
+    merged = {n for r in results for n in r["state"]}
+    assert merged == set(reference)
+    assert results[-1]["outputs"] is not None and results[0]["outputs"] is None
+
+
+def _mismatched(rank: int, world_size: int, init_file: str) -> str:
+    init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
+    torch.manual_seed(0)
+    model = zoo.MLP(d_hidden=64 if rank == 0 else 48, p=0.0)
+    x = torch.randn(8, 32)
+    try:
+        pdcompile.compile(model, (x,), loss_fn=torch.nn.functional.cross_entropy,
+                          optimizer=SGD, profile=False)  # fmt: skip
+    except PdcompileError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_with_another_model_fails_the_fingerprint_check() -> None:
+    messages = run_ranks(_mismatched, 2, timeout_s=120)
+    assert all("ranks [1] captured another model or call than rank 0" in m for m in messages)
+    assert "this is one of them" in messages[1] and "this is one of them" not in messages[0]
+
+
+def test_a_plan_for_more_devices_than_ranks_is_refused() -> None:
+    model, x, y, loss_fn = mlp_case()
+    plan = pdcompile.compile(model, (x,), loss_fn=loss_fn, optimizer=SGD, cluster="3",
+                             solver="uniform", profile=False).plan  # fmt: skip
+    results = run_ranks(_with_plan, 2, plan.to_json(), timeout_s=120)
+    assert all("places its stages on 3 devices but the job has 2 ranks" in m for m in results)
+
+
+def _with_plan(rank: int, world_size: int, init_file: str, plan_json: str) -> str:
+    init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
+    model, x, y, loss_fn = mlp_case()
+    try:
+        pdcompile.compile(model, (x,), loss_fn=loss_fn, optimizer=SGD,
+                          plan=pdcompile.Plan.from_json(plan_json))  # fmt: skip
+    except PdcompileError as exc:
+        return str(exc)
+    return "no error"
