@@ -95,7 +95,10 @@ def analyze(
         (4, 12)
     """
     inputs = graph_inputs(gm, example_inputs, example_kwargs)
+    on_meta = any(p.device.type == "meta" for p in gm.parameters())
     target = torch.device(device) if device is not None else next(iter(inputs.values())).device
+    if on_meta and device is None:
+        target = torch.device("meta")  # weights without values: the inputs join them there
     if profile and target.type == "meta":
         raise CostError("a model on the meta device cannot be profiled; pass profile=False")
     if any(t.device != target for t in [*inputs.values(), *gm.parameters()]):

@@ -47,6 +47,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     timeout: float = 300.0,
     startup_timeout: float = 900.0,
+    weights: Callable[[], dict[str, torch.Tensor]] | str | None = None,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -71,6 +72,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
         timeout: seconds any wait of a training step may last.
         startup_timeout: seconds the start-up (capture, planning, broadcast) may last.
+        weights: for a model on the meta device: a function returning its state dict, or a
+            checkpoint directory; each rank materialises only its own stage's tensors.
 
     Returns:
         A `PipelinedModule`.
@@ -98,6 +101,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
         else:
             device = init_process_group(rank, world_size, timeout_s=startup_timeout)
     inputs = tuple(example_inputs)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        # a model without values: capture and cost it on the meta device too
+        inputs, example_kwargs = _to_meta(inputs), _to_meta(example_kwargs)
     gm = trace(model, inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules)
     options = dict(schedule=schedule, num_microbatches=num_microbatches, solver=solver,
                    profile=profile, cluster=str(cluster), clip=clip_grad_norm)  # fmt: skip
@@ -124,6 +130,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
         )
     microbatches = num_microbatches or _default_microbatches(plan)
     program = codegen(gm, plan.with_(num_microbatches=microbatches))
+    if any(t.is_meta for t in [*gm.parameters(), *gm.buffers()]):
+        mine = [s.index for s in plan.stages if not distributed or rank in s.ranks]
+        _materialize([program.stages[i] for i in mine], device, weights)
     settings = dict(schedule=schedule, num_microbatches=microbatches, loss_fn=loss_fn,
                     optimizer=optimizer, clip_grad_norm=clip_grad_norm,
                     lr_scheduler=lr_scheduler, autocast=autocast)  # fmt: skip
@@ -133,6 +142,54 @@ def compile(  # noqa: A001 - the public name API.md gives it
     else:
         pipeline = LocalPipeline(program, **settings)
     return PipelinedModule(pipeline, rank=rank)
+
+
+def _materialize(
+    stages: list[nn.Module],
+    device: torch.device,
+    weights: Callable[[], dict[str, torch.Tensor]] | str | None,
+) -> None:
+    """Give the stages this process runs real tensors on `device`, filled from `weights`
+    (the other stages stay on the meta device: nothing of them is allocated here)."""
+    if weights is None:
+        raise PdcompileError(
+            "the model is on the meta device: pass weights= (a function returning its state "
+            "dict, or a checkpoint directory) so that each rank can fill its own stage"
+        )
+    if isinstance(weights, str):
+        from pdcompile.runtime.checkpoint import load_full_state_dict
+
+        state = load_full_state_dict(weights)
+    else:
+        state = weights()
+    for stage in stages:
+        aliases: dict[int, list[str]] = {}
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
+        stage.to_empty(device=device)
+        for names in aliases.values():  # one tensor under all its names, as before
+            first = stage.get_parameter(names[0])
+            for name in names[1:]:
+                owner, _, attr = name.rpartition(".")
+                setattr(stage.get_submodule(owner), attr, first)
+        needed = stage.state_dict().keys()
+        missing = [n for n in needed if n not in state]
+        if missing:
+            raise PdcompileError(
+                f"weights= lacks {len(missing)} tensors the stage needs, e.g. {missing[:3]}; "
+                "give the whole model's state dict (original names)"
+            )
+        stage.load_state_dict({n: state[n] for n in needed})
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
 
 
 def _default_microbatches(plan: Plan) -> int:

@@ -180,8 +180,9 @@ def _complete_state(gm: fx.GraphModule, model: nn.Module) -> None:
 
 def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, capture: str) -> None:
     """Compare the graph's outputs with the model's on the example (same RNG, state restored)."""
-    if any(t.device.type == "meta" for t in inputs.tensors.values()):
-        return
+    tensors = [*inputs.tensors.values(), *model.parameters(), *model.buffers()]
+    if any(t.device.type == "meta" for t in tensors):
+        return  # nothing to compare: a meta model has shapes, not values
     args, kwargs = inputs.call(inputs.tensors)
     with preserved_state(model), preserved_state(gm), torch.enable_grad():
         torch.manual_seed(0)

@@ -125,3 +125,40 @@ def _with_plan(rank: int, world_size: int, init_file: str, plan_json: str) -> st
     except PdcompileError as exc:
         return str(exc)
     return "no error"
+
+
+def _meta(rank: int, world_size: int, init_file: str) -> dict:
+    init_process_group(rank, world_size, init_file=init_file, timeout_s=120)
+    real, x, y, loss_fn = CASES["gpt"]()
+    with torch.device("meta"):
+        model = zoo.GPT(zoo.GPTConfig(dropout=0.0, n_layer=2)).train()
+    pipe = pdcompile.compile(
+        model, (x,), loss_fn=loss_fn, optimizer=SGD, solver="uniform", profile=False,
+        weights=real.state_dict,
+    )  # fmt: skip
+    stages = pipe.pipeline.program.stages
+    on_meta = [any(t.is_meta for t in s.state_dict().values()) for s in stages]
+    losses = [pipe.train_step(x, y) for _ in range(3)]
+    result = {"on_meta": on_meta, "state": pipe.state_dict(), "losses": losses}
+    dist.destroy_process_group()
+    return result
+
+
+def test_a_meta_model_materialises_only_each_ranks_own_stage() -> None:
+    results = run_ranks(_meta, 2, timeout_s=180)
+    assert [r["on_meta"] for r in results] == [[False, True], [True, False]]
+    model, x, y, loss_fn = CASES["gpt"]()
+    ref, _ = accumulate_reference(model, x, y, loss_fn, SGD, 4, 3)  # 2 stages: 4 microbatches
+    reference = ref.state_dict()
+    for r in results:
+        for name, tensor in r["state"].items():
+            torch.testing.assert_close(tensor, reference[name], msg=name)
+
+
+def test_a_meta_model_without_weights_is_refused() -> None:
+    with torch.device("meta"):
+        model = zoo.MLP(p=0.0)
+    x = torch.randn(8, 32)
+    with pytest.raises(PdcompileError, match="the model is on the meta device: pass weights="):
+        pdcompile.compile(model, (x,), loss_fn=torch.nn.functional.cross_entropy, optimizer=SGD,
+                          cluster="2", profile=False)  # fmt: skip
