@@ -162,3 +162,30 @@ def test_a_meta_model_without_weights_is_refused() -> None:
     with pytest.raises(PdcompileError, match="the model is on the meta device: pass weights="):
         pdcompile.compile(model, (x,), loss_fn=torch.nn.functional.cross_entropy, optimizer=SGD,
                           cluster="2", profile=False)  # fmt: skip
+
+
+def _hf(rank: int, world_size: int, init_file: str) -> dict:
+    import torch.nn.functional as F
+
+    init_process_group(rank, world_size, init_file=init_file, timeout_s=180)
+    losses = {}
+    for name in ("hf_gpt2", "hf_llama"):
+        model, _, _ = getattr(zoo, name)()
+        ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+        targets = torch.roll(ids, -1, dims=1)
+        pipe = pdcompile.compile(
+            model, (), example_kwargs={"input_ids": ids},
+            loss_fn=lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten()),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), solver="uniform", profile=False,
+        )  # fmt: skip
+        losses[name] = [pipe.train_step((), targets, {"input_ids": ids}) for _ in range(4)]
+    dist.destroy_process_group()
+    return losses
+
+
+def test_compile_trains_hugging_face_gpt2_and_llama_on_two_ranks() -> None:
+    pytest.importorskip("transformers")
+    results = run_ranks(_hf, 2, timeout_s=300)
+    for name, losses in results[0].items():
+        assert losses == results[1][name]
+        assert losses[-1] < losses[0] - 0.3, (name, losses)  # the loss falls
