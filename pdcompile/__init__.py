@@ -45,6 +45,7 @@ _LAZY = {
     "compile": "pdcompile.compiler",
     "PipelinedModule": "pdcompile.pipelined_module",
     "StagedProgram": "pdcompile.staged_program",
+    "load_full_state_dict": "pdcompile.runtime.checkpoint",
 }
 _SUBMODULES = ("ir", "zoo", "passes", "runtime")
 
@@ -70,6 +71,7 @@ __all__ = [
     "codegen",
     "evaluate",
     "ir",
+    "load_full_state_dict",
     "plan",
     "register_solver",
     "solvers",

@@ -17,6 +17,7 @@ _LAZY = {
     "version": "pdcompile.runtime.versions",
     "vertical_version": "pdcompile.runtime.versions",
     "warmup": "pdcompile.runtime.versions",
+    "load_full_state_dict": "pdcompile.runtime.checkpoint",
 }
 
 __all__ = sorted(_LAZY)

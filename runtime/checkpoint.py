@@ -1,0 +1,427 @@
+"""Checkpoints of a pipelined run: each rank saves and loads its stage by name, with DCP.
+
+A rank's stage module holds parameters and buffers under the original model's names, so a
+checkpoint is one flat, name-keyed dictionary of tensors written by `torch.distributed.checkpoint`
+(DCP). Any plan or world size loads it (each rank reads the names it holds: resharding), and one
+process reads the whole model back (`load_full_state_dict`). Keys (see docs/checkpoints.md):
+
+    pdcompile/format            int64 [format version, saving world size]
+    model/<name>                the stage modules' state dicts, tied aliases under every name
+    optim/<name>/tensor/<key>   the parameter's optimizer state (exp_avg, momentum_buffer, step)
+    optim/<name>/scalar/<key>   ... a Python number in that state, as a 0-d tensor
+    optim/<name>/hyper/<key>    its param group's numeric hyperparameters (lr, betas, ...)
+    extra/<rank>/tensor/<key>   each rank's `extra`: tensors,
+    extra/<rank>/scalar/<key>   ... and Python numbers
+
+A key held by several ranks (replicas, tied copies) is written once: DCP deduplicates a key saved
+by several ranks (one of them writes it, balancing bytes per rank); `save` first checks the copies
+agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from pdcompile.errors import CheckpointError
+
+__all__ = ["load", "load_full_state_dict", "rng_state", "save", "set_rng_state"]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_FORMAT = "pdcompile/format"
+_NUMBERS = (bool, int, float)
+# param group entries kept from the loading optimizer: how it runs, not what it computes
+_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
+PathLike = str | os.PathLike
+
+
+def save(
+    directory: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Mapping[str, Any],
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write this rank's stage (module, optimizer, `extra`) into the checkpoint `directory`.
+
+    Every rank calls it: a collective when a process group is initialised, else a local save.
+
+    Args:
+        directory: a folder every rank sees (created if needed; a checkpoint there is replaced).
+        model: this rank's stage module, under the original model's names.
+        optimizer: its optimizer (state saved by parameter name), or None.
+        extra: this rank's small metadata, kept per rank: tensors or Python bool, int, float
+            values, e.g. `{"step": 100, **rng_state()}`.
+
+    Raises:
+        CheckpointError: on every rank, when a value in `extra` or the optimizer state is not a
+            tensor or a number, when ranks hold a name with different shapes or values, or when
+            the write fails.
+    """
+    rank, world_size = _rank_and_size(process_group)
+    path = os.fspath(directory)
+    items: dict[str, torch.Tensor] = {_FORMAT: torch.tensor([FORMAT_VERSION, world_size])}
+    items.update({f"model/{k}": v for k, v in model.state_dict(keep_vars=False).items()})
+    problems = [] if optimizer is None else _optimizer_items(model, optimizer, items)
+    for key, value in extra.items():
+        problems += _encode(f"extra/{rank}/", str(key), value, items, f"extra[{key!r}]")
+    _agree(items, problems, path, process_group)
+    with _dcp(path, rank, writing=True):
+        dcp.save(items, checkpoint_id=path, process_group=process_group, no_dist=_local())
+    log.info("rank %d: saved %d entries to %s", rank, len(items), path)
+
+
+def load(
+    directory: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Load, in place, the names this rank's module holds from a checkpoint saved by any plan.
+
+    Every rank calls it (a collective when a process group is initialised). Parameters and
+    buffers are copied in (converted to the module's dtypes); the optimizer gets the state and
+    numeric hyperparameters (lr, betas, ...) saved under its parameters' names.
+
+    Args:
+        directory: a folder written by `save`, under any plan or world size.
+        model: this rank's stage module, under the original model's names (not on `meta`).
+        optimizer: its optimizer, built over the module's parameters, or None.
+
+    Returns:
+        the `extra` this rank saved when as many ranks saved as load; otherwise (the world size
+        changed) saved rank 0's `extra` on every rank, with a warning logged: its step count
+        holds, its RNG states are rank 0's.
+
+    Raises:
+        CheckpointError: on every rank, when `directory` is not a pdcompile checkpoint, or lacks
+            a name (or its optimizer state) that some rank holds, or has it in another shape.
+    """
+    rank, world_size = _rank_and_size(process_group)
+    path, problems, reads, chosen = os.fspath(directory), [], {}, []
+    try:
+        metadata, saved_world_size = _open(path)
+    except CheckpointError as exc:  # raised below, on every rank at once
+        metadata, saved_world_size = None, world_size
+        problems.append(str(exc).removeprefix(f"checkpoint {path}: "))
+    source = rank if saved_world_size == world_size else 0
+    module_state = model.state_dict(keep_vars=False)
+    if metadata is not None:
+        entries = metadata.state_dict_metadata
+        for name, tensor in module_state.items():
+            entry = entries.get(f"model/{name}")
+            if not isinstance(entry, TensorStorageMetadata):
+                problems.append(
+                    f"no {name!r}, which rank {rank}'s module holds: the checkpoint is of another "
+                    f"model (compare its names: load_full_state_dict({path!r}).keys())"
+                )
+            elif entry.size != tensor.shape:
+                problems.append(
+                    f"{name!r} is {list(entry.size)} in the checkpoint but {list(tensor.shape)} "
+                    f"in rank {rank}'s module: build the model with its saved configuration"
+                )
+            elif tensor.is_meta:
+                problems.append(
+                    f"{name!r} is on the meta device in rank {rank}'s module: "
+                    "materialise it first (module.to_empty(device=...))"
+                )
+            reads[f"model/{name}"] = tensor
+        if optimizer is not None:
+            chosen = _optimizer_reads(model, optimizer, metadata, reads, problems)
+        reads.update({k: _empty(metadata, k) for k in entries if k.startswith(f"extra/{source}/")})
+    _agree({}, problems, path, process_group)
+    with _dcp(path, rank):
+        dcp.load(reads, checkpoint_id=path, process_group=process_group, no_dist=_local())
+    model.load_state_dict(module_state, strict=True)  # the modules' own load hooks run
+    if optimizer is not None:
+        _restore_optimizer(optimizer, chosen, reads, path)
+    if source != rank:
+        log.warning(
+            "rank %d: %s was saved by %d ranks: returning saved rank 0's extra",
+            rank,
+            path,
+            saved_world_size,
+        )
+    extra = {}
+    for key, value in reads.items():
+        if key.startswith(f"extra/{source}/"):
+            _, _, kind, name = key.split("/", 3)
+            extra[name] = value if kind == "tensor" else value.item()
+    return extra
+
+
+def load_full_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
+    """The original model's whole state dict (every name, tied aliases included), on the CPU.
+
+    For plain PyTorch, in one process (no process group needed).
+
+    Raises:
+        CheckpointError: `directory` is not a pdcompile checkpoint, or cannot be read whole.
+
+    Example:
+        >>> model.load_state_dict(pdcompile.load_full_state_dict("ckpt/100"), strict=True)
+        <All keys matched successfully>
+    """
+    path = os.fspath(directory)
+    metadata, _ = _open(path)
+    state = {k: _empty(metadata, k) for k in metadata.state_dict_metadata if k.startswith("model/")}
+    with _dcp(path, 0):
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {key.removeprefix("model/"): tensor for key, tensor in state.items()}
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's torch generator states as tensors for `extra`: `rng/cpu`, `rng/cuda/<i>`."""
+    states = {"rng/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.update({f"rng/cuda/{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return states
+
+
+def set_rng_state(states: Mapping[str, Any]) -> None:
+    """Restore the generators from what `rng_state` returned; other keys are ignored."""
+    if "rng/cpu" in states:
+        torch.set_rng_state(states["rng/cpu"])
+    cuda = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in states.items() if "rng/cuda/" in k)
+    if cuda:
+        torch.cuda.set_rng_state_all([state for _, state in cuda])
+
+
+def _optimizer_items(
+    model: nn.Module, optimizer: torch.optim.Optimizer, items: dict[str, torch.Tensor]
+) -> list[str]:
+    """Add the optimizer's state and hyperparameters under every name of each parameter."""
+    names, problems = _param_names(model), []
+    for group in optimizer.param_groups:
+        hyper = {k: _hyper(v) for k, v in group.items() if k not in _OPTIONS}
+        for param in group["params"]:
+            if id(param) not in names:
+                problems.append(
+                    f"the optimizer holds a {list(param.shape)} parameter that the "
+                    "module does not: build it from the module's parameters"
+                )
+            for name in names.get(id(param), []):
+                items.update(
+                    {f"optim/{name}/hyper/{k}": v for k, v in hyper.items() if v is not None}
+                )
+                for key, value in optimizer.state.get(param, {}).items():
+                    if value is not None:  # e.g. SGD's momentum_buffer before its first step
+                        what = f"optimizer state {key!r} of {name!r}"
+                        problems += _encode(f"optim/{name}/", key, value, items, what)
+    return problems
+
+
+def _optimizer_reads(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    metadata: Metadata,
+    reads: dict[str, torch.Tensor],
+    problems: list[str],
+) -> list[str | None]:
+    """Add the optimizer's entries to `reads`; per parameter (state_dict order), the name used."""
+    by_name: dict[str, list[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith("optim/"):
+            by_name.setdefault(key[len("optim/") :].rsplit("/", 2)[0], []).append(key)
+    names, chosen = _param_names(model), []
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        aliases = names.get(id(param), [])
+        chosen.append(next((n for n in aliases if n in by_name), None))
+        if chosen[-1] is None:
+            problems.append(
+                f"no optimizer state for parameter {aliases or list(param.shape)}: "
+                "it was saved without an optimizer, or from another model"
+            )
+        reads.update({key: _empty(metadata, key) for key in by_name.get(chosen[-1] or "", [])})
+    return chosen
+
+
+def _restore_optimizer(
+    optimizer: torch.optim.Optimizer, chosen: list[str | None], reads: dict, path: str
+) -> None:
+    """Hand what `_optimizer_reads` read to `optimizer.load_state_dict` (its device rules)."""
+    by_name: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
+    for key, value in reads.items():
+        if key.startswith("optim/"):
+            name, kind, entry = key[len("optim/") :].rsplit("/", 2)
+            by_name.setdefault(name, []).append((kind, entry, value))
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    for group in optimizer.state_dict()["param_groups"]:
+        group, saved = dict(group), {}
+        for index in group["params"]:
+            for kind, entry, value in by_name.get(chosen[index] or "", []):
+                if kind != "hyper":
+                    state.setdefault(index, {})[entry] = value if kind == "tensor" else value.item()
+                elif entry in saved and not torch.equal(saved[entry][1], value):
+                    raise CheckpointError(
+                        f"checkpoint {path}: {saved[entry][0]!r} and {chosen[index]!r} were saved "
+                        f"with {entry} {saved[entry][1].tolist()} and {value.tolist()} but share "
+                        "a param group here: give them separate param groups"
+                    )
+                elif entry in group:
+                    saved[entry] = (chosen[index], value)
+        group.update({entry: _like(group[entry], value) for entry, (_, value) in saved.items()})
+        groups.append(group)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _agree(items: dict[str, torch.Tensor], problems: list[str], path: str, group: Any) -> None:
+    """Raise on every rank when any rank has a problem, or ranks hold a key with other values.
+
+    Two gathers: every rank's problems and keys, then fingerprints of the keys several hold.
+    """
+    if _local():
+        return _raise(problems, path)
+    held = {key: (tuple(t.shape), str(t.dtype)) for key, t in items.items()}
+    gathered = _gather((problems, held), group)
+    _raise([f"rank {r}: {p}" for r, (own, _) in enumerate(gathered) for p in own], path)
+    holders: dict[str, list[int]] = {}
+    for rank, (_, keys) in enumerate(gathered):
+        for key in keys:
+            holders.setdefault(key, []).append(rank)
+    shared = [key for key, ranks in holders.items() if len(ranks) > 1]
+    mine = {k: repr((*held[k], *_fingerprint(items[k]))) for k in shared if k in items}
+    prints = _gather(mine, group) if shared else []  # repr: NaN matches NaN
+    for key in shared:
+        ranks = holders[key]
+        if differ := [r for r in ranks if prints[r][key] != prints[ranks[0]][key]]:
+            problems.append(
+                f"{key} differs between rank {ranks[0]} and ranks {differ} (shape, dtype or "
+                "values): replicas and tied copies must agree when saved (flush first)"
+            )
+    _raise(problems, path)
+
+
+def _fingerprint(tensor: torch.Tensor) -> list[float]:
+    """The sum and a position-weighted sum in float64: equal for equal tensors."""
+    x = tensor.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+    return torch.stack([x.sum(), (x * weights).sum()]).tolist()
+
+
+def _open(path: str) -> tuple[Metadata, int]:
+    """The DCP metadata and saving world size of a pdcompile checkpoint."""
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: not a checkpoint: no readable .metadata file "
+            f"({type(exc).__name__}); the path is wrong or a save did not finish"
+        ) from exc
+    entry = metadata.state_dict_metadata.get(_FORMAT)
+    if not isinstance(entry, TensorStorageMetadata) or entry.size != (2,):
+        raise CheckpointError(
+            f"checkpoint {path}: a torch.distributed.checkpoint directory but not a pdcompile "
+            f"checkpoint (no {_FORMAT!r} entry): read it with torch.distributed.checkpoint.load"
+        )
+    mark = {_FORMAT: _empty(metadata, _FORMAT)}
+    with _dcp(path, 0):
+        dcp.load(mark, checkpoint_id=path, no_dist=True)
+    version, world_size = mark[_FORMAT].tolist()
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path}: format {version} is newer than this "
+            f"pdcompile's ({FORMAT_VERSION}): upgrade pdcompile"
+        )
+    return metadata, world_size
+
+
+def _encode(prefix: str, key: str, value: Any, items: dict, what: str) -> list[str]:
+    """Add a tensor or a Python number (as a tensor, remembered as one) to `items`."""
+    if isinstance(value, torch.Tensor):
+        items[f"{prefix}tensor/{key}"] = value.detach()
+    elif isinstance(value, _NUMBERS):
+        items[f"{prefix}scalar/{key}"] = _hyper(value)
+    else:
+        return [
+            f"{what} is a {type(value).__name__}; checkpoints hold tensors and Python bool, "
+            "int, float values: convert it to a tensor"
+        ]
+    return []
+
+
+def _hyper(value: Any) -> torch.Tensor | None:
+    """A number, tuple of numbers or tensor as a tensor (float64 keeps a float exact), or None."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, bool):
+        return torch.tensor(value)
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    numbers = isinstance(value, tuple | list) and all(isinstance(v, _NUMBERS) for v in value)
+    ok = isinstance(value, float) or (numbers and len(value) > 0)
+    return torch.tensor(value, dtype=torch.float64) if ok else None  # None, str: loader's own
+
+
+def _like(current: Any, value: torch.Tensor) -> Any:
+    """A saved hyperparameter as a tensor or sequence like the loader's value, else a number."""
+    if isinstance(current, torch.Tensor):
+        return value.to(dtype=current.dtype, device=current.device)
+    return type(current)(value.tolist()) if isinstance(current, tuple | list) else value.item()
+
+
+def _empty(metadata: Metadata, key: str) -> torch.Tensor:
+    entry = metadata.state_dict_metadata[key]
+    assert isinstance(entry, TensorStorageMetadata), key
+    return torch.empty(entry.size, dtype=entry.properties.dtype)
+
+
+def _param_names(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def _raise(problems: list[str], path: str) -> None:
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems[:5]) + more)
+
+
+def _local() -> bool:
+    """No process group: save and load are local (DCP's `no_dist`)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    return (0, 1) if _local() else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def _gather(value: Any, group: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+@contextlib.contextmanager
+def _dcp(path: str, rank: int, writing: bool = False) -> Iterator[None]:
+    """Around a DCP call: its single-process warning silenced, its failures a CheckpointError."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    except (Exception, dcp.CheckpointException) as exc:  # the latter gathers every rank's
+        failures = getattr(exc, "failures", None) or {rank: (exc, None)}
+        why = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in failures.items())
+        fix = "write to it" if writing else "read it whole (a save may have been cut short)"
+        raise CheckpointError(
+            f"checkpoint {path}: {'writing' if writing else 'reading'} failed: {why}; every rank "
+            f"must see the folder (a shared filesystem) and {fix}"
+        ) from exc
