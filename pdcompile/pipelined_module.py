@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pdcompile.errors import PdcompileError
 from pdcompile.plans import Plan
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.versions import version as pipedream_version
@@ -106,6 +107,50 @@ class PipelinedModule:
             if missing:
                 raise KeyError(f"stage {worker.stage} needs {missing[:5]} (of {len(missing)})")
             worker.module.load_state_dict({n: state[n] for n in names})
+
+    def save(self, directory: str) -> None:
+        """Checkpoint this rank's stage with torch.distributed.checkpoint (every rank calls
+        it). Flushes first, and records the step count, the updates, the RNG states (and
+        2bw's previous weights), so that a resumed run equals one that flushed here."""
+        from pdcompile.runtime.checkpoint import rng_state, save
+
+        worker = self._only_worker("save")
+        self.flush()
+        extra: dict[str, Any] = {"steps": self.steps, "updates": worker.updates, **rng_state()}
+        extra.update({f"shadow/{n}": t.detach() for n, t in worker.shadow.items()})
+        if worker.scheduler is not None:
+            extra["scheduler/last_epoch"] = worker.scheduler.last_epoch
+        save(directory, model=worker.module, optimizer=worker.optimizer, extra=extra)
+
+    def load(self, directory: str) -> None:
+        """Load this rank's stage from a checkpoint, whatever plan or world size saved it
+        (every rank calls it); restores the counters and RNG states when the world size is the
+        same."""
+        from pdcompile.runtime.checkpoint import load, set_rng_state
+
+        worker = self._only_worker("load")
+        self.flush()
+        extra = load(directory, model=worker.module, optimizer=worker.optimizer)
+        set_rng_state(extra)
+        self.steps = int(extra.get("steps", self.steps))
+        worker.updates = int(extra.get("updates", worker.updates))
+        if worker.shadow:
+            worker.shadow = {
+                n: extra[f"shadow/{n}"].clone().requires_grad_(t.requires_grad)
+                if f"shadow/{n}" in extra else t.detach().clone().requires_grad_(t.requires_grad)
+                for n, t in worker.module.named_parameters()
+            }  # fmt: skip
+        if worker.scheduler is not None and "scheduler/last_epoch" in extra:
+            worker.scheduler.last_epoch = int(extra["scheduler/last_epoch"])
+        self.pipeline.restart()
+
+    def _only_worker(self, what: str) -> Any:
+        if len(self.pipeline.workers) != 1:
+            raise PdcompileError(
+                f"{what}() checkpoints one rank per process (torchrun); in a single process use "
+                "state_dict() / load_state_dict(), or pdcompile.load_full_state_dict"
+            )
+        return next(iter(self.pipeline.workers.values()))
 
     def explain(self) -> str:
         """The plan, what the schedule means for the optimisation, and measured against

@@ -113,6 +113,9 @@ class DistributedComm:
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s)
+        # messages travel in a group of their own: another pipeline in the same job (or an
+        # earlier one with minibatches still in flight) never matches them
+        self._p2p = dist.new_group(list(range(dist.get_world_size())), timeout=self._timeout)
         self._groups: dict[tuple[int, ...], Any] = {}  # None: a group without this rank
         for group in groups:
             members = tuple(sorted(group))
@@ -155,7 +158,7 @@ class DistributedComm:
         lay = wire.layout(tuple(channels), rows)
         buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
-        work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag)
+        work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag, group=self._p2p)
         with self._changed:
             self._raise_send_error()
             self._sends.append((work, buffer, peer, what))
@@ -190,7 +193,8 @@ class DistributedComm:
         lay = wire.layout(tuple(channels), rows)
         buffer = torch.empty(lay.size, dtype=torch.uint8, device=self.device)
         what = f"receiving {describe_key(key)}"
-        work = self._start(dist.irecv, buffer, peer, what, src=peer, tag=message_tag(key))
+        tag = message_tag(key)
+        work = self._start(dist.irecv, buffer, peer, what, src=peer, tag=tag, group=self._p2p)
         return work, buffer, lay, what
 
     def all_reduce(

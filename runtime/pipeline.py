@@ -124,6 +124,15 @@ class Pipeline:
         for worker in self.workers.values():
             worker.begin_stream()
 
+    def restart(self) -> None:
+        """After the weights changed from outside (a checkpoint loaded): weight versions start
+        again from the live weights."""
+        self.flush()
+        for worker in self.workers.values():
+            worker.versions.clear()
+            worker.users.clear()
+            worker.begin_stream()
+
     def _execute(
         self,
         actions: dict[int, tuple[Action, ...]],
