@@ -97,7 +97,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
-            device = _local_device(model)
+            if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only
+                device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = init_process_group(rank, world_size, timeout_s=startup_timeout)
     inputs = tuple(example_inputs)
