@@ -179,7 +179,8 @@ class StageWorker:
         state = self.flight[a.microbatch]
         key, channels, rows = self._message(a)
         if a.stream == "act":
-            values = [state.outputs[c.name] for c in channels]
+            # under autocast, activations travel in the dtype the channel was captured in
+            values = [_as_channel(state.outputs[c.name], c) for c in channels]
         else:
             values = [_grad_of(state.inputs[c.name]) for c in channels]
         self.comm.send(a.peer, key, values, channels, rows)
@@ -286,7 +287,8 @@ class StageWorker:
             state.loss.backward()
         elif state.grads:
             tensors = [state.outputs[name] for name, _ in state.grads]
-            torch.autograd.backward(tensors, [g for _, g in state.grads])
+            grads = [g.to(t.dtype) for t, (_, g) in zip(tensors, state.grads, strict=True)]
+            torch.autograd.backward(tensors, grads)
         if weights is not None:  # the copy's gradients go to the live weights
             for name, copy in weights.items():
                 if copy.grad is not None:
@@ -368,6 +370,15 @@ class StageWorker:
 def _copy(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
     """Detached copies of weights, as leaves a forward can run on and a backward fill."""
     return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+
+
+def _as_channel(value: Any, channel: Channel) -> Any:
+    """A floating tensor computed in another precision (autocast), cast to its channel's."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and channel.kind == "tensor":
+        dtype = getattr(torch, channel.dtype)
+        if dtype.is_floating_point and value.dtype != dtype:
+            return value.detach().to(dtype)
+    return value
 
 
 def _grad_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -189,3 +189,19 @@ def test_compile_trains_hugging_face_gpt2_and_llama_on_two_ranks() -> None:
     for name, losses in results[0].items():
         assert losses == results[1][name]
         assert losses[-1] < losses[0] - 0.3, (name, losses)  # the loss falls
+
+
+def test_autocast_runs_forwards_in_bfloat16_and_keeps_fp32_weights() -> None:
+    model, x, y, loss_fn = CASES["gpt"]()
+    seen: list[torch.dtype] = []
+    pipe = pdcompile.compile(
+        model, (x,), loss_fn=lambda out, t: (seen.append(out.dtype), loss_fn(out.float(), t))[1],
+        optimizer=OPTIMIZERS["adam"], cluster="2", solver="uniform", profile=False,
+        autocast=torch.bfloat16,
+    )  # fmt: skip
+    losses = [pipe.train_step(x, y) for _ in range(4)]
+    assert set(seen) == {torch.bfloat16}  # the last stage's logits came out of autocast
+    assert all(
+        t.dtype == torch.float32 for t in pipe.state_dict().values() if t.is_floating_point()
+    )
+    assert losses[-1] < losses[0]
