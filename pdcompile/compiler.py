@@ -48,6 +48,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     timeout: float = 300.0,
     startup_timeout: float = 900.0,
     weights: Callable[[], dict[str, torch.Tensor]] | str | None = None,
+    vertical_sync: bool = False,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -74,6 +75,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         startup_timeout: seconds the start-up (capture, planning, broadcast) may last.
         weights: for a model on the meta device: a function returning its state dict, or a
             checkpoint directory; each rank materialises only its own stage's tensors.
+        vertical_sync: under `pipedream`, minibatch k runs at every stage on weights that
+            include only the minibatches stage 0's weights for k include (docs/runtime.md).
 
     Returns:
         A `PipelinedModule`.
@@ -107,7 +110,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         inputs, example_kwargs = _to_meta(inputs), _to_meta(example_kwargs)
     gm = trace(model, inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules)
     options = dict(schedule=schedule, num_microbatches=num_microbatches, solver=solver,
-                   profile=profile, cluster=str(cluster), clip=clip_grad_norm)  # fmt: skip
+                   profile=profile, cluster=str(cluster), clip=clip_grad_norm,
+                   vertical=vertical_sync)  # fmt: skip
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
     if isinstance(plan, str):
@@ -136,7 +140,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         _materialize([program.stages[i] for i in mine], device, weights)
     settings = dict(schedule=schedule, num_microbatches=microbatches, loss_fn=loss_fn,
                     optimizer=optimizer, clip_grad_norm=clip_grad_norm,
-                    lr_scheduler=lr_scheduler, autocast=autocast)  # fmt: skip
+                    lr_scheduler=lr_scheduler, autocast=autocast,
+                    vertical_sync=vertical_sync)  # fmt: skip
     if distributed:
         pipeline = DistributedPipeline(program, rank=rank, device=device, timeout_s=timeout,
                                        **settings)  # fmt: skip

@@ -205,3 +205,19 @@ def test_autocast_runs_forwards_in_bfloat16_and_keeps_fp32_weights() -> None:
         t.dtype == torch.float32 for t in pipe.state_dict().values() if t.is_floating_point()
     )
     assert losses[-1] < losses[0]
+
+
+def test_compile_passes_vertical_sync_to_pipedream() -> None:
+    model, x, y, loss_fn = mlp_case()
+    pipe = pdcompile.compile(
+        model, (x,), loss_fn=loss_fn, optimizer=SGD, cluster="3", solver="uniform",
+        profile=False, schedule="pipedream", vertical_sync=True,
+    )  # fmt: skip
+    m = pipe.pipeline.num_microbatches
+    for _ in range(3):
+        pipe.train_step(x, y)
+    program = pipe.pipeline.program
+    stages = pipedream_reference(program, x, y, loss_fn, SGD, m, 3, vertical=True)
+    reference = {n: t for st in stages for n, t in st.state_dict().items()}
+    for name, tensor in pipe.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], msg=name)
