@@ -12,6 +12,7 @@ from pdcompile.errors import PdcompileError
 from pdcompile.plans import Plan
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.versions import version as pipedream_version
+from pdcompile.runtime.worker import batch_rows
 from pdcompile.text import human_bytes, human_seconds
 
 MEANING = {
@@ -61,7 +62,7 @@ class PipelinedModule:
         args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         start = time.perf_counter()
         loss = self.pipeline.train_step(args, targets, kwargs)
-        rows = next(a.shape[0] for a in [*args, *(kwargs or {}).values()] if hasattr(a, "shape"))
+        rows = batch_rows(args, kwargs)
         self._measured.append((time.perf_counter() - start, rows))
         self.steps += 1
         for worker in self.pipeline.workers.values():  # bounded memory

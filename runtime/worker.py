@@ -157,7 +157,7 @@ class StageWorker:
                 self.inbound[a.peer_stage] if outgoing else self.outbound[a.peer_stage]
             )
             pair = (a.peer_stage, a.stage) if outgoing else (a.stage, a.peer_stage)
-        return (a.stream, a.microbatch, *pair), channels, _rows(*self.data[a.microbatch][:2])
+        return (a.stream, a.microbatch, *pair), channels, batch_rows(*self.data[a.microbatch][:2])
 
     def expect(self, a: Action) -> None:
         """Post the receive of a `recv` action ahead of time."""
@@ -400,7 +400,7 @@ def split_batch(
     `weighted`: each microbatch's loss counts by its share of the rows (gradient accumulation
     equal to the whole batch), else 1 (PipeDream minibatches).
     """
-    rows = _rows(args, kwargs)
+    rows = batch_rows(args, kwargs)
     if rows < num_microbatches:
         raise ScheduleError(
             f"a batch of {rows} rows cannot be split into {num_microbatches} microbatches; "
@@ -411,7 +411,7 @@ def split_batch(
     target_parts = _split(targets, num_microbatches)
     split_args = [tuple(p[i] for p in parts) for i in range(num_microbatches)]
     split_kwargs = [{k: v[i] for k, v in kw_parts.items()} for i in range(num_microbatches)]
-    sizes = [_rows(a, kw) for a, kw in zip(split_args, split_kwargs, strict=True)]
+    sizes = [batch_rows(a, kw) for a, kw in zip(split_args, split_kwargs, strict=True)]
     weights = [s / rows for s in sizes] if weighted else [1.0] * num_microbatches
     return Batch(split_args, split_kwargs, target_parts, weights)
 
@@ -428,7 +428,8 @@ def _split(value: Any, n: int) -> list[Any]:
     return [value] * n
 
 
-def _rows(args: Any, kwargs: Any = None) -> int:
+def batch_rows(args: Any, kwargs: Any = None) -> int:
+    """The rows of a batch: dim 0 of its first tensor with a dimension."""
     for value in [*args, *(kwargs or {}).values()]:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.shape[0]
