@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-KINDS = ("F", "B", "send", "recv", "allreduce", "clip", "step", "push", "pop")
-
 
 @dataclass(frozen=True)
 class Action:

@@ -151,8 +151,9 @@ class Pipeline:
         for worker in self.workers.values():
             if worker.last:
                 for k, loss in worker.losses.items():
-                    total += loss * batch.weights[k - first]
-                    weight += batch.weights[k - first]
+                    share = batch.microbatches[k - first].weight
+                    total += loss * share
+                    weight += share
         return total, weight
 
     def _stream(self, minibatches: int) -> Schedule:

@@ -41,8 +41,3 @@ def vertical_version(replicas: Sequence[int], stage: int, minibatch: int) -> int
     """
     included = version(replicas, 0, minibatch) * replicas[0]
     return min(version(replicas, stage, minibatch), included // replicas[stage])
-
-
-def versions_in_flight(replicas: Sequence[int], stage: int) -> int:
-    """Weight versions a replica of `stage` keeps at most: its own forwards in flight (w_s + 1)."""
-    return warmup(replicas, stage) + 1

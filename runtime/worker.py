@@ -34,23 +34,28 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
+@dataclass(frozen=True)
+class Microbatch:
+    args: tuple
+    kwargs: dict[str, Any]
+    target: Any
+    weight: float  # its share of the loss
+    rows: int
+
+
 @dataclass
 class Batch:
     """One step's microbatches as the stages see them (every rank holds all of them)."""
 
-    args: list[tuple]
-    kwargs: list[dict[str, Any]]
-    targets: list[Any]
-    weights: list[float]  # each microbatch's share of the loss
+    microbatches: list[Microbatch]
 
     @property
     def size(self) -> int:
-        return len(self.args)
+        return len(self.microbatches)
 
-    def items(self, first: int) -> dict[int, tuple[tuple, dict[str, Any], Any, float]]:
-        """Microbatch index (from `first`) -> (args, kwargs, target, loss weight)."""
-        rows = zip(self.args, self.kwargs, self.targets, self.weights, strict=True)
-        return {first + j: row for j, row in enumerate(rows)}
+    def items(self, first: int) -> dict[int, Microbatch]:
+        """Microbatch index (from `first`) -> microbatch."""
+        return {first + j: m for j, m in enumerate(self.microbatches)}
 
 
 @dataclass
@@ -122,6 +127,11 @@ class StageWorker:
         self.tied = [
             [n for n in tie.names if n in self.params] for tie in program.ties
         ]  # per tie group, this stage's names of it
+        tied = {n for names in self.tied for n in names}
+        self.untied = [p for n, p in self.params.items() if n not in tied]  # replica-averaged
+        copies = {n for tie in program.ties if tie.owner != stage for n in tie.names}
+        self.counted = [p for n, p in self.params.items() if n not in copies]  # global norm
+        self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
         self.updates = 0
         self.flight: dict[int, _InFlight] = {}
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # updates -> weights (pipedream)
@@ -130,7 +140,7 @@ class StageWorker:
         self.stream_base = 0  # updates when the pipedream stream (re)started
         self.shadow = _copy(self.params) if schedule_kind == "2bw" else {}  # 2bw: W(t - 1)
         self.losses: dict[int, float] = {}
-        self.data: dict[int, tuple[tuple, dict[str, Any], Any, float]] = {}
+        self.data: dict[int, Microbatch] = {}
         self.timeline: list[tuple[str, int, float, float]] | None = None
 
     # -- actions ---------------------------------------------------------------------------
@@ -157,7 +167,7 @@ class StageWorker:
                 self.inbound[a.peer_stage] if outgoing else self.outbound[a.peer_stage]
             )
             pair = (a.peer_stage, a.stage) if outgoing else (a.stage, a.peer_stage)
-        return (a.stream, a.microbatch, *pair), channels, batch_rows(*self.data[a.microbatch][:2])
+        return (a.stream, a.microbatch, *pair), channels, self.data[a.microbatch].rows
 
     def expect(self, a: Action) -> None:
         """Post the receive of a `recv` action ahead of time."""
@@ -218,7 +228,8 @@ class StageWorker:
     def _F(self, a: Action) -> None:
         k = a.microbatch
         state = self.flight.setdefault(k, _InFlight())
-        args, kwargs = self.data[k][:2] if self.stage == 0 else ((), state.inputs)
+        mb = self.data[k]
+        args, kwargs = (mb.args, mb.kwargs) if self.stage == 0 else ((), state.inputs)
         if self.evaluating:
             with torch.no_grad(), self._autocast():
                 out = self.module(*args, **kwargs)
@@ -229,9 +240,9 @@ class StageWorker:
         with self._autocast():
             out = self._call(state, args, kwargs)
         if self.last:
-            loss = self.loss_fn(out, self.data[k][2])
+            loss = self.loss_fn(out, mb.target)
             self.losses[k] = float(loss.detach())
-            state.loss = loss * self.data[k][3]
+            state.loss = loss * mb.weight
         state.outputs = out
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -279,10 +290,11 @@ class StageWorker:
         if self.pipedream and not self.stash:
             # no stashing: the backward sees the newest weights (forward again on them)
             weights = _copy(self.params)
-            args, kwargs = self.data[k][:2] if self.stage == 0 else ((), state.inputs)
+            mb = self.data[k]
+            args, kwargs = (mb.args, mb.kwargs) if self.stage == 0 else ((), state.inputs)
             state.outputs = functional_call(self.module, weights, args, kwargs)
             if self.last:
-                state.loss = self.loss_fn(state.outputs, self.data[k][2]) * self.data[k][3]
+                state.loss = self.loss_fn(state.outputs, mb.target) * mb.weight
         if self.last:
             state.loss.backward()
         elif state.grads:
@@ -302,17 +314,15 @@ class StageWorker:
             names = self.tied[a.tie]
             tensors = [_ensure_grad(self.params[n]) for n in names[:1]]
         else:
-            skip = {n for names in self.tied for n in names}
-            tensors = [_ensure_grad(p) for n, p in self.params.items() if n not in skip]
+            tensors = [_ensure_grad(p) for p in self.untied]
         # pipedream's replicas make one shared update from the average of their gradients
         average = a.tie < 0 and self.pipedream
         self.comm.all_reduce(tensors, a.group, a.collective, average=average)
-        buffers = [b for b in self.module.buffers() if b.dtype != torch.bool]
-        if a.tie < 0 and buffers:  # buffers are not averaged: the replicas take the first's
+        if a.tie < 0 and self.buffers:  # buffers are not averaged: the replicas take the first's
             if self.comm.rank != a.group[0]:
-                for b in buffers:
+                for b in self.buffers:
                     b.zero_()
-            self.comm.all_reduce(buffers, a.group, (*a.collective, "buffers"))
+            self.comm.all_reduce(self.buffers, a.group, (*a.collective, "buffers"))
 
     def _clip(self, a: Action) -> None:
         """Scale the gradients so that their norm is at most `clip_grad_norm`: the norm over
@@ -324,8 +334,7 @@ class StageWorker:
             self._scale(float(sum(g.double().pow(2).sum() for g in grads)))
             return
         first = self.comm.rank == self.program.plan.stages[self.stage].ranks[0]
-        copies = {n for tie in self.program.ties if tie.owner != self.stage for n in tie.names}
-        counted = [p.grad for n, p in self.params.items() if p.grad is not None and n not in copies]
+        counted = [p.grad for p in self.counted if p.grad is not None]
         mine = float(sum(g.double().pow(2).sum() for g in counted)) if first else 0.0
         device = getattr(self.comm, "device", torch.device("cpu"))
         self.norm_squares = torch.tensor([mine], dtype=torch.float64, device=device)
@@ -411,9 +420,13 @@ def split_batch(
     target_parts = _split(targets, num_microbatches)
     split_args = [tuple(p[i] for p in parts) for i in range(num_microbatches)]
     split_kwargs = [{k: v[i] for k, v in kw_parts.items()} for i in range(num_microbatches)]
-    sizes = [batch_rows(a, kw) for a, kw in zip(split_args, split_kwargs, strict=True)]
-    weights = [s / rows for s in sizes] if weighted else [1.0] * num_microbatches
-    return Batch(split_args, split_kwargs, target_parts, weights)
+    parts = zip(split_args, split_kwargs, target_parts, strict=True)
+    microbatches = []
+    for args_k, kwargs_k, target_k in parts:
+        size = batch_rows(args_k, kwargs_k)
+        weight = size / rows if weighted else 1.0
+        microbatches.append(Microbatch(args_k, kwargs_k, target_k, weight, size))
+    return Batch(microbatches)
 
 
 def _split(value: Any, n: int) -> list[Any]:
