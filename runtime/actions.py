@@ -36,6 +36,14 @@ class Action:
     tie: int = -1
 
     @property
+    def key(self) -> tuple[str, int, int, int]:
+        """A message's key, the same for its send and its receive: (stream, microbatch, source
+        stage, destination stage) of the channels it belongs to; gradients travel them back."""
+        downstream = (self.stream == "act") == (self.kind == "send")  # at the channels' source
+        pair = (self.stage, self.peer_stage) if downstream else (self.peer_stage, self.stage)
+        return (self.stream, self.microbatch, *pair)
+
+    @property
     def is_collective(self) -> bool:
         """Whether the ranks of `group` take part in it together."""
         return self.kind in ("allreduce", "clip") and bool(self.group)

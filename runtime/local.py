@@ -104,7 +104,7 @@ def _run(
             while position[rank] < stop[rank]:
                 a = actions[rank][position[rank]]
                 comm = workers[rank].comm
-                if a.kind == "recv" and not comm.has(a.peer, _key(a)):
+                if a.kind == "recv" and not comm.has(a.peer, a.key):
                     break
                 if a.is_collective:
                     if not all(
@@ -131,10 +131,3 @@ def _at(actions: Sequence[Any], position: int, collective: Any) -> bool:
     if position >= len(actions) or not actions[position].is_collective:
         return False
     return actions[position].collective == collective.collective
-
-
-def _key(a: Any) -> tuple:
-    """The mailbox key of a receive (as its sender's `send` files it)."""
-    if a.stream == "act":
-        return (a.stream, a.microbatch, a.peer_stage, a.stage)
-    return (a.stream, a.microbatch, a.stage, a.peer_stage)

@@ -14,10 +14,10 @@ from pdcompile.runtime.actions import Action, Schedule
 
 
 def _message(rank: int, a: Action) -> tuple:
-    """The identity of a message, the same for its send and its receive."""
+    """The identity of a message, the same for its send and its receive: sending and receiving
+    rank, then the action's key."""
     src, dst = (rank, a.peer) if a.kind == "send" else (a.peer, rank)
-    stages = (a.stage, a.peer_stage) if a.kind == "send" else (a.peer_stage, a.stage)
-    return (src, dst, *stages, a.stream, a.microbatch)
+    return (src, dst, *a.key)
 
 
 def _fail(schedule: Schedule, why: str, mark: dict[int, int]) -> ScheduleError:
@@ -53,7 +53,7 @@ def validate_schedule(schedule: Schedule) -> None:
             raise _fail(schedule, f"rank {rank}: microbatches {missing} lack F or B", {})
     for key in sorted(set(sends) | set(recvs)):
         if sends[key] != 1 or recvs[key] != 1:
-            src, dst, _, _, stream, k = key
+            src, dst, stream, k, _, _ = key
             raise _fail(
                 schedule,
                 f"message {stream}{k} from rank {src} to rank {dst}: {sends[key]} sends, "

@@ -157,17 +157,11 @@ class StageWorker:
 
     def _message(self, a: Action) -> tuple[tuple, list[Channel], int]:
         """The key, channels and rows of the message a `send` or `recv` moves."""
-        if a.stream == "act":
-            outgoing = a.kind == "send"
-            channels = self.outbound[a.peer_stage] if outgoing else self.inbound[a.peer_stage]
-            pair = (a.stage, a.peer_stage) if outgoing else (a.peer_stage, a.stage)
-        else:  # gradients travel against the channels they belong to
-            outgoing = a.kind == "send"
-            channels = gradient_channels(
-                self.inbound[a.peer_stage] if outgoing else self.outbound[a.peer_stage]
-            )
-            pair = (a.peer_stage, a.stage) if outgoing else (a.stage, a.peer_stage)
-        return (a.stream, a.microbatch, *pair), channels, self.data[a.microbatch].rows
+        src, dst = a.key[2:]
+        channels = self.outbound[dst] if src == self.stage else self.inbound[src]
+        if a.stream == "grad":  # gradients travel against the channels they belong to
+            channels = gradient_channels(channels)
+        return a.key, channels, self.data[a.microbatch].rows
 
     def expect(self, a: Action) -> None:
         """Post the receive of a `recv` action ahead of time."""
