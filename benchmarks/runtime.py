@@ -155,10 +155,10 @@ def _pipedream(model, x, y, loss_fn, rank, device, steps) -> dict:
     pipeline.flush()
     events = pipeline.worker.timeline
     half = len(events) // 2
-    compute = [e for e in events[half:] if e[0] in ("F", "B")]
-    minibatches = sum(1 for e in compute if e[0] == "B")
-    span = events[-1][3] - events[half][2]
-    busy = sum(e[3] - e[2] for e in compute)
+    compute = [e for e in events[half:] if e.kind in ("F", "B")]
+    minibatches = sum(1 for e in compute if e.kind == "B")
+    span = events[-1].end - events[half].start
+    busy = sum(e.duration for e in compute)
     return {"throughput": minibatches / span, "compute_per_minibatch": busy / minibatches}
 
 

@@ -166,9 +166,9 @@ class PipelinedModule:
                 f"per step, {rows / seconds:.1f} samples/s"
             )
         for rank, worker in sorted(self.pipeline.workers.items()):
-            busy = sum(e[3] - e[2] for e in worker.timeline if e[0] in ("F", "B"))
-            span = worker.timeline[-1][3] - worker.timeline[0][2] if worker.timeline else 0.0
-            microbatches = sum(1 for e in worker.timeline if e[0] == "B")
+            busy = sum(e.duration for e in worker.timeline if e.kind in ("F", "B"))
+            span = worker.timeline[-1].end - worker.timeline[0].start if worker.timeline else 0.0
+            microbatches = sum(1 for e in worker.timeline if e.kind == "B")
             predicted = self.plan.stages[worker.stage]
             memory = (
                 human_bytes(torch.cuda.max_memory_allocated())

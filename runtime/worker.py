@@ -25,6 +25,7 @@ from pdcompile.errors import ScheduleError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.versions import vertical_version
+from pdcompile.runtime.timeline import Event
 from pdcompile.staged_program import Channel, StagedProgram
 
 log = logging.getLogger(__name__)
@@ -141,19 +142,22 @@ class StageWorker:
         self.shadow = _copy(self.params) if schedule_kind == "2bw" else {}  # 2bw: W(t - 1)
         self.losses: dict[int, float] = {}
         self.data: dict[int, Microbatch] = {}
-        self.timeline: list[tuple[str, int, float, float]] | None = None
+        self.timeline: list[Event] | None = None
 
     # -- actions ---------------------------------------------------------------------------
 
     def run(self, action: Action) -> None:
         """Execute one action of this rank's schedule (recorded in `timeline` when it is a
-        list: (kind, microbatch, start, end), seconds of `time.perf_counter`)."""
+        list, in seconds of `time.perf_counter`)."""
         if self.timeline is None:
             getattr(self, "_" + action.kind)(action)
             return
         start = time.perf_counter()
         getattr(self, "_" + action.kind)(action)
-        self.timeline.append((action.kind, action.microbatch, start, time.perf_counter()))
+        self.timeline.append(Event(
+            self.comm.rank, action.kind, self.stage, action.microbatch, start,
+            time.perf_counter(), action.peer,
+        ))  # fmt: skip
 
     def _message(self, a: Action) -> tuple[tuple, list[Channel], int]:
         """The key, channels and rows of the message a `send` or `recv` moves."""
