@@ -93,7 +93,8 @@ class Plan:
             f"schedule {self.schedule}, {self.num_microbatches} microbatches"
         )
         rows = [("stage", "nodes", "replicas", "ranks", "fwd", "bwd", "comm", "allreduce",
-                 "time", "memory")]  # fmt: skip
+                 "time", "memory", "of bottleneck")]  # fmt: skip
+        bottleneck = max((s.time_s for s in self.stages), default=0.0)
         for s in self.stages:
             first, last = (s.nodes[0], s.nodes[-1]) if s.nodes else ("-", "-")
             ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
@@ -101,10 +102,11 @@ class Plan:
                 str(s.index), f"{len(s.nodes)} ({first}..{last})", str(s.replicas), ranks,
                 human_seconds(s.forward_s), human_seconds(s.backward_s), human_seconds(s.comm_s),
                 human_seconds(s.allreduce_s), human_seconds(s.time_s), human_bytes(s.memory_bytes),
+                f"{s.time_s / bottleneck:.0%}" if bottleneck else "-",
             ))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [header] + [
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         ]
         speedup = f"{self.speedup_over_data_parallel:.2f}x" if self.data_parallel_time else "-"
         lines.append(
