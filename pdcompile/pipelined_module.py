@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pdcompile.errors import PdcompileError
+from pdcompile.gantt import bubble_fraction
 from pdcompile.plans import Plan
+from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.pipeline import Pipeline
+from pdcompile.runtime.timeline import Event, to_chrome_trace
 from pdcompile.runtime.versions import version as pipedream_version
 from pdcompile.runtime.worker import batch_rows
 from pdcompile.text import human_bytes, human_seconds
@@ -30,6 +37,7 @@ MEANING = {
     "before the previous update (one step stale), two weight versions, no flush.",
 }
 _KEEP_STEPS = 1000  # measured steps kept for explain()
+_KEEP_ACTIONS = 50 * _KEEP_STEPS  # recorded actions kept per rank for explain() and save_trace()
 
 
 class PipelinedModule:
@@ -43,7 +51,8 @@ class PipelinedModule:
         self.pipeline = pipeline
         self.rank = rank
         self.steps = 0
-        self._measured: deque[tuple[float, int]] = deque(maxlen=_KEEP_STEPS)  # seconds, rows
+        # per step: perf_counter at its start, seconds, rows
+        self._measured: deque[tuple[float, float, int]] = deque(maxlen=_KEEP_STEPS)
         for worker in pipeline.workers.values():
             worker.timeline = []
 
@@ -63,10 +72,10 @@ class PipelinedModule:
         start = time.perf_counter()
         loss = self.pipeline.train_step(args, targets, kwargs)
         rows = batch_rows(args, kwargs)
-        self._measured.append((time.perf_counter() - start, rows))
+        self._measured.append((start, time.perf_counter() - start, rows))
         self.steps += 1
         for worker in self.pipeline.workers.values():  # bounded memory
-            del worker.timeline[: -50 * _KEEP_STEPS]
+            del worker.timeline[:-_KEEP_ACTIONS]
         return loss
 
     def eval_step(self, inputs: Any, kwargs: dict | None = None) -> Any:
@@ -159,27 +168,77 @@ class PipelinedModule:
         kind = self.pipeline.kind
         lines = [str(self.plan), "", f"schedule {kind}: {MEANING.get(kind, '')}", ""]
         if self._measured:
-            seconds = sorted(s for s, _ in self._measured)[len(self._measured) // 2]
-            rows = sum(r for _, r in self._measured) / len(self._measured)
+            seconds = sorted(s for _, s, _ in self._measured)[len(self._measured) // 2]
+            rows = sum(r for _, _, r in self._measured) / len(self._measured)
             lines.append(
                 f"measured over {len(self._measured)} steps: median {human_seconds(seconds)} "
                 f"per step, {rows / seconds:.1f} samples/s"
             )
         for rank, worker in sorted(self.pipeline.workers.items()):
-            busy = sum(e.duration for e in worker.timeline if e.kind in ("F", "B"))
-            span = worker.timeline[-1].end - worker.timeline[0].start if worker.timeline else 0.0
-            microbatches = sum(1 for e in worker.timeline if e.kind == "B")
-            predicted = self.plan.stages[worker.stage]
-            memory = (
-                human_bytes(torch.cuda.max_memory_allocated())
-                if torch.cuda.is_available()
-                else f"{human_bytes(predicted.memory_bytes)} (predicted)"
-            )
-            per = human_seconds(busy / microbatches) if microbatches else "-"
-            lines.append(
-                f"rank {rank} (stage {worker.stage}): forward+backward {per}/microbatch "
-                f"(predicted {human_seconds(predicted.forward_s + predicted.backward_s)}/"
-                f"minibatch of {self.plan.microbatch_size or 'the profiled'} rows), bubble "
-                f"{1 - busy / span if span else 0:.0%}, peak memory {memory}"
-            )
+            lines.append(self._explain_rank(rank, worker.stage, worker.timeline))
         return "\n".join(lines)
+
+    def _explain_rank(self, rank: int, stage: int, events: list[Event]) -> str:
+        """One rank's measured times per microbatch and per update, bubble and memory."""
+        seconds: dict[str, float] = {}
+        for e in events:
+            seconds[e.kind] = seconds.get(e.kind, 0.0) + e.duration
+        microbatches = sum(1 for e in events if e.kind == "B")
+        updates = sum(1 for e in events if e.kind == "step")
+
+        def per(kinds: tuple[str, ...], n: int) -> str:
+            return human_seconds(sum(seconds.get(k, 0.0) for k in kinds) / n) if n else "-"
+
+        predicted = self.plan.stages[stage]
+        parts = [
+            f"forward+backward {per(('F', 'B'), microbatches)}/microbatch (predicted "
+            f"{human_seconds(predicted.forward_s + predicted.backward_s)}/minibatch of "
+            f"{self.plan.microbatch_size or 'the profiled'} rows)"
+        ]
+        if "send" in seconds or "recv" in seconds:
+            parts.append(f"send+receive {per(('send', 'recv'), microbatches)}/microbatch")
+        if "allreduce" in seconds or "clip" in seconds:
+            parts.append(f"all-reduce+clip {per(('allreduce', 'clip'), updates)}/update")
+        memory = (
+            human_bytes(torch.cuda.max_memory_allocated())
+            if torch.cuda.is_available()
+            else f"{human_bytes(predicted.memory_bytes)} (predicted)"
+        )
+        parts += [f"bubble {bubble_fraction(events):.0%}", f"peak memory {memory}"]
+        return f"rank {rank} (stage {stage}): " + ", ".join(parts)
+
+    def save_trace(self, path: str | Path, steps: int | None = None) -> None:
+        """Write the actions the ranks recorded as a Chrome trace (`runtime.timeline`), which
+        Perfetto opens and `pdcompile simulate --measured` draws beside a simulation.
+
+        Every rank calls it. Under torch.distributed the ranks' events are gathered and rank 0
+        writes; in one process every rank's events are written. Times are `perf_counter`
+        seconds: ranks on one machine share that clock; a machine other than rank 0's is moved
+        onto rank 0's clock by the difference of the two clocks as the ranks leave one barrier
+        here, which is exact up to that barrier's exit skew (about one network latency).
+
+        Args:
+            path: the JSON file to write.
+            steps: only the actions that started during the last `steps` train steps (None:
+                all recorded; a rank keeps its last 50,000 actions).
+        """
+        recorded = len(self._measured)
+        since = self._measured[-steps][0] if steps and recorded >= steps else float("-inf")
+        events = [e for w in self.pipeline.workers.values() for e in w.timeline if e.start >= since]
+        if isinstance(self.pipeline, DistributedPipeline):
+            dist.barrier()
+            mine = (socket.gethostname(), time.perf_counter(), events)
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            host0, mark0, _ = everyone[0]
+            offset = {host0: 0.0}
+            for host, mark, _ in everyone:
+                offset.setdefault(host, mark0 - mark)
+            events = [
+                dataclasses.replace(e, start=e.start + offset[host], end=e.end + offset[host])
+                for host, _, theirs in everyone
+                for e in theirs
+            ]
+            if self.rank != 0:
+                return
+        to_chrome_trace(events, path)
