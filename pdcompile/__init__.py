@@ -13,9 +13,11 @@ import importlib
 from typing import Any
 
 from pdcompile.errors import (
+    BatchError,
     CheckpointError,
     CodegenError,
     CostError,
+    LossError,
     PartitionError,
     PdcompileError,
     PipelineTimeoutError,
@@ -50,12 +52,14 @@ _LAZY = {
 _SUBMODULES = ("ir", "zoo", "passes", "runtime")
 
 __all__ = [
+    "BatchError",
     "CheckpointError",
     "Cluster",
     "CodegenError",
     "CostError",
     "CostGraph",
     "DeviceModel",
+    "LossError",
     "PartitionError",
     "PdcompileError",
     "PipelineTimeoutError",

@@ -6,9 +6,11 @@ Every message says what was observed, which node, module or option is at fault, 
 from __future__ import annotations
 
 __all__ = [
+    "BatchError",
     "CheckpointError",
     "CodegenError",
     "CostError",
+    "LossError",
     "PartitionError",
     "PdcompileError",
     "PipelineTimeoutError",
@@ -57,7 +59,18 @@ class CheckpointError(PdcompileError, RuntimeError):
 
 
 class PipelineTimeoutError(StageCommError, TimeoutError):
-    """A collective or point-to-point operation waited longer than its timeout."""
+    """A collective or point-to-point operation waited longer than its timeout, or its peer
+    died."""
+
+
+class BatchError(PdcompileError, ValueError):
+    """A batch given to `train_step` or `eval_step` does not fit the captured model (type,
+    shape, dtype or device of an input, or rows of the targets)."""
+
+
+class LossError(PdcompileError, ValueError):
+    """The loss function failed or gave something other than a finite scalar tensor (a NaN or
+    infinite loss under `nonfinite="raise"`)."""
 
 
 class TraceWarning(UserWarning):
