@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -23,24 +22,10 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, evaluate
+from pdcompile.solver_bench import synthetic_chain
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "pipedream"
 BASELINES = ("uniform", "params", "blocks")
-
-
-def synthetic_chain(layers: int, seed: int = 0) -> CostGraph:
-    rng = random.Random(seed)
-    g = CostGraph(batch_size=32, meta={"source": "synthetic"})
-    for i in range(layers):
-        params = rng.randint(10**6, 5 * 10**7)
-        g.add_node(
-            f"l{i}", forward_s=rng.uniform(1e-3, 5e-3), backward_s=rng.uniform(2e-3, 1e-2),
-            param_bytes=params, grad_bytes=params, activation_bytes=rng.randint(10**6, 10**7),
-            output_bytes=rng.randint(10**6, 10**7),
-        )  # fmt: skip
-        if i:
-            g.add_edge(f"l{i - 1}", f"l{i}", g.graph.nodes[f"l{i - 1}"]["output_bytes"])
-    return g
 
 
 def scale_rows() -> list[dict]:

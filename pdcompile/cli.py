@@ -4,6 +4,7 @@ pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME 
 pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
                        [--out costs.json]
 pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME]) --out DIR
+pdcompile bench-solvers INPUT... --cluster SPEC [--solvers a,b] [--plugin MODULE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -208,34 +209,24 @@ def _solvers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare(args: argparse.Namespace) -> int:
-    from pdcompile.cost_model import evaluate
-    from pdcompile.planning import plan, solvers
-    from pdcompile.text import human_seconds
+def _bench_solvers(args: argparse.Namespace) -> int:
+    from pdcompile import solver_bench as bench
+    from pdcompile.cluster import Cluster
 
-    costs, name = _costs(args)
-    cluster = _cluster(args)
-    results = {}
-    for solver in solvers():
-        try:
-            made = plan(costs, cluster, solver=solver, schedule=args.schedule,
-                        num_microbatches=args.microbatches)  # fmt: skip
-        except PdcompileError as e:
-            print(f"warning: {solver}: {e}", file=sys.stderr)
-            continue
-        results[solver] = (evaluate(made, costs), made.solve_time_s)
-    best = min(p.predicted_time for p, _ in results.values())
-    table = Table(title=f"{name} on {cluster}, schedule {args.schedule}, under evaluate")
-    for column in ("solver", "predicted", "vs best", "gap to bound", "stages", "devices",
-                   "fits memory", "solve time"):  # fmt: skip
-        table.add_column(column, justify="left" if column == "solver" else "right")
-    for solver, (p, seconds) in sorted(results.items(), key=lambda kv: kv[1][0].predicted_time):
-        table.add_row(
-            solver, human_seconds(p.predicted_time), f"{p.predicted_time / best:.3f}",
-            f"{p.gap:.1%}", str(p.num_stages), str(p.num_devices_used),
-            "yes" if p.fits_memory else "NO", f"{seconds:.3f} s",
-        )  # fmt: skip
-    _print_table(table, None)
+    instances = bench.load_instances(args.inputs, analytic=args.analytic)
+    clusters = [Cluster.parse(text, memory=args.memory) for text in args.cluster]
+    names = [n.strip() for n in args.solvers.split(",") if n.strip()] if args.solvers else None
+    settings = dict(schedule=args.schedule, num_microbatches=args.microbatches,
+                    time_limit_s=args.time_limit or None, plugins=args.plugin)  # fmt: skip
+    results = bench.run_bench(instances, clusters, names, **settings)
+    _print_table(bench.results_table(results), None)
+    if len(instances) * len(clusters) > 1:
+        _print_table(bench.summary_table(results), None)
+    if args.json:
+        text = bench.results_json(results, instances, clusters=args.cluster, memory=args.memory,
+                                  **settings)  # fmt: skip
+        _write(text, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
@@ -337,15 +328,40 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("solvers", help="list the registered solvers")
     listing.set_defaults(run=_solvers)
 
-    compare = commands.add_parser(
-        "compare",
-        help="run every solver and compare them under pdcompile's cost model",
-        description="Run every registered solver on INPUT and print, under `evaluate`, each "
-        "plan's predicted time, its ratio to the best, the gap to the lower bound and the "
-        "solve time.",
+    bench = commands.add_parser(
+        "bench-solvers",
+        aliases=["compare"],
+        help="run solvers on instances and compare them under pdcompile's cost model",
+        description="Run every requested solver on every INPUT and cluster and print, under "
+        "`evaluate`, each plan's predicted time, its ratio to the best, the lower bound, the "
+        "gap and the solve time (a failure or a timeout is reported in its row), then a "
+        "summary per solver. `compare` is the same command.",
     )
-    _add_plan_options(compare)
-    compare.set_defaults(run=_compare)
+    bench.add_argument(
+        "inputs", nargs="+", metavar="INPUT",
+        help="PipeDream graph.txt or its folder (or a folder of them), costs.json, "
+        "package.module:factory, or a synthetic chain:N[:SEED] / dag:N[:SEED]",
+    )  # fmt: skip
+    bench.add_argument(
+        "--cluster", action="append", required=True,
+        help="e.g. 16@1.25GB/s or 4@10GB/s,4@1.25GB/s; repeat for several clusters",
+    )  # fmt: skip
+    bench.add_argument("--memory", help="bytes per device, e.g. 16GB")
+    bench.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    bench.add_argument("--microbatches", type=int, help="microbatches per step")
+    bench.add_argument("--solvers", help="comma-separated names (default: every registered one)")
+    bench.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE",
+        help="import this module (dotted name or file.py) first, for the solvers it registers; "
+        "runs its code",
+    )  # fmt: skip
+    bench.add_argument(
+        "--time-limit", type=float, default=60.0, metavar="SECONDS",
+        help="per solver run, in a worker process (default 60; 0: no limit, in this process)",
+    )  # fmt: skip
+    bench.add_argument("--analytic", action="store_true", help="SPECs are costed analytically")
+    bench.add_argument("--json", metavar="FILE", help="write the results as JSON here")
+    bench.set_defaults(run=_bench_solvers)
     return parser
 
 
