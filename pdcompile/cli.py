@@ -4,12 +4,15 @@ pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME 
 pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
                        [--out costs.json]
 pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME]) --out DIR
+pdcompile simulate INPUT [--cluster SPEC] [--solver NAME] [--schedule NAME] [--microbatches M]
+                         [--png FILE | --svg FILE] [--trace FILE] [--measured TRACE]
 pdcompile bench-solvers INPUT... --cluster SPEC [--solvers a,b] [--plugin MODULE] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -95,17 +98,27 @@ def _write(data: str | bytes, out: str | None) -> None:
 
 def _graph(args: argparse.Namespace) -> int:
     from pdcompile.cost_report import cost_dot, cost_table
+    from pdcompile.plans import Plan
 
+    if args.plan and args.format in ("txt", "json"):
+        raise PdcompileError(
+            f"--plan colours a drawing: add --format dot, svg or png (got --format {args.format})"
+        )
+    plan = Plan.load(args.plan) if args.plan else None
     costs = _cost_file(args.spec)
     if costs is not None:
         name = os.path.basename(os.path.dirname(os.path.abspath(args.spec))) or args.spec
-        views = (lambda: cost_table(costs, name), costs.to_json, lambda: cost_dot(costs, name))
+        views = (
+            lambda: cost_table(costs, name), costs.to_json, lambda: cost_dot(costs, name, plan)
+        )  # fmt: skip
     else:
         from pdcompile.graph_report import to_dot, to_json, to_table
 
         spec, gm = _trace_spec(args)
         name = type(spec.model).__name__
-        views = (lambda: to_table(gm, name), lambda: to_json(gm, name), lambda: to_dot(gm, name))
+        views = (
+            lambda: to_table(gm, name), lambda: to_json(gm, name), lambda: to_dot(gm, name, plan)
+        )  # fmt: skip
     table, as_json, dot = views
     if args.format == "txt":
         _print_table(table(), args.out)
@@ -201,6 +214,78 @@ def _codegen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_plan_file(path: str) -> bool:
+    """Whether `path` is a Plan JSON (`pdcompile plan --out`), by its format marker."""
+    from pdcompile.plans import FORMAT
+
+    if not (path.endswith(".json") and os.path.isfile(path)):
+        return False
+    try:
+        with open(path) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pdcompile.gantt import plot_timelines
+    from pdcompile.planning import plan
+    from pdcompile.plans import Plan
+    from pdcompile.runtime.simulator import simulate
+    from pdcompile.runtime.timeline import load_trace
+
+    figure, kind = (args.png, "png") if args.png else (args.svg, "svg")
+    if figure and not figure.lower().endswith(f".{kind}"):
+        raise PdcompileError(f"--{kind} FILE needs a file name ending in .{kind}, got {figure!r}")
+    if args.measured and not figure:
+        raise PdcompileError("--measured draws beside the simulation: give --png or --svg FILE")
+    measured = load_trace(args.measured) if args.measured else []
+    cluster = _cluster(args) if args.cluster else None
+    if _is_plan_file(args.spec):
+        made = Plan.load(args.spec)
+    elif cluster is None:
+        raise PdcompileError(f"{args.spec} is not a Plan JSON: give --cluster to plan it")
+    else:
+        costs, _ = _costs(args)
+        made = plan(costs, cluster, solver=args.solver, schedule=args.schedule or "1f1b",
+                    num_microbatches=args.microbatches)  # fmt: skip
+        print(made)
+    sim = simulate(made, schedule=args.schedule, num_microbatches=args.microbatches,
+                   cluster=cluster)  # fmt: skip
+    _print_table(_simulation_table(sim), None)
+    if args.trace:
+        sim.to_chrome_trace(args.trace)
+        print(f"wrote {args.trace}", file=sys.stderr)
+    if figure:
+        p = sim.plan
+        title = (
+            f"simulated: {p.solver or '?'} plan, {p.schedule}, {p.num_microbatches} "
+            f"microbatches on {p.cluster}"
+        )
+        panels = [(f"measured: {args.measured}", measured)] if args.measured else []
+        plot_timelines([*panels, (title, sim.timeline)], figure)
+        print(f"wrote {figure}", file=sys.stderr)
+    return 0
+
+
+def _simulation_table(sim: Any) -> Table:
+    """Time per step, and per rank its stage, bubble fraction and peak memory."""
+    from pdcompile.text import human_bytes, human_seconds
+
+    p = sim.plan
+    stage_of_rank = {rank: s.index for s in p.stages for rank in s.ranks}
+    table = Table(
+        title=f"simulated step: {human_seconds(sim.time_per_step)}",
+        caption=f"{p.schedule}, {p.num_microbatches} microbatches on {p.cluster}",
+    )
+    for column in ("rank", "stage", "bubble", "peak memory"):
+        table.add_column(column, justify="right")
+    for rank, bubble in enumerate(sim.bubble_fraction):
+        table.add_row(str(rank), str(stage_of_rank.get(rank, "-")), f"{bubble:.1%}",
+                      human_bytes(sim.peak_memory[rank]))  # fmt: skip
+    return table
+
+
 def _solvers(args: argparse.Namespace) -> int:
     from pdcompile.planning import solvers
 
@@ -230,14 +315,20 @@ def _bench_solvers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+def _add_plan_options(parser: argparse.ArgumentParser, plan_file: bool = False) -> None:
+    """INPUT and the planning options; with `plan_file`, INPUT may also be a Plan JSON, whose
+    cluster and schedule are the defaults."""
     parser.add_argument(
         "spec", metavar="INPUT",
-        help="package.module:factory, file.py:factory, costs.json or PipeDream graph.txt",
+        help=("plan.json, " if plan_file else "")
+        + "package.module:factory, file.py:factory, costs.json or PipeDream graph.txt",
     )  # fmt: skip
-    parser.add_argument("--cluster", required=True, help="e.g. 8@300GB/s,16@25Gbit/s or 4")
+    parser.add_argument(
+        "--cluster", required=not plan_file,
+        help="e.g. 8@300GB/s,16@25Gbit/s or 4" + (" (default: the plan's)" if plan_file else ""),
+    )  # fmt: skip
     parser.add_argument("--memory", help="bytes per device, e.g. 80GB")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=None if plan_file else "1f1b")
     parser.add_argument("--microbatches", type=int, help="microbatches per step")
     parser.add_argument("--analytic", action="store_true", help="a SPEC is costed analytically")
     _add_capture_options(parser)
@@ -272,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     graph.add_argument("--format", choices=FORMATS, default="txt")
     graph.add_argument("--out", metavar="FILE", help="write here instead of standard output")
+    graph.add_argument(
+        "--plan", metavar="FILE",
+        help="a Plan JSON: dot, svg and png fill nodes with their stage's colour and label the "
+        "edges between stages with their bytes",
+    )  # fmt: skip
     _add_capture_options(graph)
     graph.set_defaults(run=_graph)
 
@@ -324,6 +420,27 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", required=True, metavar="DIR", help="folder to write")
     _add_capture_options(generate)
     generate.set_defaults(run=_codegen)
+
+    simulation = commands.add_parser(
+        "simulate",
+        help="simulate a plan's schedule: Gantt chart, Chrome trace, bubble and memory per rank",
+        description="Simulate a training step of a plan (a Plan JSON, or planned here from "
+        "anything `pdcompile plan` takes) and print the time per step and each rank's bubble "
+        "and peak memory; draw the Gantt chart (--png, --svg), beside a measured run "
+        "(--measured, a trace from PipelinedModule.save_trace), and write a Chrome trace "
+        "(--trace) that Perfetto opens.",
+    )
+    _add_plan_options(simulation, plan_file=True)
+    simulation.add_argument("--solver", default="dp", help="planning INPUT: a solver name")
+    figure = simulation.add_mutually_exclusive_group()
+    figure.add_argument("--png", metavar="FILE", help="draw the Gantt chart as a PNG")
+    figure.add_argument("--svg", metavar="FILE", help="draw the Gantt chart as an SVG")
+    simulation.add_argument("--trace", metavar="FILE", help="write the Chrome trace JSON here")
+    simulation.add_argument(
+        "--measured", metavar="TRACE",
+        help="a measured run's trace (PipelinedModule.save_trace), drawn above the simulation",
+    )  # fmt: skip
+    simulation.set_defaults(run=_simulate)
 
     listing = commands.add_parser("solvers", help="list the registered solvers")
     listing.set_defaults(run=_solvers)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from pdcompile.cost_graph import CostGraph
+from pdcompile.plans import Plan
+from pdcompile.stage_colours import crosses, crossing_edge, stage_colour, stages_of
 from pdcompile.text import dot_quote, human_bytes, human_seconds
 
 
@@ -51,8 +53,16 @@ def cost_table(graph: CostGraph, title: str, top: int | None = None) -> Table:
     return table
 
 
-def cost_dot(graph: CostGraph, name: str) -> str:
-    """Graphviz text: nodes with their times, edges with the bytes they carry."""
+def cost_dot(graph: CostGraph, name: str, plan: Plan | None = None) -> str:
+    """Graphviz text: nodes with their times, edges with the bytes they carry.
+
+    With `plan`, the nodes it places are filled with their stage's colour and name it, and
+    edges between stages are drawn in red.
+
+    Raises:
+        PartitionError: the plan places nodes the CostGraph does not have.
+    """
+    stage = stages_of(plan, graph.nodes, f"the CostGraph {name}") if plan else {}
     lines = [
         f"digraph {dot_quote(name)} {{",
         '  node [shape=box, fontname="Helvetica", fontsize=10];',
@@ -62,10 +72,14 @@ def cost_dot(graph: CostGraph, name: str) -> str:
         times = f"fwd {human_seconds(a['forward_s'])}, bwd {human_seconds(a['backward_s'])}"
         label = f"{node}\n{a['description']}\n{times}"
         style = ', style=filled, fillcolor="#d9ead3"' if a["kind"] != "compute" else ""
+        if node in stage:
+            label += f"\nstage {stage[node]}"
+            style = f', style=filled, fillcolor="{stage_colour(stage[node])}"'
         lines.append(f"  {dot_quote(node)} [label={dot_quote(label)}{style}];")
     for u, v, data in graph.graph.edges(data=True):
-        lines.append(
-            f"  {dot_quote(u)} -> {dot_quote(v)} [label={dot_quote(human_bytes(data['bytes']))}];"
-        )
+        edge = f"label={dot_quote(human_bytes(data['bytes']))}"
+        if crosses(stage, u, v):
+            edge = crossing_edge("", data["bytes"])
+        lines.append(f"  {dot_quote(u)} -> {dot_quote(v)} [{edge}];")
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -26,6 +26,8 @@ from pdcompile.ir import (
     owned_params,
     param_table,
 )
+from pdcompile.plans import Plan
+from pdcompile.stage_colours import crosses, crossing_edge, stage_colour, stages_of
 from pdcompile.text import dot_quote, human_bytes
 
 GRAPHVIZ_HINT = (
@@ -177,9 +179,20 @@ _NODE_STYLE = {
 }
 
 
-def to_dot(gm: fx.GraphModule, model_name: str) -> str:
-    """Graphviz text: one box per node, edges labelled with the shape of the tensor they carry."""
+_STAGE_SHAPE = {"placeholder": "ellipse", "output": "ellipse", "get_attr": "note"}
+
+
+def to_dot(gm: fx.GraphModule, model_name: str, plan: Plan | None = None) -> str:
+    """Graphviz text: one box per node, edges labelled with the shape of the tensor they carry.
+
+    With `plan`, the nodes it places are filled with their stage's colour and name it, and
+    edges between stages are drawn in red with the bytes they carry.
+
+    Raises:
+        PartitionError: the plan places nodes the graph does not have.
+    """
     rows = {r.name: r for r in node_rows(gm)}
+    stage = stages_of(plan, rows, f"the graph of {model_name}") if plan else {}
     lines = [
         f"digraph {dot_quote(model_name)} {{",
         "  rankdir=TB;",
@@ -192,11 +205,17 @@ def to_dot(gm: fx.GraphModule, model_name: str) -> str:
         if row.param_count:
             label += f"\nparams {row.param_count:,}"
         style = _NODE_STYLE.get(node.op, "shape=box")
+        if node.name in stage:
+            label += f"\nstage {stage[node.name]}"
+            shape = _STAGE_SHAPE.get(node.op, "box")
+            style = f'shape={shape}, style=filled, fillcolor="{stage_colour(stage[node.name])}"'
         lines.append(f"  {dot_quote(node.name)} [label={dot_quote(label)}, {style}];")
     for node in gm.graph.nodes:
         for arg in node.all_input_nodes:
             shape = rows[arg.name].shape_text
             label = f" [label={dot_quote(shape)}]" if shape else ""
+            if crosses(stage, arg.name, node.name):
+                label = f" [{crossing_edge(shape, rows[arg.name].bytes)}]"
             lines.append(f"  {dot_quote(arg.name)} -> {dot_quote(node.name)}{label};")
     lines.append("}")
     return "\n".join(lines) + "\n"
