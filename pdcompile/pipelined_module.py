@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.errors import PdcompileError
+from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.gantt import bubble_fraction
 from pdcompile.plans import Plan
 from pdcompile.runtime.executor import DistributedPipeline
@@ -115,13 +115,18 @@ class PipelinedModule:
             names = worker.module.state_dict().keys()
             missing = [n for n in names if n not in state]
             if missing:
-                raise KeyError(f"stage {worker.stage} needs {missing[:5]} (of {len(missing)})")
+                raise CheckpointError(
+                    f"the state dict lacks {len(missing)} tensors stage {worker.stage} holds, "
+                    f"e.g. {missing[:5]}; pass the original model's whole state dict (original "
+                    "names, e.g. from pdcompile.load_full_state_dict)"
+                )
             worker.module.load_state_dict({n: state[n] for n in names})
 
     def save(self, directory: str) -> None:
         """Checkpoint this rank's stage with torch.distributed.checkpoint (every rank calls
         it). Flushes first, and records the step count, the updates, the RNG states (and
-        2bw's previous weights), so that a resumed run equals one that flushed here."""
+        2bw's previous weights), so that a resumed run equals one that flushed here. Atomic:
+        a checkpoint already in `directory` stays whole until the new one replaces it."""
         from pdcompile.runtime.checkpoint import rng_state, save
 
         worker = self._only_worker("save")
@@ -130,7 +135,10 @@ class PipelinedModule:
         extra.update({f"shadow/{n}": t.detach() for n, t in worker.shadow.items()})
         if worker.scheduler is not None:
             extra["scheduler/last_epoch"] = worker.scheduler.last_epoch
-        save(directory, model=worker.module, optimizer=worker.optimizer, extra=extra)
+        save(
+            directory, model=worker.module, optimizer=worker.optimizer, extra=extra,
+            step=self.steps,
+        )  # fmt: skip
 
     def load(self, directory: str) -> None:
         """Load this rank's stage from a checkpoint, whatever plan or world size saved it

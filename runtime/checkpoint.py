@@ -16,6 +16,10 @@ process reads the whole model back (`load_full_state_dict`). Keys (see docs/chec
 A key held by several ranks (replicas, tied copies) is written once: DCP deduplicates a key saved
 by several ranks (one of them writes it, balancing bytes per rank); `save` first checks the copies
 agree.
+
+Saves are atomic and loads verified (`runtime/manifest.py`): a save writes a staging folder, rank 0
+adds `manifest.json` with every file's SHA-256 and renames it into place; a load checks the
+manifest and the checksums before DCP opens anything (its `.metadata` is a pickle).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pdcompile.errors import CheckpointError
+from pdcompile.runtime import manifest
 
 __all__ = ["load", "load_full_state_dict", "rng_state", "save", "set_rng_state"]
 
@@ -54,34 +60,60 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     extra: Mapping[str, Any],
+    step: int | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write this rank's stage (module, optimizer, `extra`) into the checkpoint `directory`.
 
     Every rank calls it: a collective when a process group is initialised, else a local save.
+    Atomic: the checkpoint is written beside `directory` and renamed into place once complete,
+    so a process killed mid-save leaves the previous checkpoint (docs/checkpoints.md).
 
     Args:
-        directory: a folder every rank sees (created if needed; a checkpoint there is replaced).
+        directory: a folder every rank sees (created if needed; a checkpoint there is replaced
+            whole; a folder holding other files is refused).
         model: this rank's stage module, under the original model's names.
         optimizer: its optimizer (state saved by parameter name), or None.
         extra: this rank's small metadata, kept per rank: tensors or Python bool, int, float
             values, e.g. `{"step": 100, **rng_state()}`.
+        step: the step count recorded in `manifest.json` (rank 0's), or None.
 
     Raises:
         CheckpointError: on every rank, when a value in `extra` or the optimizer state is not a
-            tensor or a number, when ranks hold a name with different shapes or values, or when
-            the write fails.
+            tensor or a number, when ranks hold a name with different shapes or values, when
+            `directory` holds files that are not a checkpoint's, or when the write fails.
     """
     rank, world_size = _rank_and_size(process_group)
-    path = os.fspath(directory)
+    path = os.path.abspath(os.fspath(directory))
     items: dict[str, torch.Tensor] = {_FORMAT: torch.tensor([FORMAT_VERSION, world_size])}
     items.update({f"model/{k}": v for k, v in model.state_dict(keep_vars=False).items()})
     problems = [] if optimizer is None else _optimizer_items(model, optimizer, items)
     for key, value in extra.items():
         problems += _encode(f"extra/{rank}/", str(key), value, items, f"extra[{key!r}]")
-    _agree(items, problems, path, process_group)
+    if rank == 0:
+        problems += _attempt(lambda: manifest.prepare(path), "preparing")
+    keys, token = _agree(items, problems, path, process_group, uuid.uuid4().hex[:8])
+    staging = manifest.staging_path(path, token)
     with _dcp(path, rank, writing=True):
-        dcp.save(items, checkpoint_id=path, process_group=process_group, no_dist=_local())
+        dcp.save(items, checkpoint_id=staging, process_group=process_group, no_dist=_local())
+    # DCP's save returns once rank 0 wrote `.metadata`, after every rank reported its files
+    # written: rank 0 hashes the whole folder (on a shared filesystem) and commits it
+    problems = []
+    if rank == 0:
+        holds = {
+            "model": sorted(k.removeprefix("model/") for k in keys if k.startswith("model/")),
+            "optimizer": any(k.startswith("optim/") for k in keys),
+            "extra": sorted({k.split("/", 3)[3] for k in keys if k.startswith("extra/")}),
+            "step": step,
+        }
+
+        def finish() -> list[str]:
+            manifest.write(staging, manifest.describe(staging, world_size, holds))
+            manifest.commit(staging, path, token)
+            return []
+
+        problems = _attempt(finish, "committing")
+    _agree({}, problems, path, process_group)  # no rank returns before the checkpoint is in place
     log.info("rank %d: saved %d entries to %s", rank, len(items), path)
 
 
@@ -109,11 +141,14 @@ def load(
         holds, its RNG states are rank 0's.
 
     Raises:
-        CheckpointError: on every rank, when `directory` is not a pdcompile checkpoint, or lacks
-            a name (or its optimizer state) that some rank holds, or has it in another shape.
+        CheckpointError: on every rank, when `directory` is not a pdcompile checkpoint, is
+            partial or altered (a file missing, added or unlike its checksum in the manifest:
+            checked before any file is opened), or lacks a name (or its optimizer state) that
+            some rank holds, or has it in another shape.
     """
     rank, world_size = _rank_and_size(process_group)
     path, problems, reads, chosen = os.fspath(directory), [], {}, []
+    _verify(path, rank, world_size, process_group, gather=not _local())
     try:
         metadata, saved_world_size = _open(path)
     except CheckpointError as exc:  # raised below, on every rank at once
@@ -171,13 +206,15 @@ def load_full_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
     For plain PyTorch, in one process (no process group needed).
 
     Raises:
-        CheckpointError: `directory` is not a pdcompile checkpoint, or cannot be read whole.
+        CheckpointError: `directory` is not a pdcompile checkpoint, is partial or altered (see
+            `load`), or cannot be read whole.
 
     Example:
         >>> model.load_state_dict(pdcompile.load_full_state_dict("ckpt/100"), strict=True)
         <All keys matched successfully>
     """
     path = os.fspath(directory)
+    _verify(path)
     metadata, _ = _open(path)
     state = {k: _empty(metadata, k) for k in metadata.state_dict_metadata if k.startswith("model/")}
     with _dcp(path, 0):
@@ -281,18 +318,22 @@ def _restore_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _agree(items: dict[str, torch.Tensor], problems: list[str], path: str, group: Any) -> None:
+def _agree(
+    items: dict[str, torch.Tensor], problems: list[str], path: str, group: Any, token: str = ""
+) -> tuple[set[str], str]:
     """Raise on every rank when any rank has a problem, or ranks hold a key with other values.
 
     Two gathers: every rank's problems and keys, then fingerprints of the keys several hold.
+    Returns the keys any rank holds and rank 0's `token`.
     """
     if _local():
-        return _raise(problems, path)
+        _raise(problems, path)
+        return set(items), token
     held = {key: (tuple(t.shape), str(t.dtype)) for key, t in items.items()}
-    gathered = _gather((problems, held), group)
-    _raise([f"rank {r}: {p}" for r, (own, _) in enumerate(gathered) for p in own], path)
+    gathered = _gather((problems, held, token), group)
+    _raise([f"rank {r}: {p}" for r, (own, _, _) in enumerate(gathered) for p in own], path)
     holders: dict[str, list[int]] = {}
-    for rank, (_, keys) in enumerate(gathered):
+    for rank, (_, keys, _) in enumerate(gathered):
         for key in keys:
             holders.setdefault(key, []).append(rank)
     shared = [key for key, ranks in holders.items() if len(ranks) > 1]
@@ -306,6 +347,16 @@ def _agree(items: dict[str, torch.Tensor], problems: list[str], path: str, group
                 "values): replicas and tied copies must agree when saved (flush first)"
             )
     _raise(problems, path)
+    return set(holders), gathered[0][2]
+
+
+def _attempt(step: Callable[[], list[str]], what: str) -> list[str]:
+    """The problems `step` returns, or its filesystem failure as one."""
+    try:
+        return step()
+    except OSError as exc:
+        return [f"{what} failed: {type(exc).__name__}: {exc}; check the folder's permissions and "
+                "free space"]  # fmt: skip
 
 
 def _fingerprint(tensor: torch.Tensor) -> list[float]:
@@ -315,8 +366,24 @@ def _fingerprint(tensor: torch.Tensor) -> list[float]:
     return torch.stack([x.sum(), (x * weights).sum()]).tolist()
 
 
+def _verify(
+    path: str, rank: int = 0, world_size: int = 1, group: Any = None, gather: bool = False
+) -> None:
+    """Check the manifest and this rank's share of the checksums; raise when a problem is found
+    (with `gather`: on every rank of `group` when any rank finds one)."""
+    try:
+        problems = [
+            f"reading failed: rank {rank}: {problem}"
+            for problem in manifest.verify(path, manifest.read(path), rank, world_size)
+        ]
+    except CheckpointError as exc:
+        problems = [str(exc).removeprefix(f"checkpoint {path}: ")]
+    everyone = _gather(problems, group) if gather else [problems]
+    _raise(list(dict.fromkeys(p for own in everyone for p in own)), path)
+
+
 def _open(path: str) -> tuple[Metadata, int]:
-    """The DCP metadata and saving world size of a pdcompile checkpoint."""
+    """The DCP metadata and saving world size of a pdcompile checkpoint (verified first)."""
     try:
         metadata = FileSystemReader(path).read_metadata()
     except OSError as exc:
@@ -324,6 +391,14 @@ def _open(path: str) -> tuple[Metadata, int]:
             f"checkpoint {path}: not a checkpoint: no readable .metadata file "
             f"({type(exc).__name__}); the path is wrong or a save did not finish"
         ) from exc
+    if bytes_entries := [
+        key for key, e in metadata.state_dict_metadata.items()
+        if not isinstance(e, TensorStorageMetadata)
+    ]:  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path}: holds non-tensor entries {bytes_entries[:3]}, which loading "
+            "would unpickle; pdcompile checkpoints hold tensors only: not opened"
+        )
     entry = metadata.state_dict_metadata.get(_FORMAT)
     if not isinstance(entry, TensorStorageMetadata) or entry.size != (2,):
         raise CheckpointError(
