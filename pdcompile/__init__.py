@@ -48,6 +48,8 @@ _LAZY = {
     "PipelinedModule": "pdcompile.pipelined_module",
     "StagedProgram": "pdcompile.staged_program",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",
+    "Simulation": "pdcompile.runtime.simulator",
+    "simulate": "pdcompile.runtime.simulator",
 }
 _SUBMODULES = ("ir", "zoo", "passes", "runtime")
 
@@ -65,6 +67,7 @@ __all__ = [
     "PipelineTimeoutError",
     "Plan",
     "ScheduleError",
+    "Simulation",
     "SpecError",
     "Stage",
     "StageCommError",
@@ -78,6 +81,7 @@ __all__ = [
     "load_full_state_dict",
     "plan",
     "register_solver",
+    "simulate",
     "solvers",
     "trace",
     "zoo",

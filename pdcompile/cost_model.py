@@ -80,6 +80,20 @@ def cut_bytes(cost_graph: CostGraph, stage_of: dict[str, int], num_stages: int) 
     return cuts
 
 
+def pair_bytes(cost_graph: CostGraph, stage_of: dict[str, int]) -> dict[tuple[int, int], int]:
+    """Bytes each stage sends each later stage per minibatch: a value goes once to every stage
+    that reads it, straight from its producer's stage (as code generation's channels do)."""
+    pairs: dict[tuple[int, int], int] = {}
+    for u in cost_graph.graph:
+        sent: dict[int, int] = {}
+        for _, v, b in cost_graph.graph.out_edges(u, data="bytes"):
+            if stage_of[v] != stage_of[u]:
+                sent[stage_of[v]] = max(sent.get(stage_of[v], 0), b)
+        for dst, b in sent.items():
+            pairs[(stage_of[u], dst)] = pairs.get((stage_of[u], dst), 0) + b
+    return pairs
+
+
 def allreduce_time(grad_bytes: float, replicas: int, bandwidth: float) -> float:
     """Ring all-reduce of `grad_bytes` among `replicas` devices."""
     return 2 * (replicas - 1) / replicas * grad_bytes / bandwidth if replicas > 1 else 0.0
@@ -180,6 +194,7 @@ def evaluate(
     stage_of = check_plan(plan, cost_graph, cluster)
     count = len(plan.stages)
     cuts = cut_bytes(cost_graph, stage_of, count)
+    pairs = pair_bytes(cost_graph, stage_of)
     replicas = [s.replicas for s in plan.stages]
     stages, compute_parts, allreduces = [], [], []
     for s in plan.stages:
@@ -209,6 +224,9 @@ def evaluate(
                 forward_s=sums.forward_s / speed, backward_s=sums.backward_s / speed,
                 comm_s=comm, allreduce_s=ring / every, memory_bytes=memory,
                 time_s=compute / s.replicas + comm + ring / every,
+                recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
+                activation_bytes=sums.activation_bytes, param_bytes=sums.param_bytes,
+                grad_bytes=sums.grad_bytes, weight_bytes=sums.weight_bytes,
             )
         )  # fmt: skip
     predicted = max(s.time_s for s in stages)

@@ -25,7 +25,12 @@ VERSION = 1
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage. Times are seconds per minibatch (the CostGraph's batch) on one replica
-    set: `time_s = compute / replicas + comm_s + allreduce_s` (docs/cost_model.md)."""
+    set: `time_s = compute / replicas + comm_s + allreduce_s` (docs/cost_model.md).
+
+    The byte counts (per minibatch where they scale with it) are what `pdcompile.simulate` needs:
+    `recv_bytes` pairs (earlier stage, bytes it sends here), `activation_bytes` are kept from a
+    forward to its backward, `weight_bytes` are parameters + gradients + optimizer state.
+    """
 
     index: int
     nodes: tuple[str, ...]
@@ -37,6 +42,15 @@ class Stage:
     allreduce_s: float = 0.0
     memory_bytes: int = 0
     time_s: float = 0.0
+    recv_bytes: tuple[tuple[int, int], ...] = ()
+    activation_bytes: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    weight_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        # JSON gives lists of lists: keep the pairs hashable and equal to the original
+        object.__setattr__(self, "recv_bytes", tuple((int(s), int(b)) for s, b in self.recv_bytes))
 
 
 @dataclass(frozen=True)

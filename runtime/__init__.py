@@ -18,6 +18,8 @@ _LAZY = {
     "vertical_version": "pdcompile.runtime.versions",
     "warmup": "pdcompile.runtime.versions",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",
+    "Simulation": "pdcompile.runtime.simulator",
+    "simulate": "pdcompile.runtime.simulator",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,407 @@
+"""The schedule simulator: a plan's action lists executed on modelled time. Torch-free.
+
+`simulate` builds the per-rank actions the runtime walks (`build_schedule`) and runs them on an
+event heap: compute takes the plan's seconds, a message travels from its `send` at the bandwidth
+of the link it uses (shared fairly with the transfers on that link at the same time), a `recv`
+waits for its message, collectives wait for their whole group. Under `pipedream` it walks the
+endless stream in calls of `num_microbatches` minibatches, each ended by the loss all-reduce that
+synchronises the ranks, as `DistributedPipeline.train_step` does. docs/simulator.md has the model.
+
+Example:
+    >>> sim = pdcompile.simulate(plan, schedule="gpipe", num_microbatches=8)
+    >>> sim.time_per_step, sim.bubble_fraction, sim.peak_memory
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pdcompile.cluster import Cluster
+from pdcompile.cost_model import allreduce_time
+from pdcompile.errors import PartitionError, ScheduleError
+from pdcompile.plans import Plan, check_schedule
+from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.runtime.schedules import build_schedule
+from pdcompile.runtime.timeline import Event, to_chrome_trace
+from pdcompile.runtime.versions import warmup
+
+__all__ = ["Simulation", "simulate"]
+
+COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What a simulated run did and cost.
+
+    `timeline`: every action of every rank (seconds from 0); `time_per_step`: seconds per
+    `train_step` (synchronous schedules: one step's span; `pipedream`: the last, steady-state
+    call); `bubble_fraction[rank]`: the share of that span the rank spends outside `F` and `B`;
+    `memory[rank]`: (time, bytes in use) after each change; `peak_memory[rank]`: its maximum.
+    """
+
+    plan: Plan
+    schedule: Schedule
+    timeline: list[Event]
+    time_per_step: float
+    bubble_fraction: list[float]
+    peak_memory: list[int]
+    memory: list[list[tuple[float, int]]]
+
+    def to_chrome_trace(self, path: str | Path | None = None) -> dict[str, Any]:
+        """The timeline as Chrome trace-event JSON (opens in Perfetto), written to `path`."""
+        return to_chrome_trace(self.timeline, path)
+
+    def plot(self, path: str | Path, title: str | None = None) -> None:
+        """Draw the timeline as a Gantt chart (one row per rank) to `path`."""
+        from pdcompile.gantt import plot_timelines
+
+        default = (
+            f"simulated {self.plan.schedule}, {self.plan.num_stages} stages, "
+            f"{self.plan.num_microbatches} microbatches"
+        )
+        plot_timelines([(title or default, self.timeline)], path)
+
+
+def simulate(
+    plan: Plan,
+    *,
+    schedule: str | None = None,
+    num_microbatches: int | None = None,
+    cluster: Cluster | None = None,
+) -> Simulation:
+    """Simulate one `train_step` of `plan` (for `pipedream`, enough calls to reach its steady
+    state) under `schedule` with `num_microbatches` on `cluster` (defaults: the plan's).
+
+    A stage's `forward_s`/`backward_s` are taken per microbatch (plan at the microbatch size).
+
+    Raises:
+        PartitionError: the plan has no per-stage byte counts (not scored by this version's
+            `pdcompile.evaluate`), or the cluster has too few devices for its ranks.
+        ScheduleError: the schedule cannot be built (e.g. `2bw` with fewer microbatches than
+            stages) or deadlocks.
+    """
+    kind = check_schedule(schedule or plan.schedule)
+    m = num_microbatches or plan.num_microbatches
+    _check(plan, cluster or plan.cluster)
+    plan = _on(plan, cluster or plan.cluster).with_(schedule=kind, num_microbatches=m)
+    ranks = [s.ranks for s in plan.stages]
+    edges = {(src, s.index): size > 0 for s in plan.stages for src, size in s.recv_bytes}
+    if kind != "pipedream":
+        built = build_schedule(kind, ranks, edges, m)
+        engine = _Engine(plan, built)
+        engine.run_call(math.inf)
+        return engine.result(0.0, engine.release)
+    replicas = [s.replicas for s in plan.stages]
+    if any(m % r for r in replicas):
+        raise ScheduleError(
+            f"pipedream updates a stage once per round of its replicas ({replicas}); give a "
+            f"number of minibatches that every replica count divides, got {m}"
+        )
+    deepest = max(warmup(replicas, s) for s in range(len(replicas)))
+    calls = -(-(deepest + 1) // m) + 1  # the last call starts after every warm-up
+    lookahead = math.lcm(*replicas) * (deepest + 1) * max(replicas)  # as Pipeline._lookahead
+    engine = _Engine(plan, build_schedule(kind, ranks, edges, calls * m + lookahead))
+    start = 0.0
+    for call in range(1, calls + 1):
+        start = engine.release
+        engine.run_call(call * m)
+    return engine.result(start, engine.release)
+
+
+def _check(plan: Plan, cluster: Cluster) -> None:
+    if not any(s.recv_bytes or s.weight_bytes or s.activation_bytes for s in plan.stages):
+        raise PartitionError(
+            "the plan has no per-stage byte counts (recv_bytes, activation_bytes, weight_bytes: "
+            "written by an older pdcompile or never scored); re-score it with "
+            "pdcompile.evaluate(plan, cost_graph) or re-plan with `pdcompile plan`"
+        )
+    used = max(r for s in plan.stages for r in s.ranks)
+    if used >= cluster.num_devices:
+        raise PartitionError(
+            f"the plan uses ranks up to {used} but cluster {cluster} has {cluster.num_devices} "
+            "devices; simulate on a cluster with at least as many"
+        )
+
+
+def _on(plan: Plan, cluster: Cluster) -> Plan:
+    """`plan` on `cluster`: stage times rescaled where its devices' speeds differ."""
+    stages = []
+    for s in plan.stages:
+        factor = plan.cluster.device_speed(s.ranks) / cluster.device_speed(s.ranks)
+        stages.append(replace(s, forward_s=s.forward_s * factor, backward_s=s.backward_s * factor))
+    return plan.with_(stages=tuple(stages), cluster=cluster)
+
+
+class _Link:
+    """One direction of a link, shared fairly by the transfers on it (processor sharing, in
+    virtual time: each active transfer has been served `virtual` bytes since it started at
+    `tag - bytes`, so they finish in order of `tag`)."""
+
+    __slots__ = ("bandwidth", "flows", "updated", "version", "virtual")
+
+    def __init__(self, bandwidth: float) -> None:
+        self.bandwidth = bandwidth
+        self.virtual = 0.0
+        self.updated = 0.0
+        self.version = 0
+        self.flows: list[tuple[float, int, tuple]] = []  # (tag, sequence, message)
+
+    def advance(self, now: float) -> None:
+        if self.flows:
+            self.virtual += (now - self.updated) * self.bandwidth / len(self.flows)
+        self.updated = now
+
+    def next_completion(self, now: float) -> float:
+        return now + max(0.0, self.flows[0][0] - self.virtual) * len(self.flows) / self.bandwidth
+
+
+class _Engine:
+    """Runs every rank's actions on an event heap; `run_call(bound)` runs until every rank is
+    done, blocked, or at its first action that needs a forward minibatch >= `bound`."""
+
+    def __init__(self, plan: Plan, schedule: Schedule) -> None:
+        self.plan, self.schedule = plan, schedule
+        cluster = plan.cluster
+        self.actions = schedule.actions
+        self.stage = {r: s.index for s in plan.stages for r in s.ranks}
+        self.seconds = {(s.index, "F"): s.forward_s for s in plan.stages}
+        self.seconds |= {(s.index, "B"): s.backward_s for s in plan.stages}
+        self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
+        self.ring = {
+            s.index: allreduce_time(
+                s.grad_bytes, s.replicas, cluster.bandwidth(min(s.ranks), max(s.ranks))
+            )
+            for s in plan.stages
+        }
+        # devices per group of the level below each level (1 below the innermost)
+        self.below = [
+            math.prod(lv.count for lv in cluster.levels[:k]) for k in range(len(cluster.levels))
+        ]
+        self.links: dict[tuple[int, int, int], _Link] = {}  # (level, source group, destination)
+        self.routes: dict[tuple[int, int], tuple[int, int, int]] = {}  # rank pair -> link
+        self.position = dict.fromkeys(self.actions, 0)
+        self.clock = dict.fromkeys(self.actions, 0.0)  # when each rank last stopped
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self.sequence = 0
+        self.arrived: dict[tuple, float] = {}
+        self.waiting: dict[tuple, tuple[int, float]] = {}  # message -> (rank, since)
+        self.gathering: dict[tuple, list[tuple[int, float]]] = {}  # collective -> arrivals
+        self.events: list[Event] = []
+        self.release = 0.0  # when the last call's closing all-reduce let the ranks go
+        self.bound = math.inf
+        # memory: weights (+ 2bw's second version), activations in flight, stashed versions
+        kind = plan.schedule
+        by_stage = {s.index: s for s in plan.stages}
+        self.kept = {r: by_stage[s].activation_bytes for r, s in self.stage.items()}
+        self.copy = {r: by_stage[s].param_bytes for r, s in self.stage.items()}
+        self.used = {
+            r: by_stage[s].weight_bytes + (by_stage[s].param_bytes if kind == "2bw" else 0)
+            for r, s in self.stage.items()
+        }
+        self.memory = {r: [(0.0, self.used[r])] for r in self.actions}
+        self.updates = dict.fromkeys(self.actions, 0)
+        self.users: dict[int, dict[int, int]] = {r: {} for r in self.actions}
+        self.pushed: dict[int, dict[int, int]] = {r: {} for r in self.actions}
+
+    # -- the event loop ---------------------------------------------------------------------
+
+    def _push(self, time: float, code: int, what: Any, version: int = 0) -> None:
+        self.sequence += 1
+        heapq.heappush(self.heap, (time, self.sequence, code, what, version))
+
+    def run_call(self, bound: float) -> None:
+        """Run every rank from the last release until nothing can move; then the closing
+        all-reduce (a barrier) sets the next release."""
+        self.bound = bound
+        self.waiting.clear()
+        self.gathering.clear()
+        before = dict(self.position)
+        for rank in self.actions:
+            self._push(self.release, 0, rank)
+        while self.heap:
+            time, _, code, what, version = heapq.heappop(self.heap)
+            if code == 0:
+                self._resume(what, time)
+            elif self.links[what].version == version:
+                self._complete(what, time)
+        if bound == math.inf and any(self.position[r] < len(a) for r, a in self.actions.items()):
+            self._stuck("deadlock")
+        if bound < math.inf and self.position == before:
+            self._stuck(f"no rank can move towards minibatch {bound}")
+        self.release = max(self.clock.values())
+
+    def _stuck(self, why: str) -> None:
+        stuck = {r: p for r, p in self.position.items() if p < len(self.actions[r])}
+        raise ScheduleError(
+            f"simulated {self.schedule.kind} schedule stops: {why}; ranks wait at "
+            f"{ {r: str(self.actions[r][p]) for r, p in stuck.items()} }\n"
+            f"{self.schedule.grid(stuck)}"
+        )
+
+    def _resume(self, rank: int, now: float) -> None:
+        """Run `rank`'s actions from `now` until one takes time or it has to wait."""
+        actions, stage = self.actions[rank], self.stage[rank]
+        while self.position[rank] < len(actions):
+            a = actions[self.position[rank]]
+            kind = a.kind
+            if a.microbatch >= self.bound and (
+                kind in ("F", "push") or (kind in ("send", "recv") and a.stream == "act")
+            ):
+                break  # the next call gives this minibatch
+            if kind in COMPUTE:
+                end = now + self.seconds[(stage, kind)]
+                self._record(rank, a, now, end)
+                self._activations(rank, a, now, end)
+                self._push(end, 0, rank)
+                return
+            if kind == "recv":
+                message = (a.peer, rank, *a.key)
+                arrival = self.arrived.pop(message, None)
+                if arrival is None:
+                    self.waiting[message] = (rank, now)
+                    break
+                if arrival > now:  # sent in an earlier call, still travelling at its end
+                    self._record(rank, a, now, arrival)
+                    self._push(arrival, 0, rank)
+                    return
+                self._record(rank, a, now, now)
+            elif a.is_collective:
+                if not self._gather(rank, a, now):
+                    break
+                return
+            else:
+                if kind == "send":
+                    self._send(rank, a, now)
+                elif kind in ("push", "pop", "step"):
+                    self._version(rank, a, now)
+                self._record(rank, a, now, now)
+        self.clock[rank] = now
+
+    def _record(self, rank: int, a: Action, start: float, end: float) -> None:
+        self.events.append(Event(rank, a.kind, a.stage, a.microbatch, start, end, a.peer))
+        self.position[rank] += 1
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _send(self, rank: int, a: Action, now: float) -> None:
+        message = (rank, a.peer, *a.key)
+        size = self.bytes[a.key[2:]]
+        if size <= 0:
+            self._deliver(message, now)
+            return
+        key = self._link(rank, a.peer)
+        link = self.links[key]
+        link.advance(now)
+        self.sequence += 1
+        heapq.heappush(link.flows, (link.virtual + size, self.sequence, message))
+        self._reschedule(key, link, now)
+
+    def _link(self, src: int, dst: int) -> tuple[int, int, int]:
+        """Transfers between the same two groups of the slowest level the ranks span share one
+        link per direction (two ranks of one innermost group: a link of their own)."""
+        key = self.routes.get((src, dst))
+        if key is None:
+            level = self.plan.cluster.level_of(min(src, dst), max(src, dst))
+            size = self.below[level]
+            key = self.routes[(src, dst)] = (level, src // size, dst // size)
+            self.links.setdefault(key, _Link(self.plan.cluster.levels[level].bandwidth))
+        return key
+
+    def _reschedule(self, key: tuple[int, int, int], link: _Link, now: float) -> None:
+        """The link's next completion (earlier ones scheduled are stale from now on)."""
+        link.version += 1
+        if link.flows:
+            self._push(link.next_completion(now), 1, key, link.version)
+
+    def _complete(self, key: tuple[int, int, int], now: float) -> None:
+        link = self.links[key]
+        link.advance(now)
+        tag, _, message = heapq.heappop(link.flows)
+        link.virtual = max(link.virtual, tag)  # no rounding left over
+        done = [message]
+        while link.flows and link.flows[0][0] - link.virtual <= 1e-9 * max(1.0, tag):
+            done.append(heapq.heappop(link.flows)[2])
+        self._reschedule(key, link, now)
+        for message in done:
+            self._deliver(message, now)
+
+    def _deliver(self, message: tuple, now: float) -> None:
+        waiter = self.waiting.pop(message, None)
+        if waiter is None:
+            self.arrived[message] = now
+            return
+        rank, since = waiter
+        a = self.actions[rank][self.position[rank]]
+        self._record(rank, a, since, now)
+        self._push(now, 0, rank)
+
+    # -- collectives, versions, memory ------------------------------------------------------
+
+    def _gather(self, rank: int, a: Action, now: float) -> bool:
+        """Arrive at a collective; when the group is complete, every member leaves at its end.
+        Returns whether this rank goes on (it waits otherwise)."""
+        arrivals = self.gathering.setdefault(a.collective, [])
+        arrivals.append((rank, now))
+        if len(arrivals) < len(a.group):
+            self.clock[rank] = now
+            return False
+        del self.gathering[a.collective]
+        ring = self.ring[a.stage] if a.kind == "allreduce" and a.tie < 0 else 0.0
+        end = now + ring
+        for member, since in arrivals:
+            self._record(member, self.actions[member][self.position[member]], since, end)
+            self._push(end, 0, member)
+        return True
+
+    def _activations(self, rank: int, a: Action, start: float, end: float) -> None:
+        """A forward keeps its activations until its backward ends."""
+        if a.kind == "F":
+            self._use(rank, start, self.kept[rank])
+        else:
+            self._use(rank, end, -self.kept[rank])
+
+    def _version(self, rank: int, a: Action, now: float) -> None:
+        """`pipedream` stashes a copy of the weights per version in use (the worker's rule)."""
+        users = self.users[rank]
+        if a.kind == "step":
+            self.updates[rank] += 1
+        elif a.kind == "push":
+            version = self.updates[rank]
+            self.pushed[rank][a.microbatch] = version
+            users[version] = users.get(version, 0) + 1
+            if users[version] == 1:
+                self._use(rank, now, self.copy[rank])
+        else:
+            version = self.pushed[rank].pop(a.microbatch)
+            users[version] -= 1
+            if not users[version]:
+                del users[version]
+                self._use(rank, now, -self.copy[rank])
+
+    def _use(self, rank: int, time: float, change: int) -> None:
+        if change:
+            self.used[rank] += change
+            self.memory[rank].append((time, self.used[rank]))
+
+    # -- results ----------------------------------------------------------------------------
+
+    def result(self, start: float, end: float) -> Simulation:
+        """The simulation, with time per step and bubbles measured over [start, end]."""
+        span = end - start
+        busy = dict.fromkeys(self.actions, 0.0)
+        for e in self.events:
+            if e.kind in COMPUTE and e.start >= start:
+                busy[e.rank] += e.end - e.start
+        count = max(self.actions) + 1
+        bubble = [1.0 - busy[r] / span if span > 0 and r in busy else 0.0 for r in range(count)]
+        memory = [self.memory.get(r, [(0.0, 0)]) for r in range(count)]
+        return Simulation(
+            plan=self.plan, schedule=self.schedule, timeline=self.events, time_per_step=span,
+            bubble_fraction=bubble, peak_memory=[max(b for _, b in m) for m in memory],
+            memory=memory,
+        )  # fmt: skip
