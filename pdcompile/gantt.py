@@ -91,6 +91,7 @@ def plot_timelines(panels: Sequence[tuple[str, Sequence[Event]]], path: str | Pa
         if not events:
             raise PdcompileError(f"panel {title!r} has no events to draw")
     try:
+        import matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
@@ -116,7 +117,8 @@ def plot_timelines(panels: Sequence[tuple[str, Sequence[Event]]], path: str | Pa
     if kinds - KINDS.keys():
         handles.append(Patch(color=OTHER, label="other"))
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
-    fig.savefig(path, dpi=150)
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
+        fig.savefig(path, dpi=150)
 
 
 def _draw_panel(
