@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -35,6 +38,8 @@ __all__ = ["DistributedComm", "init_process_group", "message_tag"]
 logger = logging.getLogger(__name__)
 
 _REAP_TIMEOUT = timedelta(days=1)
+_LOOPBACK = "127.0.0.1"
+_DEFAULT_PORT = 29500  # torch's
 _STREAMS = {"act": 0, "grad": 1}
 
 
@@ -51,7 +56,9 @@ def init_process_group(
     Args:
         backend: "nccl" when CUDA is available, else "gloo", unless given.
         init_file: a `FileStore` path shared by the ranks (tests); None reads the `MASTER_ADDR`,
-            `MASTER_PORT` variables that `torchrun` sets.
+            `MASTER_PORT` variables that `torchrun` sets. Without `MASTER_ADDR` the ranks meet on
+            this machine's loopback address (port `MASTER_PORT`, else 29500): the rendezvous
+            never listens on a network unless the user names an address.
         timeout_s: the default timeout of every operation of the group.
     """
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -61,7 +68,7 @@ def init_process_group(
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.FileStore(init_file, world_size) if init_file is not None else None
+    store = _store(rank, world_size, init_file, timeout)
     dist.init_process_group(
         backend,
         init_method=None if store is not None else "env://",
@@ -72,6 +79,34 @@ def init_process_group(
     )
     logger.info("rank %d: joined a %s group of %d ranks on %s", rank, backend, world_size, device)
     return device
+
+
+def _store(rank: int, world_size: int, init_file: str | None, timeout: timedelta) -> Any:
+    """The rendezvous store: a `FileStore`, None for `env://` (`MASTER_ADDR` given: torchrun or
+    the user chose the address), else a `TCPStore` listening on the loopback address only (a
+    `TCPStore` given an address still listens on every interface)."""
+    if init_file is not None:
+        return dist.FileStore(init_file, world_size)
+    if os.environ.get("MASTER_ADDR"):
+        return None
+    port = int(os.environ.get("MASTER_PORT") or _DEFAULT_PORT)
+    listen_fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((_LOOPBACK, port))
+        except OSError as exc:
+            sock.close()
+            raise StageCommError(
+                f"rank 0 cannot listen on {_LOOPBACK}:{port} for the rendezvous ({exc.strerror}): "
+                "set MASTER_PORT to a free port (or MASTER_ADDR to rendezvous over a network)"
+            ) from exc
+        sock.listen()
+        listen_fd = sock.detach()  # the store owns the socket from here
+    return dist.TCPStore(
+        _LOOPBACK, port, world_size, rank == 0, timeout, master_listen_fd=listen_fd
+    )
 
 
 def message_tag(key: Key) -> int:
@@ -134,6 +169,11 @@ class DistributedComm:
         self._abandoned: list[tuple[Any, torch.Tensor]] = []
         # receives posted early (`expect`), by (peer, key)
         self._posted: dict[tuple[int, Key], tuple[Any, torch.Tensor, wire.Layout, str]] = {}
+        # the wait in progress (what, peer, since), which a watchdog thread reports every
+        # `watchdog_s` while it lasts: a hang shows in the log long before the timeout
+        self._waiting: tuple[str, Any, float] | None = None
+        self.watchdog_s = min(60.0, max(1.0, timeout_s / 5))
+        self._watchdog: threading.Thread | None = None
 
     def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
         """Post the receive of a message now, so that its sender never waits (gloo).
@@ -171,6 +211,19 @@ class DistributedComm:
         logger.debug("rank %d: %s to rank %d", self.rank, what, peer)
         if error is not None:
             raise error
+
+    def send_error(
+        self, peer: int, key: Key, channels: Sequence[Channel], rows: int, text: str
+    ) -> None:
+        """Send `text` in place of the message of `key` (the peer raises `StageCommError` with
+        it). Best effort: the run is failing already, and the peer may be gone too."""
+        try:
+            buffer = wire.error_message(wire.layout(tuple(channels), rows), key, text, self.device)
+            work = dist.isend(buffer, dst=peer, tag=message_tag(key), group=self._p2p)
+        except Exception as exc:  # never mask the error being reported
+            logger.warning("rank %d: could not tell rank %d: %s", self.rank, peer, exc)
+            return
+        self._abandoned.append((work, buffer))
 
     def recv(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> list[Any]:
         """Wait for the message of `key` from `peer` (posted by `expect`, or now).
@@ -254,7 +307,8 @@ class DistributedComm:
             while self._sends and self._send_error is None:
                 if not self._changed.wait(self.timeout_s):  # no send completed for timeout_s
                     _, _, peer, what = self._sends[0]
-                    raise self._failure(peer, what, TimeoutError("the peer did not receive it"))
+                    reason = TimeoutError("the peer did not receive it")
+                    raise self._failure(peer, what, reason, self.timeout_s)
             self._raise_send_error()
 
     def _reap(self) -> None:
@@ -301,18 +355,61 @@ class DistributedComm:
         what: str,
         timeout: timedelta | None = None,
     ) -> None:
+        start = time.monotonic()
+        watched = timeout is None  # the sends' thread waits long on purpose
+        if watched:
+            self._waiting = (what, peer, start)
+            self._start_watchdog()
         try:
             if work.wait(timeout=timeout or self._timeout) is False:
                 raise RuntimeError("the operation was aborted")
         except RuntimeError as exc:  # timeouts and dead peers (DistBackendError, ...) alike
             self._abandoned.append((work, tensor))
-            raise self._failure(peer, what, exc) from exc
+            raise self._failure(peer, what, exc, time.monotonic() - start) from exc
+        finally:
+            if watched:
+                self._waiting = None
 
-    def _failure(self, peer: Any, what: str, exc: BaseException) -> PipelineTimeoutError:
-        peers = f"ranks {list(peer)}" if isinstance(peer, tuple) else f"rank {peer}"
+    def _start_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=_watch, args=(weakref.ref(self),), name="watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def _failure(
+        self, peer: Any, what: str, exc: BaseException, waited: float | None = None
+    ) -> PipelineTimeoutError:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        logger.error("rank %d: %s with %s failed: %s", self.rank, what, peers, reason)
+        after = "at once" if waited is None else f"after waiting {waited:.1f} s"
+        logger.error("rank %d: %s with %s failed %s: %s", self.rank, what, _peers(peer), after,
+                     reason)  # fmt: skip
         return PipelineTimeoutError(
-            f"rank {self.rank} gave up {what} with {peers} (timeout {self.timeout_s:g} s): "
-            f"{reason}; the peer died, hangs, or runs another schedule: see its own log"
+            f"rank {self.rank} gave up {what} with {_peers(peer)} {after} (timeout "
+            f"{self.timeout_s:g} s): {reason}; the peer died, hangs, or runs another schedule: "
+            "see its own log"
         )
+
+
+def _peers(peer: Any) -> str:
+    return f"ranks {list(peer)}" if isinstance(peer, tuple) else f"rank {peer}"
+
+
+def _watch(ref: weakref.ref[DistributedComm]) -> None:
+    """The watchdog: while a wait of the comm lasts, log every `watchdog_s` which rank waits,
+    on what, with whom and for how long; ends with the comm."""
+    reported: tuple[tuple[str, Any, float] | None, float] = (None, 0.0)  # wait, seconds
+    while (comm := ref()) is not None:
+        tick, waiting = comm.watchdog_s, comm._waiting
+        if waiting is not None:
+            what, peer, since = waiting
+            waited = time.monotonic() - since
+            last = reported[1] if reported[0] is waiting else 0.0
+            if waited - last >= tick:
+                logger.warning(
+                    "rank %d has waited %.0f s %s with %s (it gives up after %g s)",
+                    comm.rank, waited, what, _peers(peer), comm.timeout_s,
+                )  # fmt: skip
+                reported = (waiting, waited)
+        del comm
+        time.sleep(tick / 4)
