@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
@@ -475,7 +476,7 @@ def _sort_key(r: BenchResult) -> tuple[Any, ...]:
     return (r.status != "ok", r.predicted_time if r.predicted_time is not None else 0, r.solver)
 
 
-def _note(r: BenchResult, width: int = 70) -> str:
+def _note(r: BenchResult, width: int = 48) -> str:
     text = r.note.splitlines()[0] if r.note else ""
     return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -491,7 +492,7 @@ def results_table(results: Sequence[BenchResult], title: str | None = None) -> T
     if title is None:
         where = f"{next(iter(groups))[0]} on {next(iter(groups))[1]}, " if single else ""
         title = f"{where}schedule {schedule}, plans scored under evaluate"
-    table = Table(title=title)
+    table = Table(title=Text(title))  # Text: names such as dag:100:1 are not markup or emoji
     columns = ([] if single else ["instance", "cluster"]) + [
         "solver", "predicted", "vs best", "lower bound", "gap", "stages", "devices",
         "fits memory", "solve time",
@@ -514,7 +515,7 @@ def results_table(results: Sequence[BenchResult], title: str | None = None) -> T
                 ]  # fmt: skip
             else:
                 cells = [r.status, "-", human_seconds(r.lower_bound), *["-"] * 5]
-            table.add_row(*where, r.solver, *cells, *([_note(r)] if notes else []))
+            table.add_row(*map(Text, [*where, r.solver, *cells, *([_note(r)] if notes else [])]))
         table.add_section()
     return table
 
@@ -530,8 +531,8 @@ def _summary(results: Sequence[BenchResult]) -> list[dict[str, Any]]:
             "solver": solver, "runs": len(rs), "ok": sum(r.status == "ok" for r in rs),
             "failed": sum(r.status == "failed" for r in rs),
             "timeout": sum(r.status == "timeout" for r in rs),
-            "best": sum(r.fits_memory is True and x <= 1 + 1e-9 for r, x in
-                        ((r, r.ratio_to_best) for r in rs) if x is not None),
+            "best": sum(bool(r.fits_memory) and (r.ratio_to_best or math.inf) <= 1 + 1e-9
+                        for r in rs),
             "geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
             "worst_ratio": max(ratios) if ratios else None,
             "solve_time_s": math.fsum(r.solve_time_s or 0.0 for r in rs),
@@ -546,12 +547,12 @@ def summary_table(results: Sequence[BenchResult]) -> Table:
     for column in ("solver", "plans", "best", "geo-mean vs best", "worst vs best", "solve time"):
         table.add_column(column, justify="left" if column == "solver" else "right")
     for s in _summary(results):
-        table.add_row(
+        table.add_row(*map(Text, [
             s["solver"], f"{s['ok']}/{s['runs']}", str(s["best"]),
             f"{s['geomean_ratio']:.3f}" if s["geomean_ratio"] is not None else "-",
             f"{s['worst_ratio']:.3f}" if s["worst_ratio"] is not None else "-",
-            f"{s['solve_time_s']:.2f} s",
-        )  # fmt: skip
+            f"{s['solve_time_s']:.2f} s" if s["ok"] else "-",
+        ]))  # fmt: skip
     return table
 
 
