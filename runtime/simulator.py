@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,8 @@ def simulate(
             f"pipedream updates a stage once per round of its replicas ({replicas}); give a "
             f"number of minibatches that every replica count divides, got {m}"
         )
+    calls = pipedream_calls(replicas, m)
     deepest = max(warmup(replicas, s) for s in range(len(replicas)))
-    calls = -(-(deepest + 1) // m) + 1  # the last call starts after every warm-up
     lookahead = math.lcm(*replicas) * (deepest + 1) * max(replicas)  # as Pipeline._lookahead
     engine = _Engine(plan, build_schedule(kind, ranks, edges, calls * m + lookahead))
     start = 0.0
@@ -111,6 +112,13 @@ def simulate(
         start = engine.release
         engine.run_call(call * m)
     return engine.result(start, engine.release)
+
+
+def pipedream_calls(replicas: Sequence[int], num_microbatches: int) -> int:
+    """`train_step` calls until one is steady: every replica of stage s has had w_s + 1
+    minibatches before it starts (its cut is then in the one-forward-one-backward phase)."""
+    steady = max(r * (warmup(replicas, s) + 1) for s, r in enumerate(replicas))
+    return -(-steady // num_microbatches) + 1
 
 
 def _check(plan: Plan, cluster: Cluster) -> None:
@@ -245,18 +253,26 @@ class _Engine:
 
     def _resume(self, rank: int, now: float) -> None:
         """Run `rank`'s actions from `now` until one takes time or it has to wait."""
-        actions, stage = self.actions[rank], self.stage[rank]
-        while self.position[rank] < len(actions):
-            a = actions[self.position[rank]]
+        actions, stage, position, bound = (
+            self.actions[rank],
+            self.stage[rank],
+            self.position,
+            self.bound,
+        )
+        while position[rank] < len(actions):
+            a = actions[position[rank]]
             kind = a.kind
-            if a.microbatch >= self.bound and (
+            if a.microbatch >= bound and (
                 kind in ("F", "push") or (kind in ("send", "recv") and a.stream == "act")
             ):
                 break  # the next call gives this minibatch
             if kind in COMPUTE:
                 end = now + self.seconds[(stage, kind)]
                 self._record(rank, a, now, end)
-                self._activations(rank, a, now, end)
+                if kind == "F":  # activations are kept from a forward to the end of its backward
+                    self._use(rank, now, self.kept[rank])
+                else:
+                    self._use(rank, end, -self.kept[rank])
                 self._push(end, 0, rank)
                 return
             if kind == "recv":
@@ -357,13 +373,6 @@ class _Engine:
             self._record(member, self.actions[member][self.position[member]], since, end)
             self._push(end, 0, member)
         return True
-
-    def _activations(self, rank: int, a: Action, start: float, end: float) -> None:
-        """A forward keeps its activations until its backward ends."""
-        if a.kind == "F":
-            self._use(rank, start, self.kept[rank])
-        else:
-            self._use(rank, end, -self.kept[rank])
 
     def _version(self, rank: int, a: Action, now: float) -> None:
         """`pipedream` stashes a copy of the weights per version in use (the worker's rule)."""

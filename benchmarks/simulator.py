@@ -1,0 +1,286 @@
+"""Simulator benchmark: how fast `pdcompile.simulate` is, and how well it predicts real runs.
+
+    python benchmarks/simulator.py [--steps 5] [--rounds 5] [--scale-only] [--json FILE]
+                                   [--trace-dir DIR]
+
+1. Scale: 64 stages x 512 microbatches under every schedule (best of 3 wall times).
+2. Predicted against measured: the MLP and the GPT-style decoder of benchmarks/runtime.py, cut in
+   the same 2 stages, on 2 gloo ranks with one thread each, 8 microbatches, under `1f1b`,
+   `gpipe`, `pipedream` and `2bw`. The stage costs are profiled (one thread) at the microbatch
+   size, the link's bandwidth is measured between the two ranks (a 4 MB message, one way), and
+   the simulator predicts the time per step. The ranks time `--steps` train steps per schedule,
+   the schedules alternating within each of `--rounds` rounds (pipedream after a warm-up call,
+   so in steady state); the table gives the median over rounds. A second prediction takes the
+   stages' forward and backward times from one measured step's timeline instead of the profile,
+   which separates the profile's error from the simulator's. `--trace-dir` writes that step's
+   timeline and the simulation as Chrome traces, and both as one Gantt PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import pdcompile
+from pdcompile import Cluster, Plan, Stage, zoo
+from pdcompile.plans import SCHEDULES, consecutive_ranks
+from pdcompile.runtime.distributed import init_process_group
+from pdcompile.runtime.executor import DistributedPipeline
+from pdcompile.runtime.timeline import Event, to_chrome_trace
+
+MICROBATCHES = 8
+PROBE_BYTES = 4 * 2**20  # the message that measures the link
+
+
+def mlp_case():
+    torch.manual_seed(0)
+    model = zoo.MLP(d_in=256, d_hidden=1024, d_out=10, p=0.0).train()
+    return model, torch.randn(64, 256), torch.randint(0, 10, (64,)), F.cross_entropy
+
+
+def gpt_case():
+    torch.manual_seed(0)
+    model = zoo.GPT(zoo.GPTConfig(n_layer=4, n_embd=128, dropout=0.0)).train()
+    x, y = torch.randint(0, 128, (16, 32)), torch.randint(0, 128, (16, 32))
+    return model, x, y, lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+
+CASES = {"mlp": mlp_case, "gpt": gpt_case}
+
+
+# -- 1. scale ------------------------------------------------------------------------------
+
+
+def synthetic_plan(stages: int) -> Plan:
+    """`stages` equal stages (1 ms forward, 2 ms backward, 1 MB to the next) on 8-GPU servers."""
+    ranks = consecutive_ranks([1] * stages)
+    return Plan(
+        stages=tuple(
+            Stage(
+                index=i,
+                nodes=(f"n{i}",),
+                replicas=1,
+                ranks=ranks[i],
+                forward_s=1e-3,
+                backward_s=2e-3,
+                recv_bytes=((i - 1, 2**20),) if i else (),
+                activation_bytes=2**24,
+                param_bytes=2**22,
+                grad_bytes=2**22,
+                weight_bytes=2**23,
+            )
+            for i in range(stages)
+        ),  # fmt: skip
+        cluster=Cluster.parse(f"8@300GB/s,{-(-stages // 8)}@25Gbit/s"),
+    )
+
+
+def scale(stages: int = 64, microbatches: int = 512, repeats: int = 3) -> list[dict]:
+    plan = synthetic_plan(stages)
+    rows = []
+    for kind in SCHEDULES:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sim = pdcompile.simulate(plan, schedule=kind, num_microbatches=microbatches)
+            best = min(best, time.perf_counter() - start)
+        rows.append({"schedule": kind, "stages": stages, "microbatches": microbatches,
+                     "actions": len(sim.timeline), "seconds": best})  # fmt: skip
+    return rows
+
+
+# -- 2. predicted against measured ---------------------------------------------------------
+
+
+def two_stage_program(model, x) -> pdcompile.StagedProgram:
+    """The 2-stage split of benchmarks/runtime.py (balanced by analytic time)."""
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), profile=False)
+    return pdcompile.codegen(gm, pdcompile.plan(costs, Cluster.parse("2"), solver="blocks"))
+
+
+def profiled_plan(model, x, bandwidth: float) -> Plan:
+    """The 2-stage split scored on costs profiled with one thread at the microbatch size."""
+    program = two_stage_program(model, x)
+    micro = x[: x.shape[0] // MICROBATCHES]
+    costs = pdcompile.analyze(pdcompile.trace(model, (micro,)), (micro,), cache=False,
+                              progress=False)  # fmt: skip
+    return pdcompile.evaluate(program.plan, costs, cluster=Cluster([(2, bandwidth)]))
+
+
+def _link_bandwidth(rank: int) -> tuple[float, float]:
+    """(bytes/s of a PROBE_BYTES message one way, seconds of a 4-byte one), ping-pong medians."""
+    result = []
+    for size in (PROBE_BYTES, 4):
+        buffer = torch.zeros(size // 4)
+        times = []
+        for _ in range(10):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            times.append((time.perf_counter() - start) / 2)
+        result.append(statistics.median(times))
+    return PROBE_BYTES / result[0], result[1]
+
+
+def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
+    torch.set_num_threads(1)
+    device = init_process_group(rank, world_size, init_file=init_file, timeout_s=300)
+    bandwidth, latency = _link_bandwidth(rank)
+    results: dict = {"bandwidth": bandwidth, "latency": latency, "cases": {}}
+    for name, make in CASES.items():
+        results["cases"][name] = _measure(make, rank, device, steps, rounds)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(make, rank, device, steps: int, rounds: int) -> dict:
+    """Seconds per train step for every schedule (per round), and one step's events."""
+    model, x, y, loss_fn = make()
+    pipelines = {
+        kind: DistributedPipeline(
+            two_stage_program(model, x), rank=rank, schedule=kind,
+            num_microbatches=MICROBATCHES, loss_fn=loss_fn, device=device,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.001),
+        )
+        for kind in SCHEDULES
+    }  # fmt: skip
+    for pipeline in pipelines.values():  # warm up; pipedream fills its pipeline
+        pipeline.train_step((x,), y)
+    seconds: dict[str, list[float]] = {kind: [] for kind in SCHEDULES}
+    for r in range(rounds):
+        order = SCHEDULES[r % len(SCHEDULES) :] + SCHEDULES[: r % len(SCHEDULES)]
+        for kind in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                pipelines[kind].train_step((x,), y)
+            seconds[kind].append((time.perf_counter() - start) / steps)
+    events: dict[str, list] = {}
+    for kind, pipeline in pipelines.items():
+        pipeline.worker.timeline = []
+        dist.barrier()
+        pipeline.train_step((x,), y)
+        everyone: list = [None, None]
+        dist.all_gather_object(everyone, pipeline.worker.timeline)
+        events[kind] = [vars(e) for part in everyone for e in part]
+        pipeline.worker.timeline = None
+        pipeline.flush()
+    return {"seconds": seconds, "events": events}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--scale-only", action="store_true")
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--trace-dir", metavar="DIR")
+    args = parser.parse_args()
+    console = Console()
+    summary: dict = {"scale": scale()}
+    table = Table(title="simulate: 64 stages x 512 microbatches (best of 3)")
+    for column in ("schedule", "actions", "seconds"):
+        table.add_column(column, justify="right")
+    for row in summary["scale"]:
+        table.add_row(row["schedule"], str(row["actions"]), f"{row['seconds']:.2f}")
+    console.print(table)
+    if not args.scale_only:
+        summary["predicted"] = predicted_against_measured(args, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+
+
+def predicted_against_measured(args: argparse.Namespace, console: Console) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
+                 nprocs=2, join=True)  # fmt: skip
+        measured = json.loads(Path(out).read_text())
+    torch.set_num_threads(1)  # profile as the ranks ran: one thread
+    bandwidth = measured["bandwidth"]
+    table = Table(
+        title=f"2 gloo ranks, 1 thread each, {MICROBATCHES} microbatches: time per step "
+        f"(link {bandwidth / 1e9:.2f} GB/s, {measured['latency'] * 1e6:.0f} us per message, "
+        "measured; the model has no latency)"
+    )
+    for column in ("model", "schedule", "simulated", "measured (median)", "ratio",
+                   "simulated on measured F/B", "ratio", "rounds (ms)"):  # fmt: skip
+        table.add_column(column, justify="right")
+    rows = {}
+    for name, make in CASES.items():
+        model, x, _, _ = make()
+        plan = profiled_plan(model, x, bandwidth)
+        for kind in SCHEDULES:
+            sim = pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
+            events = [Event(**e) for e in measured["cases"][name]["events"][kind]]
+            replay = pdcompile.simulate(
+                with_measured_compute(plan, events), schedule=kind, num_microbatches=MICROBATCHES
+            )
+            runs = measured["cases"][name]["seconds"][kind]
+            median = statistics.median(runs)
+            rows[f"{name}/{kind}"] = {
+                "simulated": sim.time_per_step, "measured": median,
+                "ratio": sim.time_per_step / median,
+                "simulated_on_measured_compute": replay.time_per_step,
+                "ratio_on_measured_compute": replay.time_per_step / median,
+                "rounds": runs, "bubble": sim.bubble_fraction,
+            }  # fmt: skip
+            table.add_row(name, kind, f"{sim.time_per_step * 1e3:.1f} ms",
+                          f"{median * 1e3:.1f} ms", f"{sim.time_per_step / median:.2f}",
+                          f"{replay.time_per_step * 1e3:.1f} ms",
+                          f"{replay.time_per_step / median:.2f}",
+                          " ".join(f"{t * 1e3:.0f}" for t in runs))  # fmt: skip
+            if args.trace_dir:
+                _write_traces(Path(args.trace_dir), f"{name}_{kind}", events, sim)
+    console.print(table)
+    return {"bandwidth": bandwidth, "latency": measured["latency"], "rows": rows}
+
+
+def with_measured_compute(plan: Plan, events: list[Event]) -> Plan:
+    """`plan` with each stage's forward and backward seconds the medians of a timeline's."""
+    stages = []
+    for s in plan.stages:
+        times = {
+            kind: statistics.median(
+                e.duration for e in events if e.stage == s.index and e.kind == kind
+            )
+            for kind in ("F", "B")
+        }
+        stages.append(dataclasses.replace(s, forward_s=times["F"], backward_s=times["B"]))
+    return plan.with_(stages=tuple(stages))
+
+
+def _write_traces(folder: Path, stem: str, measured: list[Event], sim) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    to_chrome_trace(measured, folder / f"{stem}_measured.json")
+    sim.to_chrome_trace(folder / f"{stem}_simulated.json")
+    from pdcompile.gantt import plot_timelines
+
+    plot_timelines([(f"measured {stem}", measured), (f"simulated {stem}", sim.timeline)],
+                   folder / f"{stem}.png")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The schedule simulator against closed forms, hand-computed transfers and the local executor."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from pipeline_support import mlp_case, program_for
+
+import pdcompile
+from pdcompile import Cluster, PartitionError, Plan, Stage, simulate
+from pdcompile.plans import consecutive_ranks
+from pdcompile.runtime import simulator
+from pdcompile.runtime.local import LocalPipeline
+from pdcompile.runtime.simulator import pipedream_calls
+from pdcompile.runtime.timeline import load_trace
+
+F, B = 1.0, 2.0  # seconds per microbatch of every stage
+ACT, PARAM, WEIGHT = 100, 10, 30  # bytes per stage
+FAST = 1e30  # bytes/s: transfers take no time
+
+
+def equal_plan(
+    replicas: list[int],
+    *,
+    cluster: Cluster | None = None,
+    size: int = 1000,
+    grad_bytes: int = PARAM,
+) -> Plan:
+    """Stages of equal cost, each receiving `size` bytes per microbatch from the one before."""
+    ranks = consecutive_ranks(replicas)
+    stages = tuple(
+        Stage(
+            index=i, nodes=(f"n{i}",), replicas=r, ranks=ranks[i], forward_s=F, backward_s=B,
+            recv_bytes=((i - 1, size),) if i else (), activation_bytes=ACT, param_bytes=PARAM,
+            grad_bytes=grad_bytes, weight_bytes=WEIGHT,
+        )
+        for i, r in enumerate(replicas)
+    )  # fmt: skip
+    return Plan(stages=stages, cluster=cluster or Cluster([(sum(replicas), FAST)]))
+
+
+def in_flight(sim, rank: int) -> int:
+    """The most activations a rank held at once, from its memory timeline."""
+    base = sim.memory[rank][0][1]
+    return max((used - base) // ACT for _, used in sim.memory[rank])
+
+
+SHAPES = [(2, 4), (3, 5), (4, 4), (4, 16), (8, 8)]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize(("stages", "m"), SHAPES)
+def test_synchronous_bubble_is_the_closed_form(kind, stages, m):
+    sim = simulate(equal_plan([1] * stages), schedule=kind, num_microbatches=m)
+    assert sim.time_per_step == pytest.approx((m + stages - 1) * (F + B), rel=1e-12)
+    expected = (stages - 1) / (m + stages - 1)
+    assert sim.bubble_fraction == pytest.approx([expected] * stages, rel=1e-12)
+
+
+@pytest.mark.parametrize(("stages", "m"), SHAPES)
+def test_in_flight_activations_and_versions(stages, m):
+    plan = equal_plan([1] * stages)
+    gpipe = simulate(plan, schedule="gpipe", num_microbatches=m)
+    one = simulate(plan, schedule="1f1b", num_microbatches=m)
+    two = simulate(plan, schedule="2bw", num_microbatches=m)
+    dream = simulate(plan, schedule="pipedream", num_microbatches=m)
+    for s in range(stages):
+        assert in_flight(gpipe, s) == m
+        assert in_flight(one, s) == min(stages - s, m)
+        assert one.peak_memory[s] == WEIGHT + min(stages - s, m) * ACT
+        assert two.peak_memory[s] == WEIGHT + PARAM + min(stages - s, m) * ACT  # a second copy
+        # pipedream: w_s + 1 microbatches in flight, each on its own stashed version
+        assert dream.peak_memory[s] == WEIGHT + (stages - s) * (ACT + PARAM)
+    assert [m for _, m in one.memory[0]][-1] == WEIGHT  # everything released at the end
+
+
+@pytest.mark.parametrize(("stages", "m"), SHAPES)
+def test_pipedream_bubble_is_only_the_refill_after_each_call(stages, m):
+    """Each `train_step` ends with the loss all-reduce, after which the forwards refill the
+    pipeline: (S - 1) forwards per call, so the bubble vanishes as calls grow."""
+    sim = simulate(equal_plan([1] * stages), schedule="pipedream", num_microbatches=m)
+    refill = (stages - 1) * F
+    assert sim.time_per_step == pytest.approx(m * (F + B) + refill, rel=1e-12)
+    assert sim.bubble_fraction == pytest.approx([refill / sim.time_per_step] * stages)
+    assert sim.bubble_fraction[0] < (stages - 1) / (m + stages - 1)  # 1f1b's
+
+
+def test_pipedream_bubble_vanishes_as_calls_grow():
+    bubbles = [
+        simulate(equal_plan([1] * 4), schedule="pipedream", num_microbatches=m).bubble_fraction[0]
+        for m in (8, 32, 128)
+    ]
+    assert bubbles == sorted(bubbles, reverse=True)
+    assert bubbles[-1] < 0.01
+
+
+@pytest.mark.parametrize(("replicas", "m"), [([1] * 8, 2), ([4, 1, 1], 4)])
+def test_pipedream_time_per_step_is_that_of_a_steady_call(replicas, m, monkeypatch):
+    """Unequal stages: the first calls still fill the pipeline; the one measured does not."""
+    plan = equal_plan(replicas)
+    plan = plan.with_(stages=tuple(
+        dataclasses.replace(s, forward_s=1 + s.index % 3 / 2, backward_s=2 + s.index % 2)
+        for s in plan.stages
+    ))  # fmt: skip
+    calls = pipedream_calls(replicas, m)
+
+    def step(count: int) -> float:
+        monkeypatch.setattr(simulator, "pipedream_calls", lambda *_: count)
+        return simulate(plan, schedule="pipedream", num_microbatches=m).time_per_step
+
+    assert step(calls) == pytest.approx(step(calls + 2))
+    assert step(1) != pytest.approx(step(calls))
+
+
+def test_transfers_take_bytes_over_bandwidth():
+    size, bandwidth = 4000, 1000.0  # 4 s per message
+    slow = simulate(equal_plan([1, 1], cluster=Cluster([(2, bandwidth)]), size=size),
+                    schedule="1f1b", num_microbatches=1)  # fmt: skip
+    # F0, activations over, F1, B1, gradients back, B0
+    assert slow.time_per_step == pytest.approx(2 * (F + B) + 2 * size / bandwidth)
+    recv = [e for e in slow.timeline if e.kind == "recv" and e.rank == 1]
+    assert (recv[0].start, recv[0].end) == pytest.approx((0.0, F + size / bandwidth))
+
+
+def test_a_shared_link_is_slower_than_separate_links():
+    """Two replicas send at once from one server to another: over one inter-server link they
+    get half its bandwidth each; on a flat cluster each pair of ranks has its own link."""
+    size, slow = 2000, 1000.0
+    shared = Cluster([(2, FAST), (2, slow)])  # ranks 0, 1 on one server, 2, 3 on the other
+    flat = Cluster([(4, slow)])
+    times = {}
+    for name, cluster in (("shared", shared), ("flat", flat)):
+        plan = equal_plan([2, 2], cluster=cluster, size=size, grad_bytes=0)
+        times[name] = simulate(plan, schedule="1f1b", num_microbatches=2).time_per_step
+    assert times["flat"] == pytest.approx(2 * (F + B) + 2 * size / slow)
+    assert times["shared"] == pytest.approx(times["flat"] + 2 * size / slow)
+
+
+def test_replicated_stage_averages_with_a_ring_allreduce():
+    bandwidth = 1000.0
+    plan = equal_plan([2, 1], cluster=Cluster([(3, bandwidth)]), size=0, grad_bytes=500)
+    sim = simulate(plan, schedule="1f1b", num_microbatches=4)
+    reduce = [e for e in sim.timeline if e.kind == "allreduce"]
+    assert sorted(e.rank for e in reduce) == [0, 1]
+    ring = 2 * (2 - 1) / 2 * 500 / bandwidth
+    assert {round(e.end, 9) for e in reduce} == {round(max(e.start for e in reduce) + ring, 9)}
+    busy = [sum(e.duration for e in sim.timeline if e.rank == r and e.kind in "FB")
+            for r in range(3)]  # fmt: skip
+    assert busy == pytest.approx([2 * (F + B), 2 * (F + B), 4 * (F + B)])
+    dream = simulate(plan, schedule="pipedream", num_microbatches=4)
+    assert {e.rank for e in dream.timeline if e.kind == "allreduce"} == {0, 1}
+
+
+def test_faster_devices_shorten_compute():
+    plan = equal_plan([1, 1])
+    quick = Cluster([(2, FAST)], speed=[2.0, 2.0])
+    base = simulate(plan, schedule="gpipe", num_microbatches=4).time_per_step
+    assert simulate(plan, schedule="gpipe", num_microbatches=4, cluster=quick).time_per_step == (
+        pytest.approx(base / 2)
+    )
+
+
+def _ordered(events) -> dict[int, list[tuple]]:
+    by_rank: dict[int, list[tuple]] = {}
+    for e in events:  # each rank's events are recorded in the order it ran them
+        by_rank.setdefault(e.rank, []).append((e.kind, e.microbatch, e.peer))
+    return by_rank
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "2bw", "pipedream"])
+@pytest.mark.parametrize("replicas", [[1, 1, 1], [2, 1]], ids=["straight", "2-1"])
+def test_simulated_order_is_what_the_local_executor_runs(kind, replicas):
+    model, x, y, loss_fn = mlp_case()
+    program = program_for(model, x, replicas)
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), profile=False)
+    m = 4
+    plan = pdcompile.evaluate(program.plan, costs, schedule=kind, num_microbatches=m)
+    sim = simulate(plan)
+    pipeline = LocalPipeline(program, schedule=kind, num_microbatches=m, loss_fn=loss_fn,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
+    for worker in pipeline.workers.values():
+        worker.timeline = []
+    calls = pipedream_calls(replicas, m) if kind == "pipedream" else 1
+    for _ in range(calls):
+        pipeline.train_step((x,), y)
+    measured = _ordered(e for w in pipeline.workers.values() for e in w.timeline)
+    assert _ordered(sim.timeline) == measured
+    assert sum(len(v) for v in measured.values()) == len(sim.timeline)
+
+
+def test_plan_json_keeps_the_byte_counts_and_old_plans_ask_to_be_rescored(tmp_path):
+    model, x, _, _ = mlp_case()
+    program = program_for(model, x, [1, 1])
+    costs = pdcompile.analyze(pdcompile.trace(model, (x,)), (x,), profile=False)
+    plan = pdcompile.evaluate(program.plan, costs)
+    assert plan.stages[1].recv_bytes == ((0, 12 * 64 * 4),)  # the MLP's 64 features, float32
+    assert all(s.activation_bytes and s.weight_bytes and s.param_bytes for s in plan.stages)
+    assert Plan.from_json(plan.to_json()) == plan
+    old = json.loads(plan.to_json())
+    for stage in old["stages"]:
+        for field in ("recv_bytes", "activation_bytes", "param_bytes", "grad_bytes",
+                      "weight_bytes"):  # fmt: skip
+            del stage[field]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = Plan.load(tmp_path / "old.json")
+    assert loaded.stages[1].forward_s == plan.stages[1].forward_s
+    with pytest.raises(PartitionError, match="re-score it with pdcompile.evaluate"):
+        simulate(loaded)
+
+
+def test_too_small_a_cluster_is_refused():
+    with pytest.raises(PartitionError, match="ranks up to 2 but cluster 2@"):
+        simulate(equal_plan([1, 1, 1]), cluster=Cluster([(2, FAST)]))
+
+
+def test_chrome_trace_and_plot(tmp_path):
+    sim = simulate(equal_plan([1, 1]), schedule="1f1b", num_microbatches=3)
+    sim.to_chrome_trace(tmp_path / "sim.json")
+    assert load_trace(tmp_path / "sim.json") == sim.timeline
+    sim.plot(tmp_path / "sim.png")
+    assert (tmp_path / "sim.png").stat().st_size > 1000
