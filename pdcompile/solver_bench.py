@@ -166,9 +166,18 @@ def load_instance(text: str, *, analytic: bool = True) -> list[Instance]:
         analytic: model specs are priced on the device model instead of profiled.
 
     Raises:
-        SpecError: the input is none of these, or a named file or folder does not exist.
+        SpecError: the input is none of these, a named file or folder does not exist, or a
+            graph has no nodes.
         CostError: a cost file is malformed.
     """
+    instances = _read_instance(text, analytic)
+    for instance in instances:
+        if not instance.cost_graph.nodes:
+            raise SpecError(f"input {text!r}: {instance.source} has no nodes; nothing to plan")
+    return instances
+
+
+def _read_instance(text: str, analytic: bool) -> list[Instance]:
     synthetic = _SYNTHETIC.match(text)
     if synthetic:
         kind, size, seed = synthetic.group(1), int(synthetic.group(2)), int(synthetic.group(3) or 0)
@@ -238,10 +247,12 @@ def load_plugin(spec: str) -> ModuleType:
     try:
         return importlib.import_module(spec)
     except ModuleNotFoundError as e:
-        raise SpecError(
-            f"plugin {spec!r}: no module named {e.name!r} on sys.path; give the module's dotted "
-            "name as imported by Python, or a path to its .py file"
-        ) from e
+        if e.name and (spec == e.name or spec.startswith(f"{e.name}.")):
+            raise SpecError(
+                f"plugin {spec!r}: no module named {e.name!r} on sys.path; give the module's "
+                "dotted name as imported by Python, or a path to its .py file"
+            ) from e
+        raise SpecError(f"plugin {spec!r}: importing it raised {e!r}") from e
     except Exception as e:
         raise SpecError(f"plugin {spec!r}: importing it raised {e!r}") from e
 
@@ -284,8 +295,11 @@ def _serve(conn: Connection, plugins: Sequence[str]) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    while (job := conn.recv()) is not None:
-        conn.send(_solve(*job))
+    try:
+        while (job := conn.recv()) is not None:
+            conn.send(_solve(*job))
+    except EOFError:  # the parent went away
+        return
 
 
 def _solve(
@@ -315,7 +329,8 @@ class _SolverProcess:
     def _start(self) -> Connection:
         context = multiprocessing.get_context("spawn")
         conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, self._plugins), daemon=True)
+        # Not a daemon, so a solver may start processes of its own; `close` ends it.
+        self._process = context.Process(target=_serve, args=(child, self._plugins))
         self._process.start()
         child.close()
         self._conn = conn

@@ -139,9 +139,12 @@ def test_bad_inputs_are_spec_errors(text, words) -> None:
         load_instance(text)
 
 
-def test_a_folder_without_profiles_is_an_error(tmp_path) -> None:
+def test_a_folder_without_profiles_or_a_graph_without_nodes_is_an_error(tmp_path) -> None:
     with pytest.raises(SpecError, match="no graph.txt in this folder"):
         load_instance(str(tmp_path))
+    CostGraph().save(tmp_path / "empty.json")
+    with pytest.raises(SpecError, match="empty.json has no nodes; nothing to plan"):
+        load_instance(str(tmp_path / "empty.json"))
 
 
 # -- running and scoring ---------------------------------------------------------------------
@@ -225,6 +228,13 @@ def test_plugins_that_fail_to_load_are_named(tmp_path) -> None:
         load_plugin(str(bad))
     with pytest.raises(SpecError, match="plugin 'no_such.module': no module named 'no_such'"):
         load_plugin("no_such.module")
+    (tmp_path / "needs_dep.py").write_text("import not_installed_dep\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(SpecError, match=r"'needs_dep': importing it raised ModuleNotFoundErr"):
+            load_plugin("needs_dep")
+    finally:
+        sys.path.remove(str(tmp_path))
     with pytest.raises(SpecError, match="no such file"):
         load_plugin(str(tmp_path / "absent.py"))
     assert load_plugin("json") is json
