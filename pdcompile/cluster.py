@@ -175,8 +175,13 @@ class Cluster:
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
         try:
             return cls([tuple(lv) for lv in data["levels"]], data.get("memory"), data.get("speed"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise PartitionError(f"malformed cluster description {data!r}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            shown = repr(data) if len(repr(data)) <= 200 else repr(data)[:197] + "..."
+            raise PartitionError(
+                f"malformed cluster description {shown} ({type(e).__name__}: {e}); write it "
+                "as {'levels': [[count, bytes_per_s], ...], 'memory': bytes or null, "
+                "'speed': [one per device] or null}"
+            ) from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -185,5 +190,5 @@ class Cluster:
     def from_json(cls, text: str) -> Cluster:
         try:
             return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise PartitionError(f"cluster JSON is not valid: {e}") from None

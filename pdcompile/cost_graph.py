@@ -54,7 +54,7 @@ def _check_attr(node: str, name: str, value: Any) -> Any:
         return CostError(f"node {node!r}: attribute {name!r} must be {expected}, got {value!r}")
 
     def number(x: Any) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and _finite(x)
 
     if name in FLOAT_ATTRS:
         if not number(value) or value < 0:
@@ -93,7 +93,7 @@ def _checkhuman_bytes(u: str, v: str, value: Any) -> int:
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
+        or not _finite(value)
         or value < 0
         or not float(value).is_integer()
     ):
@@ -109,6 +109,14 @@ def _check_batch_size(batch_size: Any) -> int | None:
     return batch_size
 
 
+def _finite(x: numbers.Real) -> bool:
+    """Finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def check_meta(meta: Any) -> dict[str, Any]:
     """A deep JSON-normalized copy of `meta` (tuples become lists): JSON round trips are exact."""
     if meta is None:
@@ -117,7 +125,7 @@ def check_meta(meta: Any) -> dict[str, Any]:
         raise CostError(f"meta must be a dict, got {type(meta).__name__}")
     try:
         return json.loads(json.dumps(meta, allow_nan=False))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise CostError(f"meta must be JSON-serializable (str keys, no NaN): {e}") from None
 
 
@@ -414,6 +422,11 @@ class CostGraph:
                 f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the file is truncated "
                 "or corrupt: write it again with CostGraph.save()"
             ) from None
+        except RecursionError:
+            raise CostError(
+                f"{source}: JSON nested too deeply for a CostGraph; the file is corrupt: write it "
+                "again with CostGraph.save()"
+            ) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise CostError(
@@ -442,6 +455,8 @@ class CostGraph:
                         f"edge #{i} must be an object with exactly 'src', 'dst' and 'bytes', "
                         f"got {record!r}"
                     )
+                if not (isinstance(record["src"], str) and isinstance(record["dst"], str)):
+                    raise CostError(f"edge #{i}: 'src' and 'dst' must be node ids, got {record!r}")
                 graph.add_edge(record["src"], record["dst"], record["bytes"])
         except CostError as e:
             raise CostError(f"{source}: {e}") from None

@@ -60,6 +60,8 @@ def _parse_node(where: str, line: str) -> tuple[str, dict[str, Any], int | None]
     values = [float(forward), float(backward), total, float(param), *(sizes or ())]
     if any(x < 0 for x in values):
         raise CostError(f"{where}: negative time or size in {line!r}; all must be >= 0")
+    if not all(math.isfinite(x) for x in values):
+        raise CostError(f"{where}: a time or size in {line!r} is too large for a float")
     description = " -- ".join(tokens[1:-1])
     attrs = {
         "kind": "input" if description.startswith("Input") else "compute",

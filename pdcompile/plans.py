@@ -8,8 +8,12 @@ schedule it was made for, and what the cost model predicted. JSON in and out, pr
 from __future__ import annotations
 
 import json
+import math
+import types
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -147,22 +151,42 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "<plan>") -> Plan:
+        """A plan from `to_dict()`'s output (parsed JSON), every field checked.
+
+        Raises:
+            PartitionError: not a plan of this format, or a field missing, unknown or of the
+                wrong type (naming the stage and field).
+        """
+        if not isinstance(data, Mapping):
+            raise PartitionError(
+                f"{source}: not a pdcompile plan (a JSON {type(data).__name__}, not an object); "
+                "write plans with Plan.save"
+            )
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise PartitionError(
                 f"{source}: not a pdcompile plan (format {data.get('format')!r}, version "
                 f"{data.get('version')!r}); write plans with Plan.save"
             )
         try:
+            fields = _fields(cls, {k: v for k, v in data.items() if k not in ("format", "version")})
             stages = tuple(
-                Stage(**{**s, "nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"])})
-                for s in data["stages"]
+                Stage(**_fields(Stage, s, f"stage #{i}")) for i, s in enumerate(fields["stages"])
             )
-            fields = {k: v for k, v in data.items() if k not in ("format", "version")}
+            for i, stage in enumerate(stages):
+                if stage.replicas < 1 or len(stage.ranks) != stage.replicas:
+                    raise PartitionError(
+                        f"stage #{i} has {stage.replicas} replicas on ranks {list(stage.ranks)}; "
+                        "a stage has one rank per replica, at least one"
+                    )
+            if fields.get("schedule", SCHEDULES[0]) not in SCHEDULES:
+                raise PartitionError(f"schedule {fields['schedule']!r} is not one of {SCHEDULES}")
             fields.update(stages=stages, cluster=Cluster.from_dict(data["cluster"]))
             return cls(**fields)
-        except (KeyError, TypeError) as e:
+        except PartitionError as e:
+            raise PartitionError(f"{source}: {e}; write plans with Plan.save") from None
+        except (KeyError, TypeError, ValueError) as e:
             raise PartitionError(
-                f"{source}: malformed plan ({e}); write plans with Plan.save"
+                f"{source}: malformed plan ({type(e).__name__}: {e}); write plans with Plan.save"
             ) from None
 
     @classmethod
@@ -174,6 +198,10 @@ class Plan:
                 f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the plan file is "
                 "truncated or corrupt"
             ) from None
+        except RecursionError:
+            raise PartitionError(
+                f"{source}: JSON nested too deeply for a plan; the plan file is corrupt"
+            ) from None
         return cls.from_dict(data, source)
 
     def save(self, path: str | Path) -> None:
@@ -182,10 +210,75 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PartitionError(f"cannot read plan {path}: {e.strerror or e}") from None
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = getattr(e, "strerror", None) or e
+            raise PartitionError(f"cannot read plan {path}: {reason}") from None
         return cls.from_json(text, str(path))
+
+
+def _fields(cls: type, values: Any, where: str = "") -> dict[str, Any]:
+    """`values` (a JSON object) as keyword arguments of the dataclass `cls`: each of its field's
+    type (lists become tuples), no unknown field. Types it does not know (`Cluster`) pass."""
+    where = f"{where}: " if where else ""
+    if not isinstance(values, Mapping):
+        raise PartitionError(f"{where}a {type(values).__name__}, not an object")
+    hints = typing.get_type_hints(cls)
+    if unknown := sorted(str(k) for k in values if k not in hints):
+        raise PartitionError(f"{where}unknown fields {unknown[:5]}")
+    required = [
+        f.name for f in dataclass_fields(cls)
+        if f.default is MISSING and f.default_factory is MISSING
+    ]  # fmt: skip
+    if missing := [name for name in required if name not in values]:
+        raise PartitionError(f"{where}missing fields {missing}")
+    for name, value in values.items():
+        if not _fits(value, hints[name]):
+            raise PartitionError(
+                f"{where}field {name!r} is {_brief(value)}, not {_type_name(hints[name])}"
+            )
+    return {name: _tupled(value) for name, value in values.items()}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the type `hint` (numbers: int64 counts, floats not NaN)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            abs(value) < 2**63 if isinstance(value, int) else not math.isnan(value)
+        )  # fmt: skip
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if origin is tuple:
+        if not isinstance(value, list):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(map(_fits, value, args))
+    if origin in (dict, Mapping):
+        return isinstance(value, dict)
+    return True
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) if typing.get_origin(hint) is None else str(hint)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_schedule(schedule: str) -> str:
