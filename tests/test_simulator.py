@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -163,6 +164,14 @@ def test_faster_devices_shorten_compute():
     )
 
 
+@functools.cache
+def mlp_program(replicas: tuple[int, ...]):
+    """The zoo MLP's program cut for `replicas`, and its analytic costs (built once)."""
+    model, x, _, _ = mlp_case()
+    costs = pdcompile.analyze(pdcompile.trace(model, (x,)), (x,), profile=False)
+    return program_for(model, x, list(replicas)), costs
+
+
 def _ordered(events) -> dict[int, list[tuple]]:
     by_rank: dict[int, list[tuple]] = {}
     for e in events:  # each rank's events are recorded in the order it ran them
@@ -173,10 +182,8 @@ def _ordered(events) -> dict[int, list[tuple]]:
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe", "2bw", "pipedream"])
 @pytest.mark.parametrize("replicas", [[1, 1, 1], [2, 1]], ids=["straight", "2-1"])
 def test_simulated_order_is_what_the_local_executor_runs(kind, replicas):
-    model, x, y, loss_fn = mlp_case()
-    program = program_for(model, x, replicas)
-    gm = pdcompile.trace(model, (x,))
-    costs = pdcompile.analyze(gm, (x,), profile=False)
+    _, x, y, loss_fn = mlp_case()
+    program, costs = mlp_program(tuple(replicas))
     m = 4
     plan = pdcompile.evaluate(program.plan, costs, schedule=kind, num_microbatches=m)
     sim = simulate(plan)
@@ -193,9 +200,7 @@ def test_simulated_order_is_what_the_local_executor_runs(kind, replicas):
 
 
 def test_plan_json_keeps_the_byte_counts_and_old_plans_ask_to_be_rescored(tmp_path):
-    model, x, _, _ = mlp_case()
-    program = program_for(model, x, [1, 1])
-    costs = pdcompile.analyze(pdcompile.trace(model, (x,)), (x,), profile=False)
+    program, costs = mlp_program((1, 1))
     plan = pdcompile.evaluate(program.plan, costs)
     assert plan.stages[1].recv_bytes == ((0, 12 * 64 * 4),)  # the MLP's 64 features, float32
     assert all(s.activation_bytes and s.weight_bytes and s.param_bytes for s in plan.stages)
