@@ -262,7 +262,8 @@ def _simulate(args: argparse.Namespace) -> int:
             f"simulated: {p.solver or '?'} plan, {p.schedule}, {p.num_microbatches} "
             f"microbatches on {p.cluster}"
         )
-        panels = [(f"measured: {args.measured}", measured)] if args.measured else []
+        name = os.path.basename(args.measured or "")
+        panels = [(f"measured: {name}", measured)] if args.measured else []
         plot_timelines([*panels, (title, sim.timeline)], figure)
         print(f"wrote {figure}", file=sys.stderr)
     return 0

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from pipeline_support import OPTIMIZERS, mlp_case
+from spawn import run_ranks
 
 import pdcompile
 from pdcompile.cli import main
 from pdcompile.cost_graph import CostGraph
 from pdcompile.plans import Plan
+from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.timeline import load_trace
 from pdcompile.stage_colours import CROSSING, stage_colour
 from pdcompile.text import human_bytes
@@ -108,8 +111,31 @@ def test_measured_run_and_its_simulation_side_by_side(capsys, tmp_path) -> None:
     code, _, err = run(capsys, "simulate", plan, "--measured", last, "--svg", figure)
     assert code == 0, err
     drawn = figure.read_text()
-    assert drawn.index(f"measured: {last}") < drawn.index("simulated: uniform plan")
+    assert drawn.index(f"measured: {last.name}") < drawn.index("simulated: uniform plan")
     assert drawn.count("rank 0 (stage 0)") == 2
+
+
+def _save_trace_on_ranks(rank: int, world_size: int, init_file: str, path: str) -> None:
+    init_process_group(rank, world_size, init_file=init_file, timeout_s=120)
+    model, x, y, loss_fn = mlp_case()
+    pipe = pdcompile.compile(
+        model, (x,), loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"], solver="uniform",
+        profile=False, num_microbatches=4,
+    )  # fmt: skip
+    for _ in range(2):
+        pipe.train_step(x, y)
+    pipe.save_trace(path, steps=1)  # every rank calls it, rank 0 writes
+    dist.destroy_process_group()
+
+
+def test_save_trace_gathers_every_rank_on_one_clock(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    run_ranks(_save_trace_on_ranks, 2, str(path), timeout_s=180)
+    events = load_trace(path)
+    forward = {(e.rank, e.microbatch): e for e in events if e.kind == "F"}
+    assert sorted(forward) == [(r, k) for r in (0, 1) for k in range(4)]
+    for k in range(4):  # one machine, one clock: stage 1 computes k after stage 0 did
+        assert forward[1, k].start >= forward[0, k].end
 
 
 def test_simulate_errors_are_one_line(capsys, vgg_plan, tmp_path) -> None:

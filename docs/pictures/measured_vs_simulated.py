@@ -45,9 +45,12 @@ def main() -> None:
     init_process_group(rank, world_size, timeout_s=300)
 
     torch.manual_seed(0)
-    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))  # 8 microbatches of 32 rows
+    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+    # the example is one microbatch: the plan's costs, which simulate takes, are per microbatch
+    microbatch = x[: len(x) // args.microbatches]
     pipe = pdcompile.compile(
-        mlp(), (x,), loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        mlp(), (microbatch,), loss_fn=F.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
         schedule=args.schedule, num_microbatches=args.microbatches, solver="blocks",
     )  # fmt: skip
     for _ in range(args.steps):
