@@ -101,9 +101,9 @@ def save(
     problems = []
     if rank == 0:
         holds = {
-            "model": sorted(k.removeprefix("model/") for k in keys if k.startswith("model/")),
+            "model": tuple(sorted(k[len("model/") :] for k in keys if k.startswith("model/"))),
             "optimizer": any(k.startswith("optim/") for k in keys),
-            "extra": sorted({k.split("/", 3)[3] for k in keys if k.startswith("extra/")}),
+            "extra": tuple(sorted({k.split("/", 3)[3] for k in keys if k.startswith("extra/")})),
             "step": step,
         }
 

@@ -140,11 +140,15 @@ def verify(directory: str, manifest: Manifest, share: int = 0, num_shares: int =
     problems = []
     names = sorted(manifest.files)
     if share == 0:
+        try:
+            present = sorted(os.listdir(directory))
+        except OSError as exc:
+            return [f"the folder cannot be listed ({exc.strerror})"]
         listed = set(names) | {MANIFEST}
         problems += [
             f"{name} is in the folder but not in {MANIFEST}: a file was added or the folder "
             "mixes two saves; not opened"
-            for name in sorted(os.listdir(directory))
+            for name in present
             if name not in listed
         ]
     for name in names[share::num_shares]:
@@ -258,7 +262,7 @@ def _missing(directory: str) -> str:
 def _leftovers(directory: str, kind: str) -> list[str]:
     """What interrupted saves of `directory` left: `.<name>.<kind>-*`, oldest first."""
     found = glob.glob(glob.escape(staging_path(directory, "", kind)) + "*")
-    return sorted(found, key=os.path.getmtime)
+    return sorted(found, key=lambda path: os.stat(path).st_mtime if os.path.exists(path) else 0)
 
 
 def _fsync_dir(path: str) -> None:
