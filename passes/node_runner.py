@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate, map_arg
 
+from pdcompile.errors import CostError
 from pdcompile.ir import iter_tensors
 from pdcompile.passes.state import preserved_state
 
@@ -68,7 +69,7 @@ class NodeCall:
 
     def __init__(self, gm: fx.GraphModule, node: fx.Node, values: Mapping[str, Any]) -> None:
         if node.op not in COMPUTE_OPS:
-            raise ValueError(f"node {node.name} ({node.op}) computes nothing")
+            raise CostError(f"node {node.name} ({node.op}) computes nothing: it cannot be run")
         self.node = node
         self.module = gm.get_submodule(node.target) if node.op == "call_module" else None
         self.args, self.kwargs = map_arg((node.args, node.kwargs), lambda n: values[n.name])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -121,7 +122,7 @@ def analyze(
         except PdcompileError:
             raise
         except Exception as e:
-            raise CostError(f"cost pass {name!r} failed on {type(gm).__name__}: {e!r}") from e
+            raise CostError(_pass_failure(name, gm, e)) from e
         gm.graph.lint()
 
     batch = next(iter(inputs.values()))
@@ -137,3 +138,22 @@ def analyze(
     }
     graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta, measured=profile)
     return coarsen_layers(graph, coarsen) if coarsen else graph
+
+
+def _pass_failure(name: str, gm: fx.GraphModule, error: Exception) -> str:
+    """What failed, at which node (from fx's "While executing" note), and the way out."""
+    text = str(error).strip()
+    match = re.search(r"While executing %(\w+)", text)
+    where = ""
+    for node in gm.graph.nodes if match else ():
+        if node.name == match.group(1):
+            module = gm.get_submodule(node.target) if node.op == "call_module" else None
+            what = type(module).__name__ if module is not None else f"{node.op} {node.target}"
+            where = f" at node {node.name} ({what})"
+    return (
+        f"cost pass {name!r} failed on {type(gm).__name__}{where}: {type(error).__name__}: "
+        f"{(text.splitlines() or [''])[0]}; the cost passes run every node again on the "
+        "values of the example: a leaf module must compute the same way on every call (no "
+        "state that changes between calls); trace through it (leave it out of leaf_modules) "
+        "or make it repeatable"
+    )

@@ -126,8 +126,8 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
     """
     inputs = _widened(inputs)
     args, kwargs = inputs.call(inputs.tensors)
-    _register_output_dataclasses(model, args, kwargs)
     try:
+        _register_output_dataclasses(model, args, kwargs)  # runs the model: it may fail here
         program = torch.export.export(
             model,
             args,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from pdcompile.errors import CodegenError
 from pdcompile.plans import Plan
 from pdcompile.text import human_bytes
 
@@ -55,7 +56,11 @@ class Channel:
                 continue
             match = _DIM.match(dim)
             if match is None:
-                raise ValueError(f"channel {self.name}: cannot read dimension {dim!r}")
+                raise CodegenError(
+                    f"channel {self.name!r} (stage {self.src_stage} -> {self.dst_stage}): cannot "
+                    f"read dimension {dim!r}; a size is an integer or 'batch', 'k*batch', "
+                    "'k*batch+c' (write the program again with StagedProgram.write_source)"
+                )
             scale, offset = match.groups()
             dims.append(int(scale or 1) * batch_size + int(offset or 0))
         return tuple(dims)

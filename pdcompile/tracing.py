@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -16,12 +18,14 @@ from pdcompile.fx_capture import capture_fx
 from pdcompile.inputs import BoundInputs, bind_inputs
 from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter_tensors
 from pdcompile.leaf_policy import LeafPolicy
+from pdcompile.passes.node_runner import is_inplace
 from pdcompile.passes.params import annotate_params
 from pdcompile.passes.scope import annotate_scope
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.state import preserved_state
 
 METHODS = ("auto", "fx", "export")
+_TORCH_DIR = os.path.dirname(torch.__file__)
 # An automatic leaf holding more than this share of the parameters defeats pipelining: try export.
 DOMINANT_LEAF_SHARE = 0.5
 
@@ -54,7 +58,8 @@ def trace(
         the model returns. `gm.meta` and `node.meta` carry the keys listed in `pdcompile.ir`.
 
     Raises:
-        TraceError: no path captures the model, or a captured graph computes something else.
+        TraceError: no path captures the model, a captured graph computes something else, the
+            model does not run on the example inputs, or it changes them in place.
 
     Example:
         >>> model, inputs = pdcompile.zoo.mlp()
@@ -65,6 +70,7 @@ def trace(
     if method not in METHODS:
         raise TraceError(f"method must be one of {METHODS}, got {method!r}")
     inputs = bind_inputs(model, example_inputs, example_kwargs)
+    _check_devices(model, inputs)
     policy = LeafPolicy.from_user(model, leaf_modules)
     failures: list[str] = []
     fallback: tuple[fx.GraphModule, dict[str, str]] | None = None
@@ -136,10 +142,22 @@ def _finish(
     gm.meta[AUTO_LEAVES] = tuple(auto.items())
     gm.graph.lint()
     annotate_scope(gm)
-    annotate_shapes(gm, inputs.tensors)
-    annotate_params(gm)
-    if check:
-        _check_outputs(gm, model, inputs, capture)
+    saved = {n: t.detach().clone() for n, t in inputs.tensors.items() if not t.is_meta}
+    try:
+        try:
+            annotate_shapes(gm, inputs.tensors)
+        except Exception as e:
+            raise TraceError(
+                f"the graph captured by {capture} does not run on the example inputs "
+                f"({_describe(inputs)}): {_failure(e)}; pass example inputs "
+                f"{type(model).__name__} accepts (a batch of the shape, dtype and device it "
+                "trains on)"
+            ) from e
+        annotate_params(gm)
+        if check:
+            _check_outputs(gm, model, inputs, capture)
+    finally:
+        _restore_inputs(gm, model, inputs, saved)
     if auto:
         lines = "\n".join(f"  {name}: {reason}" for name, reason in auto.items())
         warnings.warn(
@@ -176,6 +194,81 @@ def _complete_state(gm: fx.GraphModule, model: nn.Module) -> None:
             owner.register_parameter(attr, tensor)
         else:
             owner.register_buffer(attr, tensor, persistent=persistent)
+
+
+def _check_devices(model: nn.Module, inputs: BoundInputs) -> None:
+    """Example inputs on the device of the model's tensors (a meta model takes any inputs)."""
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        return
+    (device,) = devices
+    for name, tensor in inputs.tensors.items():
+        if tensor.device != device:
+            raise TraceError(
+                f"example input {name!r} is on {tensor.device} but {type(model).__name__}'s "
+                f"parameters are on {device}: move the inputs there (.to({str(device)!r}))"
+            )
+
+
+def _describe(inputs: BoundInputs) -> str:
+    return ", ".join(
+        f"{name}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+        for name, t in inputs.tensors.items()
+    )
+
+
+def _failure(error: BaseException) -> str:
+    """The error's first line and, from fx's note, the node it ran."""
+    text = str(error).strip()
+    node = re.search(r"While executing %(\w+)", text)
+    first = (text.splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" + (f" (at node {node.group(1)})" if node else "")
+
+
+def _restore_inputs(
+    gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, saved: dict[str, torch.Tensor]
+) -> None:
+    """Put back example inputs the graph or the model changed in place, and refuse the model:
+    a stage must not write into the tensors it receives."""
+    changed = [n for n, before in saved.items() if not _same(inputs.tensors[n], before)]
+    if not changed:
+        return
+    with torch.no_grad():
+        for name in changed:
+            inputs.tensors[name].copy_(saved[name])
+    where = ""
+    (placeholder,) = gm.graph.find_nodes(op="placeholder", target=changed[0]) or [None]
+    for user in placeholder.users if placeholder is not None else ():
+        module = gm.get_submodule(user.target) if user.op == "call_module" else None
+        if is_inplace(user, module):
+            where = f" at node {user.name}{_user_line(user)}"
+    raise TraceError(
+        f"{type(model).__name__} changes its input {changed[0]!r} in place{where}: pipeline "
+        "stages must not write into the tensors they receive; compute a new tensor instead "
+        "(x = x * 2, not x.mul_(2) or x *= 2)"
+    )
+
+
+def _user_line(node: fx.Node) -> str:
+    """` (at file.py:12: x.mul_(2))`: the innermost frame of the node's stack trace outside
+    torch, or nothing."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    frames = [
+        (match.groups(), lines[i + 1].strip() if i + 1 < len(lines) else "")
+        for i, line in enumerate(lines)
+        if (match := re.match(r'\s*File "(.+)", line (\d+)', line))
+    ]
+    user = [f for f in frames if not f[0][0].startswith(_TORCH_DIR)]
+    if not user:
+        return ""
+    (path, number), code = user[-1]
+    return f" (at {path}:{number}: {code})"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b) or (
+        a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    )
 
 
 def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, capture: str) -> None:
