@@ -3,9 +3,11 @@
 The lowering, top to bottom:
 1. join the process group (torchrun's variables, or one already initialised), if any;
 2. capture the model (`trace`), the same on every rank;
-3. check a fingerprint of the graph and the call against rank 0's (a rank started with another
-   model, input or option fails here, naming it);
-4. plan (rank 0: costs from `analyze`, then `plan`; or the given `plan=`), and broadcast it;
+3. check a fingerprint of the graph, the call, the options and a given plan against rank 0's (a
+   rank started with another model, input, option or plan fails here, naming it; a rank that
+   could not capture tells the others, which stop too);
+4. plan (rank 0: costs from `analyze`, then `plan`; or the given `plan=`), and broadcast it (or
+   rank 0's error, so no rank waits for a plan that will not come);
 5. generate the stage modules (`codegen`);
 6. build the executor: this process's rank over torch.distributed, or, without a process group,
    every rank of the plan in this process (the local executor).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
-from pdcompile.errors import PdcompileError
+from pdcompile.errors import CheckpointError, PartitionError, PdcompileError, PipelineTimeoutError
 from pdcompile.plans import Plan
 
 
@@ -49,6 +52,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     startup_timeout: float = 900.0,
     weights: Callable[[], dict[str, torch.Tensor]] | str | None = None,
     vertical_sync: bool = False,
+    nonfinite: str = "raise",
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -77,6 +81,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
             checkpoint directory; each rank materialises only its own stage's tensors.
         vertical_sync: under `pipedream`, minibatch k runs at every stage on weights that
             include only the minibatches stage 0's weights for k include (docs/runtime.md).
+        nonfinite: what a NaN or infinite loss does: "raise" a `LossError` naming the step,
+            stage and microbatch, or "skip" the step on every rank (no update, no scheduler
+            step; `1f1b` and `gpipe` only; `skipped_steps` counts them).
 
     Returns:
         A `PipelinedModule`.
@@ -91,9 +98,11 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
+    from pdcompile.runtime.schedules import check_nonfinite
     from pdcompile.stage_codegen import codegen
     from pdcompile.tracing import trace
 
+    check_nonfinite(schedule, nonfinite)
     distributed = dist.is_initialized() or {"RANK", "WORLD_SIZE"} <= set(os.environ)
     rank, world_size, device = 0, 1, _local_device(model)
     if distributed:
@@ -108,27 +117,38 @@ def compile(  # noqa: A001 - the public name API.md gives it
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         # a model without values: capture and cost it on the meta device too
         inputs, example_kwargs = _to_meta(inputs), _to_meta(example_kwargs)
-    gm = trace(model, inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules)
+    try:
+        gm = trace(model, inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules)
+        if isinstance(plan, str):
+            plan = Plan.load(plan)
+    except Exception as exc:
+        if distributed:
+            _check_fingerprints(exc, rank, world_size)  # tells the other ranks, raises exc
+        raise
+    # what ranks must agree on in a given plan (not, e.g., how long solving it took)
+    given = [(s.nodes, s.ranks) for s in plan.stages] + [plan.schedule] if plan else None
     options = dict(schedule=schedule, num_microbatches=num_microbatches, solver=solver,
                    profile=profile, cluster=str(cluster), clip=clip_grad_norm,
-                   vertical=vertical_sync)  # fmt: skip
+                   vertical=vertical_sync, nonfinite=nonfinite, plan=given)  # fmt: skip
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
-    if isinstance(plan, str):
-        plan = Plan.load(plan)
+    failure: Exception | None = None
     if plan is None and rank == 0:
-        if isinstance(cluster, str):
-            cluster = Cluster.parse(cluster)
-        cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
-        costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
-        plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
-                         num_microbatches=num_microbatches)  # fmt: skip
+        try:
+            if isinstance(cluster, str):
+                cluster = Cluster.parse(cluster)
+            cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
+            costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
+            plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
+                             num_microbatches=num_microbatches)  # fmt: skip
+        except Exception as exc:
+            if not distributed:
+                raise
+            failure = exc
     if distributed:
-        shared = [plan.to_json() if plan is not None else None]
-        dist.broadcast_object_list(shared, src=0)
-        plan = Plan.from_json(shared[0])
+        plan = _share_plan(plan, failure, rank)
     if distributed and plan.num_devices_used != world_size:
-        raise PdcompileError(
+        raise PartitionError(
             f"the plan places its stages on {plan.num_devices_used} devices but the job has "
             f"{world_size} ranks; start as many ranks as the plan uses (torchrun "
             f"--nproc_per_node {plan.num_devices_used}) or plan for cluster={world_size}"
@@ -141,7 +161,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     settings = dict(schedule=schedule, num_microbatches=microbatches, loss_fn=loss_fn,
                     optimizer=optimizer, clip_grad_norm=clip_grad_norm,
                     lr_scheduler=lr_scheduler, autocast=autocast,
-                    vertical_sync=vertical_sync)  # fmt: skip
+                    vertical_sync=vertical_sync, nonfinite=nonfinite)  # fmt: skip
     if distributed:
         pipeline = DistributedPipeline(program, rank=rank, device=device, timeout_s=timeout,
                                        **settings)  # fmt: skip
@@ -181,7 +201,7 @@ def _materialize(
         needed = stage.state_dict().keys()
         missing = [n for n in needed if n not in state]
         if missing:
-            raise PdcompileError(
+            raise CheckpointError(
                 f"weights= lacks {len(missing)} tensors the stage needs, e.g. {missing[:3]}; "
                 "give the whole model's state dict (original names)"
             )
@@ -221,14 +241,54 @@ def _fingerprint(gm: torch.fx.GraphModule, options: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _check_fingerprints(mine: str, rank: int, world_size: int) -> None:
+def _collective(rank: int, what: str, run: Callable[[], None]) -> None:
+    """Run a start-up collective; a timeout or a dead rank becomes `PipelineTimeoutError`."""
+    start = time.monotonic()
+    try:
+        run()
+    except RuntimeError as exc:  # DistBackendError and the like
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PipelineTimeoutError(
+            f"rank {rank} gave up {what} after waiting {time.monotonic() - start:.1f} s: "
+            f"{reason}; another rank died, hangs, or did not call pdcompile.compile (the wait "
+            "is bounded by startup_timeout)"
+        ) from exc
+
+
+def _share_plan(plan: Plan | None, failure: Exception | None, rank: int) -> Plan:
+    """Rank 0's plan on every rank; rank 0's planning error stops every rank."""
+    mine = plan.to_json() if plan is not None else None  # rank 0 has one, the others None
+    shared = [("error", f"{type(failure).__name__}: {failure}") if failure else mine]
+    _collective(rank, "receiving the plan from rank 0",
+                lambda: dist.broadcast_object_list(shared, src=0))  # fmt: skip
+    if failure is not None:
+        raise failure
+    if isinstance(shared[0], tuple):
+        raise PdcompileError(f"rank 0 could not plan, so no rank can start: {shared[0][1]}")
+    return Plan.from_json(shared[0])
+
+
+def _check_fingerprints(mine: str | Exception, rank: int, world_size: int) -> None:
+    """Compare every rank's fingerprint with rank 0's; `mine` is this rank's error if it could
+    not capture the model: then every rank stops (this one with its own error)."""
     everyone: list[str | None] = [None] * world_size
-    dist.all_gather_object(everyone, mine)
+    sent = mine if isinstance(mine, str) else f"error: {type(mine).__name__}: {mine}"
+    _collective(rank, "comparing graph fingerprints",
+                lambda: dist.all_gather_object(everyone, sent))  # fmt: skip
+    if isinstance(mine, Exception):
+        raise mine
+    failed = [(r, text) for r, text in enumerate(everyone) if text.startswith("error: ")]
+    if failed:
+        r, text = failed[0]
+        raise PdcompileError(
+            f"rank {r} could not capture the model or read its plan, so no rank can start: "
+            f"{text.removeprefix('error: ')}"
+        )
     differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
     if differ:
         raise PdcompileError(
             f"ranks {differ} captured another model or call than rank 0 (graph fingerprint "
             f"{everyone[differ[0]][:12]} vs {everyone[0][:12]}): every rank must call "
-            "pdcompile.compile with the same model, example inputs and options"
+            "pdcompile.compile with the same model, example inputs, options and plan"
             + (" (this is one of them)" if rank in differ else "")
         )

@@ -66,8 +66,15 @@ class PipelinedModule:
         stages = {w.stage for w in self.pipeline.workers.values()}
         return stages.pop() if len(stages) == 1 else None
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a NaN or infinite loss (`nonfinite="skip"`; the same on every
+        rank)."""
+        return max(w.skipped for w in self.pipeline.workers.values())
+
     def train_step(self, inputs: Any, targets: Any, kwargs: dict | None = None) -> float:
-        """One step on a batch (a tensor or a tuple of positional inputs); returns the loss."""
+        """One step on a batch (a tensor or a tuple of positional inputs); returns the loss (NaN
+        or infinite for a step `nonfinite="skip"` skipped)."""
         args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         start = time.perf_counter()
         loss = self.pipeline.train_step(args, targets, kwargs)

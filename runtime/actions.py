@@ -4,14 +4,18 @@ Kinds: `F`/`B` (forward/backward of one microbatch at one stage), `send`/`recv` 
 `act` forward or gradients `grad` backward, to or from one peer rank), `allreduce` (the
 replicas of a stage average their gradients), `clip` (scale the gradients to a largest norm:
 over every rank for the synchronous schedules, an all-reduce over `group`; per stage, with no
-group, under `pipedream`), `step` (optimizer update), `push`/`pop` (a weight version is stashed
-at a forward and dropped after its backward).
+group, under `pipedream`), `check` (every rank learns whether a loss of the step was NaN or
+infinite: an all-reduce of a flag over `group`; the step is then skipped everywhere), `step`
+(optimizer update), `push`/`pop` (a weight version is stashed at a forward and dropped after its
+backward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from pdcompile.errors import ScheduleError
 
 
 @dataclass(frozen=True)
@@ -46,13 +50,13 @@ class Action:
     @property
     def is_collective(self) -> bool:
         """Whether the ranks of `group` take part in it together."""
-        return self.kind in ("allreduce", "clip") and bool(self.group)
+        return self.kind in ("allreduce", "clip", "check") and bool(self.group)
 
     @property
     def collective(self) -> tuple:
         """What identifies a collective across the ranks that take part in it."""
-        if self.kind == "clip":
-            return ("clip", self.microbatch, self.group)
+        if self.kind in ("clip", "check"):
+            return (self.kind, self.microbatch, self.group)
         if self.tie >= 0:
             return ("tie", self.tie, self.microbatch, self.group)
         return ("replicas", self.stage, self.microbatch, self.group)
@@ -89,7 +93,10 @@ class Schedule:
         for stage, ranks in enumerate(self.ranks):
             if rank in ranks:
                 return stage, ranks.index(rank)
-        raise KeyError(rank)
+        raise ScheduleError(
+            f"rank {rank} runs no stage of this {self.kind} schedule (ranks per stage: "
+            f"{[list(r) for r in self.ranks]}); start as many ranks as the plan uses"
+        )
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The replica of `stage` that runs `microbatch` (round-robin)."""

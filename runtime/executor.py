@@ -4,7 +4,9 @@ torch.distributed (gloo on CPUs, NCCL on GPUs), started by `torchrun` or by test
 Each rank builds the same validated schedule from the program and walks its own actions in
 order: a receive waits (with a timeout) for its message, a send never waits, an all-reduce
 waits for its group. Every rank passes the same batch to `train_step`; stage 0 uses the inputs,
-the last stage the targets, and every rank gets the loss back.
+the last stage the targets, and every rank gets the loss back. A rank whose action fails sends
+the error's text in place of each message it still owed in the step, so the ranks waiting for
+them raise at once (`StageCommError` naming it) instead of waiting for their timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
+from pdcompile.runtime.schedules import check_nonfinite
 from pdcompile.runtime.worker import (
     Batch,
     LossFn,
@@ -38,6 +41,7 @@ class DistributedPipeline(Pipeline):
             lr_scheduler, autocast: as for `LocalPipeline`.
         device: where this rank computes (`runtime.distributed.init_process_group` returns it).
         timeout_s: how long any wait lasts before `PipelineTimeoutError`.
+        nonfinite: "raise" or "skip" (as for `LocalPipeline`).
     """
 
     def __init__(
@@ -56,7 +60,9 @@ class DistributedPipeline(Pipeline):
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         autocast: torch.dtype | None = None,
+        nonfinite: str = "raise",
     ) -> None:
+        check_nonfinite(schedule, nonfinite)
         layout = program_schedule(program, schedule, num_microbatches, clip_grad_norm is not None)
         groups = {a.group for actions in layout.actions.values() for a in actions if a.group}
         self.world = tuple(sorted(layout.actions))
@@ -68,8 +74,9 @@ class DistributedPipeline(Pipeline):
             program, stage, module, comm, loss_fn=loss_fn, optimizer=optimizer,
             schedule_kind=schedule, stash=stash, vertical_sync=vertical_sync,
             clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler, autocast=autocast,
+            nonfinite=nonfinite,
         )  # fmt: skip
-        self.rank, self.device, self.comm, self.steps = rank, device, comm, 0
+        self.rank, self.device, self.comm = rank, device, comm
         super().__init__(program, {rank: worker}, schedule=schedule,
                          num_microbatches=num_microbatches)  # fmt: skip
 
@@ -98,15 +105,30 @@ class DistributedPipeline(Pipeline):
         for a in mine[position[self.rank] : end]:  # receives posted early: no sender waits
             if a.kind == "recv":
                 self.worker.expect(a)
-        while position[self.rank] < end:
-            action = mine[position[self.rank]]
-            self.worker.run(action)
-            self.worker.finish(action)
-            position[self.rank] += 1
+        try:
+            while position[self.rank] < end:
+                action = mine[position[self.rank]]
+                self.worker.run(action)
+                self.worker.finish(action)
+                position[self.rank] += 1
+        except Exception as exc:
+            self._abort(mine[position[self.rank] : end], exc)
+            raise
+
+    def _abort(self, rest: Sequence[Action], exc: Exception) -> None:
+        """Send the error's text in place of every message still owed in `rest` (from the
+        failed action on; a failed send has already told its peer)."""
+        failed = rest[0]
+        text = (
+            f"rank {self.rank} (stage {self.worker.stage}) stopped at {failed} in step "
+            f"{self.steps - 1}: {type(exc).__name__}: {exc}"
+        )
+        for a in rest[1:] if failed.kind == "send" else rest:
+            if a.kind == "send":
+                self.comm.send_error(a.peer, *self.worker.message(a), text)
 
     def _loss(self, batch: Batch, first: int) -> float:
         total, weight = self._local_loss(batch, first)
         both = torch.tensor([total, weight], dtype=torch.float64, device=self.device)
-        self.steps += 1
         self.comm.all_reduce([both], self.world, ("loss", self.steps))
         return float(both[0] / both[1])

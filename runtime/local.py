@@ -19,6 +19,7 @@ from pdcompile.errors import ScheduleError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import LocalComm
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
+from pdcompile.runtime.schedules import check_nonfinite
 from pdcompile.runtime.worker import (
     Batch,
     LossFn,
@@ -44,6 +45,8 @@ class LocalPipeline(Pipeline):
             schedules, per stage for `pipedream`.
         lr_scheduler: a factory `optimizer -> LRScheduler` per rank, stepped after each update.
         autocast: the dtype of `torch.autocast` around every forward (None: off).
+        nonfinite: a NaN or infinite loss raises `LossError` ("raise") or skips the step on
+            every rank ("skip": `1f1b`, `gpipe`).
     """
 
     def __init__(
@@ -59,7 +62,9 @@ class LocalPipeline(Pipeline):
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         autocast: torch.dtype | None = None,
+        nonfinite: str = "raise",
     ) -> None:
+        check_nonfinite(schedule, nonfinite)
         mailbox = LocalComm(-1)
         workers: dict[int, StageWorker] = {}
         layout = program_schedule(program, schedule, num_microbatches)
@@ -69,7 +74,7 @@ class LocalPipeline(Pipeline):
                     program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
                     loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule, stash=stash,
                     vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
-                    lr_scheduler=lr_scheduler, autocast=autocast,
+                    lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
                 )  # fmt: skip
         super().__init__(program, workers, schedule=schedule, num_microbatches=num_microbatches)
 

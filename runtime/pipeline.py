@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from pdcompile.errors import BatchError
 from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.schedules import build_schedule, forward_schedule
 from pdcompile.runtime.validate import validate_schedule
@@ -35,13 +37,17 @@ def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:
 
 
 def program_schedule(
-    program: StagedProgram, kind: str, num_microbatches: int, clip: bool = False
+    program: StagedProgram,
+    kind: str,
+    num_microbatches: int,
+    clip: bool = False,
+    skip_nonfinite: bool = False,
 ) -> Schedule:
     """The validated schedule of `program` under its plan's ranks."""
     ranks = [stage.ranks for stage in program.plan.stages]
     ties = [tie.stages for tie in program.ties]
     edges = program_edges(program)
-    schedule = build_schedule(kind, ranks, edges, num_microbatches, ties, clip)
+    schedule = build_schedule(kind, ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
     validate_schedule(schedule)
     return schedule
 
@@ -61,8 +67,10 @@ class Pipeline:
         self.kind = schedule
         self.num_microbatches = num_microbatches
         self.clip = any(w.clip_grad_norm is not None for w in workers.values())
-        self.schedule = program_schedule(program, schedule, num_microbatches, self.clip)
+        self.skip = any(w.nonfinite == "skip" for w in workers.values())
+        self.schedule = program_schedule(program, schedule, num_microbatches, self.clip, self.skip)
         self.workers = workers
+        self.steps = 0  # train steps run
         self.started = 0  # pipedream: minibatches given since the last flush
         # pipedream: actions every rank has done since the stream (re)started (each call, every
         # rank runs to its cut, so this process knows where the other ranks are too)
@@ -76,12 +84,14 @@ class Pipeline:
         """One step over the batch (every rank passes the same batch); returns the loss, the
         mean over its microbatches weighted by their rows, on every rank."""
         pipedream = self.kind == "pipedream"
+        check_batch(self.program, args, kwargs or {}, self._input_device())
         batch = split_batch(
             args, kwargs or {}, targets, self.num_microbatches, weighted=not pipedream
         )
         first = self.started if pipedream else 0
         for worker in self.workers.values():
-            worker.add_microbatches(batch, first)
+            worker.add_microbatches(batch, first, self.steps)
+        self.steps += 1
         if pipedream:
             self.started += self.num_microbatches
             stream = self._stream(self.started + self._lookahead())
@@ -97,6 +107,7 @@ class Pipeline:
         """Forward the batch without gradients (after a flush); returns what the model returns
         for the whole batch on the first replica of the last stage, None elsewhere."""
         self.flush()
+        check_batch(self.program, args, kwargs or {}, self._input_device())
         batch = split_batch(args, kwargs or {}, None, self.num_microbatches, weighted=False)
         if self._forward is None:
             ranks = [stage.ranks for stage in self.program.plan.stages]
@@ -144,6 +155,14 @@ class Pipeline:
     def _loss(self, batch: Batch, first: int) -> float:
         raise NotImplementedError
 
+    def _input_device(self) -> torch.device | None:
+        """Where stage 0 runs in this process (None: not here)."""
+        for worker in self.workers.values():
+            if worker.stage == 0:
+                tensor = next(iter([*worker.module.parameters(), *worker.module.buffers()]), None)
+                return tensor.device if tensor is not None else None
+        return None
+
     def _local_loss(self, batch: Batch, first: int) -> tuple[float, float]:
         """(sum of weight * loss, sum of weights) over the step's microbatches this process's
         last-stage ranks computed."""
@@ -169,6 +188,54 @@ class Pipeline:
         replicas = self.schedule.replicas
         deepest = max(warmup(replicas, s) for s in range(len(replicas)))
         return math.lcm(*replicas) * (deepest + 1) * max(replicas)
+
+
+_SPEC = re.compile(r"^(\w+)\[(.*)\]$")
+
+
+def check_batch(
+    program: StagedProgram, args: Sequence[Any], kwargs: dict[str, Any], device: Any = None
+) -> None:
+    """Raise `BatchError` unless `args` and `kwargs` are the captured graph's tensor inputs
+    (by position or by name) with their dtypes and sizes (any size along batch dimensions), on
+    `device` when one is given."""
+    names, model = list(program.input_specs), program.model_name
+    wanted = f"{model} was captured with the tensor inputs ({', '.join(names)})"
+    if len(args) > len(names):
+        raise BatchError(f"{len(args)} positional inputs given, but {wanted}")
+    given = dict(zip(names, args, strict=False))
+    for name in kwargs:
+        if name not in names or name in given:
+            raise BatchError(f"input {name!r} given twice or unknown: {wanted}")
+    given.update(kwargs)
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise BatchError(f"inputs {missing} missing: {wanted}")
+    for name, value in given.items():
+        spec = program.input_specs[name]
+        match = _SPEC.match(spec)
+        if match is None:  # not a tensor spec: nothing to compare
+            continue
+        if not isinstance(value, torch.Tensor):
+            kind = type(value)
+            what = kind.__qualname__
+            what = what if kind.__module__ == "builtins" else f"{kind.__module__}.{what}"
+            hint = " (torch.from_numpy converts it)" if kind.__module__ == "numpy" else ""
+            raise BatchError(f"input {name!r} is a {what}{hint}; {model} takes a tensor {spec}")
+        dtype, dims = match.group(1), [d for d in match.group(2).split(", ") if d]
+        shape, got_dtype = list(value.shape), str(value.dtype).removeprefix("torch.")
+        fits = got_dtype == dtype and len(dims) == len(shape)
+        if not fits or any(d.isdigit() and int(d) != s for d, s in zip(dims, shape, strict=True)):
+            raise BatchError(
+                f"input {name!r} is {got_dtype}{shape}, but {model} was captured with {spec}: "
+                "only sizes marked batch may change; pass batches like the example inputs (or "
+                "compile again with example inputs of this shape and dtype)"
+            )
+        if device is not None and value.device != torch.device(device):
+            raise BatchError(
+                f"input {name!r} is on {value.device} but stage 0 runs on {device}: move the "
+                f"batch there first (.to({str(device)!r}))"
+            )
 
 
 def cuts(stream: Schedule, bound: int, position: dict[int, int]) -> dict[int, int]:

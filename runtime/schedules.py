@@ -19,6 +19,20 @@ from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.versions import warmup
 
 Edges = Mapping[tuple[int, int], bool]
+NONFINITE = ("raise", "skip")  # what a step with a NaN or infinite loss does
+SKIPPABLE = ("1f1b", "gpipe")  # schedules whose steps can be skipped on every rank together
+
+
+def check_nonfinite(kind: str, nonfinite: str) -> None:
+    """Raise `ScheduleError` unless `nonfinite` is known and `kind` can honour it."""
+    if nonfinite not in NONFINITE:
+        raise ScheduleError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+    if nonfinite == "skip" and kind not in SKIPPABLE:
+        raise ScheduleError(
+            f"nonfinite='skip' needs a synchronous schedule ({', '.join(SKIPPABLE)}): under {kind} "
+            "updates of different minibatches overlap, so one step cannot be skipped on every "
+            "stage; use nonfinite='raise' or schedule='1f1b'"
+        )
 
 
 def compute_order(kind: str, warmup_forwards: int, mine: Sequence[int]) -> list[tuple[str, int]]:
@@ -41,6 +55,7 @@ def build_schedule(
     num_microbatches: int,
     ties: Sequence[Sequence[int]] = (),
     clip: bool = False,
+    skip_nonfinite: bool = False,
 ) -> Schedule:
     """Every rank's actions for one step of `num_microbatches` microbatches.
 
@@ -53,12 +68,17 @@ def build_schedule(
             its gradients.
         clip: clip the gradients' norm before each update: over all ranks together for the
             synchronous schedules, per stage for `pipedream`.
+        skip_nonfinite: before the update every rank learns whether a loss of the step was NaN
+            or infinite (a `check` all-reduce over all ranks) and, if so, skips it (`1f1b`,
+            `gpipe` only).
 
     Raises:
-        ScheduleError: unknown kind, bad stage pairs, too few microbatches for `2bw`.
+        ScheduleError: unknown kind, bad stage pairs, too few microbatches for `2bw`,
+            `skip_nonfinite` with an asynchronous schedule.
     """
     if kind not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    check_nonfinite(kind, "skip" if skip_nonfinite else "raise")
     ranks = tuple(tuple(r) for r in ranks)
     replicas = tuple(len(r) for r in ranks)
     stages = len(ranks)
@@ -104,7 +124,9 @@ def build_schedule(
         ]
         for i, rank in enumerate(stage_ranks):
             mine = list(range(i, num_microbatches, replicas[s]))
-            update = _update(s, ranks[s], my_ties, world if clip else None)
+            update = _update(
+                s, ranks[s], my_ties, world if clip else None, world if skip_nonfinite else None
+            )
             actions[rank] = tuple(_expand(schedule, edges, s, w, mine, update))
     return Schedule(kind, num_microbatches, replicas, ranks, actions)
 
@@ -153,14 +175,18 @@ def _update(
     group: tuple[int, ...],
     ties: list[tuple[int, tuple[int, ...]]],
     clip_group: tuple[int, ...] | None,
+    check_group: tuple[int, ...] | None = None,
 ) -> Callable[[int], list[Action]]:
     """The actions of one update: sum tied gradients, average the rest among the replicas,
-    clip (over `clip_group`, or per stage when it is empty), step the optimizer."""
+    agree over `check_group` whether to skip the step (a non-finite loss), clip (over
+    `clip_group`, or per stage when it is empty), step the optimizer."""
 
     def actions(round_: int) -> list[Action]:
         out = [Action("allreduce", stage, round_, group=ranks, tie=i) for i, ranks in ties]
         if len(group) > 1:
             out.append(Action("allreduce", stage, round_, group=group))
+        if check_group is not None:
+            out.append(Action("check", stage, round_, group=check_group))
         if clip_group is not None:
             out.append(Action("clip", stage, round_, group=clip_group))
         return [*out, Action("step", stage, round_)]

@@ -77,13 +77,10 @@ def pack(
 ) -> tuple[torch.Tensor, StageCommError | None]:
     """The message of `values`, or, if one does not fit its channel, the error message and the
     error (the sender raises it after sending)."""
-    buffer = torch.empty(lay.size, dtype=torch.uint8, device=device)
     error = _mismatch(values, lay, src, dst)
     if error is not None:
-        text = str(error).encode()[: lay.size - 8 * PREAMBLE]
-        _preamble(buffer, key, status=1, length=len(text))
-        buffer[8 * PREAMBLE : 8 * PREAMBLE + len(text)] = _bytes(text, device)
-        return buffer, error
+        return error_message(lay, key, str(error), device), error
+    buffer = torch.empty(lay.size, dtype=torch.uint8, device=device)
     _preamble(buffer, key, status=0, length=0)
     for slot, value in zip(lay.slots, values, strict=True):
         if slot.dtype is None:
@@ -96,6 +93,16 @@ def pack(
     return buffer, None
 
 
+def error_message(lay: Layout, key: tuple, text: str, device: torch.device) -> torch.Tensor:
+    """The message of `key` that carries `text` (status 1) instead of values; the receiver
+    raises `StageCommError(text)`."""
+    buffer = torch.empty(lay.size, dtype=torch.uint8, device=device)
+    data = text.encode()[: lay.size - 8 * PREAMBLE]
+    _preamble(buffer, key, status=1, length=len(data))
+    buffer[8 * PREAMBLE : 8 * PREAMBLE + len(data)] = _bytes(data, device)
+    return buffer
+
+
 def unpack(buffer: torch.Tensor, lay: Layout, key: tuple) -> list[Any]:
     """The values of a received message; the sender's `StageCommError` if it sent one."""
     magic, checksum, status, length = buffer[: 8 * PREAMBLE].view(torch.int64).tolist()
@@ -106,7 +113,8 @@ def unpack(buffer: torch.Tensor, lay: Layout, key: tuple) -> list[Any]:
             "run different versions of pdcompile"
         )
     if status:
-        text = bytes(buffer[8 * PREAMBLE : 8 * PREAMBLE + length].cpu().tolist()).decode()
+        data = bytes(buffer[8 * PREAMBLE : 8 * PREAMBLE + length].cpu().tolist())
+        text = data.decode(errors="replace")  # the sender may have cut a character in two
         raise StageCommError(text)
     values = []
     for slot in lay.slots:

@@ -11,7 +11,9 @@ the optimizer updates. A version is dropped when no microbatch in flight uses it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,11 +23,12 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from pdcompile.errors import ScheduleError
+from pdcompile.errors import BatchError, LossError, PartitionError, ScheduleError
+from pdcompile.ir import iter_tensors
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Comm, gradient_channels
-from pdcompile.runtime.versions import vertical_version
 from pdcompile.runtime.timeline import Event
+from pdcompile.runtime.versions import vertical_version
 from pdcompile.staged_program import Channel, StagedProgram
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class Microbatch:
     target: Any
     weight: float  # its share of the loss
     rows: int
+    step: int = 0  # the train step that gave it
 
 
 @dataclass
@@ -85,6 +89,8 @@ class StageWorker:
         clip_grad_norm: the largest gradient norm (the schedule's `clip` actions apply it).
         lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
         autocast: run forwards under `torch.autocast` with this dtype (e.g. torch.bfloat16).
+        nonfinite: a NaN or infinite loss raises `LossError` ("raise") or, with the schedule's
+            `check` actions, makes every rank skip the step ("skip").
     """
 
     def __init__(
@@ -102,12 +108,13 @@ class StageWorker:
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         autocast: torch.dtype | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         self.program, self.stage, self.module, self.comm = program, stage, module, comm
         self.last = stage == program.num_stages - 1
         self.loss_fn = loss_fn
         self.params = dict(module.named_parameters())
-        self.optimizer = optimizer(list(self.params.values()))
+        self.optimizer = _make_optimizer(optimizer, self.params, program, stage)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.clip_grad_norm = clip_grad_norm
         self.autocast = autocast
@@ -143,6 +150,11 @@ class StageWorker:
         self.losses: dict[int, float] = {}
         self.data: dict[int, Microbatch] = {}
         self.timeline: list[Event] | None = None
+        self.nonfinite = nonfinite
+        self.skip = False  # every rank agreed to skip this step's update
+        self.skipped = 0  # steps skipped for a non-finite loss
+        self.nonfinite_flag = torch.zeros(1)  # of the last `check`
+        self.saved_buffers: list[torch.Tensor] = []  # "skip": the buffers before the step
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -159,7 +171,7 @@ class StageWorker:
             time.perf_counter(), action.peer,
         ))  # fmt: skip
 
-    def _message(self, a: Action) -> tuple[tuple, list[Channel], int]:
+    def message(self, a: Action) -> tuple[tuple, list[Channel], int]:
         """The key, channels and rows of the message a `send` or `recv` moves."""
         src, dst = a.key[2:]
         channels = self.outbound[dst] if src == self.stage else self.inbound[src]
@@ -169,11 +181,11 @@ class StageWorker:
 
     def expect(self, a: Action) -> None:
         """Post the receive of a `recv` action ahead of time."""
-        self.comm.expect(a.peer, *self._message(a))
+        self.comm.expect(a.peer, *self.message(a))
 
     def _recv(self, a: Action) -> None:
         state = self.flight.setdefault(a.microbatch, _InFlight())
-        key, channels, rows = self._message(a)
+        key, channels, rows = self.message(a)
         values = self.comm.recv(a.peer, key, channels, rows)
         if a.stream == "act":
             for c, value in zip(channels, values, strict=True):
@@ -185,7 +197,7 @@ class StageWorker:
 
     def _send(self, a: Action) -> None:
         state = self.flight[a.microbatch]
-        key, channels, rows = self._message(a)
+        key, channels, rows = self.message(a)
         if a.stream == "act":
             # under autocast, activations travel in the dtype the channel was captured in
             values = [_as_channel(state.outputs[c.name], c) for c in channels]
@@ -238,10 +250,35 @@ class StageWorker:
         with self._autocast():
             out = self._call(state, args, kwargs)
         if self.last:
-            loss = self.loss_fn(out, mb.target)
+            loss = self._loss(out, mb, k)
             self.losses[k] = float(loss.detach())
+            if not math.isfinite(self.losses[k]) and self.nonfinite == "raise":
+                raise LossError(
+                    f"the loss is {self.losses[k]} in step {mb.step}, at stage {self.stage} "
+                    f"(rank {self.comm.rank}), microbatch {k}: the batch holds NaN or infinite "
+                    "values, or training diverged (lower the learning rate, set clip_grad_norm); "
+                    "nonfinite='skip' skips such steps on every rank (1f1b, gpipe)"
+                )
             state.loss = loss * mb.weight
         state.outputs = out
+
+    def _loss(self, out: Any, mb: Microbatch, k: int) -> torch.Tensor:
+        """`loss_fn(out, target)`, which must give a scalar tensor."""
+        where = f"at stage {self.stage} (rank {self.comm.rank}), microbatch {k} of step {mb.step}"
+        try:
+            loss = self.loss_fn(out, mb.target)
+        except Exception as exc:
+            raise LossError(
+                f"loss_fn raised {type(exc).__name__} {where}: {_first_line(exc)}; it was given "
+                f"the model's output ({_describe(out)}) and the microbatch's targets "
+                f"({_describe(mb.target)}): pass train_step the targets loss_fn expects"
+            ) from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise LossError(
+                f"loss_fn returned {_describe(loss)} {where}; it must return a scalar tensor "
+                "(reduce the loss, e.g. with .mean())"
+            )
+        return loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision on the forward (weights and stashed versions stay in their dtype)."""
@@ -338,10 +375,20 @@ class StageWorker:
         self.norm_squares = torch.tensor([mine], dtype=torch.float64, device=device)
         self.comm.all_reduce([self.norm_squares], a.group, a.collective)
 
+    def _check(self, a: Action) -> None:
+        """Tell every rank whether a loss of this step was NaN or infinite (applied by
+        `finish`: the step is then skipped everywhere)."""
+        bad = any(not math.isfinite(loss) for loss in self.losses.values())
+        device = getattr(self.comm, "device", torch.device("cpu"))
+        self.nonfinite_flag = torch.tensor([float(bad)], device=device)
+        self.comm.all_reduce([self.nonfinite_flag], a.group, a.collective)
+
     def finish(self, a: Action) -> None:
         """Complete a collective once every member has taken part (the local executor runs
         the members one after another; an all-reduce may land only with the last)."""
-        if a.kind == "clip" and a.group:
+        if a.kind == "check":
+            self.skip = bool(self.nonfinite_flag[0] > 0)
+        if a.kind == "clip" and a.group and not self.skip:
             self._scale(float(self.norm_squares[0]))
 
     def _scale(self, squares: float) -> None:
@@ -352,6 +399,16 @@ class StageWorker:
                     p.grad.mul_(coefficient)
 
     def _step(self, a: Action) -> None:
+        if self.skip:  # a non-finite loss: no update, the buffers as before the step
+            self.skip, self.skipped = False, self.skipped + 1
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for buffer, saved in zip(self.module.buffers(), self.saved_buffers, strict=True):
+                    buffer.copy_(saved)
+            log.warning("rank %d: step skipped: a loss was not finite", self.comm.rank)
+            self.flight.clear()
+            self.data.clear()
+            return
         before = _copy(self.params) if self.shadow else {}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -368,10 +425,44 @@ class StageWorker:
 
     # -- per step --------------------------------------------------------------------------
 
-    def add_microbatches(self, batch: Batch, first: int) -> None:
-        """Make a step's microbatches known, numbered from `first`."""
-        self.data.update(batch.items(first))
+    def add_microbatches(self, batch: Batch, first: int, step: int = 0) -> None:
+        """Make a step's microbatches known, numbered from `first` (`step`: the train step)."""
+        given = batch.items(first)
+        self.data.update({k: dataclasses.replace(m, step=step) for k, m in given.items()})
         self.losses = {}
+        if self.nonfinite == "skip" and not self.evaluating:
+            self.saved_buffers = [b.detach().clone() for b in self.module.buffers()]
+
+
+def _make_optimizer(
+    factory: OptimizerFactory, params: dict[str, nn.Parameter], program: StagedProgram, stage: int
+) -> torch.optim.Optimizer:
+    try:
+        return factory(list(params.values()))
+    except ValueError as exc:
+        if params:
+            raise
+        nodes = program.signatures[stage].nodes
+        raise PartitionError(
+            f"stage {stage} holds no parameters (its nodes: {', '.join(nodes[:6])}), and the "
+            f"optimizer refuses an empty list ({exc}); plan fewer stages (a smaller cluster) or "
+            "with a solver that balances compute (solver='dp')"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _describe(value: Any) -> str:
+    """`Tensor float32[4, 10]`, `None`, `dict with keys ['logits']`, ..."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, dict):
+        return f"{type(value).__name__} with keys {list(value)[:6]}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return "None" if value is None else type(value).__name__
 
 
 def _copy(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
@@ -408,6 +499,12 @@ def split_batch(
     equal to the whole batch), else 1 (PipeDream minibatches).
     """
     rows = batch_rows(args, kwargs)
+    for path, value in iter_tensors(targets):
+        if value.dim() and value.shape[0] != rows:
+            raise BatchError(
+                f"targets{' ' + path if path else ''} have {value.shape[0]} rows but the inputs "
+                f"have {rows}: give one target row per input row (both are split along dim 0)"
+            )
     if rows < num_microbatches:
         raise ScheduleError(
             f"a batch of {rows} rows cannot be split into {num_microbatches} microbatches; "
