@@ -10,6 +10,7 @@ rank started with another model
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -154,7 +155,18 @@ def _mismatches_then_hang(rank: int, world_size: int, init_file: str) -> dict:
             pdcompile.compile(model, (x,), loss_fn=loss_fn, optimizer=SGD, plan=plan)
         except PdcompileError as exc:
             result[case] = (type(exc).__name__, str(exc))
+    # rank 1 cannot capture its model; then rank 0 cannot plan: every rank stops at once
+    for case, options in [
+        ("capture", dict(example_inputs=(x,) if rank == 0 else (x[:, :8],))),
+        ("planning", dict(example_inputs=(x,), cluster=Cluster.parse("2", memory="1KB"))),
+    ]:
+        try:
+            pdcompile.compile(model, loss_fn=loss_fn, optimizer=SGD, profile=False, **options)
+        except PdcompileError as exc:
+            result[case] = (type(exc).__name__, str(exc))
 
+    with open(f"{init_file}.rank{rank}.json", "w") as f:  # rank 1 will not return
+        json.dump(result, f)
     released = init_file + ".released"
     calls = []
 
@@ -180,6 +192,8 @@ def _mismatches_then_hang(rank: int, world_size: int, init_file: str) -> dict:
     finally:
         open(released, "w").close()
     result["log"] = records.messages
+    with open(f"{init_file}.rank1.json") as f:
+        result["rank 1"] = json.load(f)
     return result
 
 
@@ -192,6 +206,13 @@ def test_mismatched_plans_and_a_hanging_rank() -> None:
     assert kind == "PdcompileError" and "ranks [1] captured another model or call" in message
     kind, message = result["world"]
     assert kind == "PartitionError" and "places its stages on 3 devices" in message
+    kind, message = result["capture"]
+    assert kind == "PdcompileError" and "rank 1 could not capture the model" in message
+    assert "TraceError: no path could capture MLP" in message
+    assert result["planning"][0] == "PartitionError"  # rank 0's own error, and rank 1:
+    kind, message = result["rank 1"]["planning"]
+    assert kind == "PdcompileError" and "rank 0 could not plan, so no rank can start" in message
+    assert "PartitionError: no placement fits" in message
     kind, message, elapsed = result["hang"]
     assert kind == "PipelineTimeoutError", message
     waited = re.search(
