@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.errors import BatchError, LossError, TraceError
+from pdcompile.errors import BatchError, CheckpointError, LossError, TraceError
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
 
@@ -69,6 +69,11 @@ def test_a_larger_batch_is_taken_and_other_rows_are_split(pipe) -> None:
         loss = pipe.train_step(torch.randn(rows, 32), torch.randint(0, 10, (rows,)))
         assert torch.isfinite(torch.tensor(loss))
     assert pipe.eval_step(torch.randn(13, 32)).shape == (13, 10)
+
+
+def test_a_state_dict_without_the_stage_tensors_is_refused(pipe) -> None:
+    with pytest.raises(CheckpointError, match=r"lacks 3 tensors stage 0 holds, e.g. \['net.0.b"):
+        pipe.load_state_dict({"net.0.weight": torch.zeros(64, 32)})
 
 
 def test_targets_missing_on_the_last_stage(pipe) -> None:
