@@ -124,7 +124,7 @@ class DistributedPipeline(Pipeline):
             f"{self.steps - 1}: {type(exc).__name__}: {exc}"
         )
         for a in rest[1:] if failed.kind == "send" else rest:
-            if a.kind == "send":
+            if a.kind == "send" and a.microbatch in self.worker.data:
                 self.comm.send_error(a.peer, *self.worker.message(a), text)
 
     def _loss(self, batch: Batch, first: int) -> float:
