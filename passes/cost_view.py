@@ -1,7 +1,9 @@
 """Derive the torch-free CostGraph from an annotated graph (one way: never written back).
 
 Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.flops`,
-`pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other).
+`pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other),
+and `gm.meta["pdcompile.param_table"]` for the CostGraph's `meta["param_tensors"]` and
+`meta["ties"]` (docs/cost_graph.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pdcompile.ir import (
     OPTIMIZER_BYTES,
     OUTPUT_BYTES,
     PARAM_BYTES,
+    PARAM_TABLE,
     module_path,
 )
 
@@ -32,9 +35,11 @@ def to_cost_graph(
 ) -> CostGraph:
     """One CostGraph node per graph node (same names, same order), one edge per data dependency.
 
-    Times are the profiled ones when `measured`, else the analytic ones.
+    Times are the profiled ones when `measured`, else the analytic ones. `meta` gains
+    `param_tensors` (node -> parameter tensors it owns, as `param_bytes` counts them) and `ties`
+    (per parameter with gradients that several nodes use: `{"nodes": [...], "grad_bytes": n}`).
     """
-    graph = CostGraph(batch_size=batch_size, meta=meta)
+    graph = CostGraph(batch_size=batch_size, meta={**meta, **parameter_layout(gm)})
     times = MEASURED_S if measured else ANALYTIC_S
     for node in gm.graph.nodes:
         forward_s, backward_s = node.meta[times]
@@ -58,3 +63,19 @@ def to_cost_graph(
         for arg in node.all_input_nodes:
             graph.add_edge(arg.name, node.name, bytes=arg.meta[OUTPUT_BYTES])
     return graph
+
+
+def parameter_layout(gm: fx.GraphModule) -> dict[str, Any]:
+    """What the runtime's per-tensor work and tie all-reduces need to know of the parameters: how
+    many tensors each node owns (its first user, as the memory pass charges them) and which
+    nodes share a tensor with gradients."""
+    tensors: dict[str, int] = {}
+    ties = []
+    for info in gm.meta.get(PARAM_TABLE, ()):
+        if info.is_buffer or not info.users:
+            continue
+        tensors[info.users[0]] = tensors.get(info.users[0], 0) + 1
+        users = list(dict.fromkeys(info.users))
+        if len(users) > 1 and info.requires_grad:
+            ties.append({"nodes": users, "grad_bytes": info.nbytes})
+    return {"param_tensors": tensors, "ties": ties}

@@ -1,9 +1,10 @@
-"""Clusters: devices in a hierarchy of levels; bandwidth per level, memory and speed per device.
+"""Clusters: devices in a hierarchy of levels; bandwidth and latency per level, memory, speed and
+the runtime's own costs per device.
 
 Devices are numbered innermost level first: with `8@300GB/s,16@25Gbit/s`, ranks 0-7 share a
 server (300 GB/s between them), ranks 8-15 the next one, and servers talk at 25 Gbit/s. A transfer
-or all-reduce among a set of ranks runs at the bandwidth of the slowest level the set spans.
-Torch-free.
+or all-reduce among a set of ranks runs at the bandwidth of the slowest level the set spans, and
+each message also waits that level's latency (`2@1GB/s+100us`). Torch-free.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdcompile.errors import PartitionError
@@ -26,6 +27,9 @@ _UNITS = {
     "bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8, "Tbit": 1e12 / 8,
 }  # fmt: skip
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_PER_SECOND = {"s": 1, "ms": 1e3, "us": 1e6, "ns": 1e9}  # units of time in a second
+# a level: COUNT[@BANDWIDTH][+LATENCY]; the latency's "+" is not an exponent's sign ("1e+9B/s")
+_LEVEL = re.compile(r"^\s*(\d+)\s*(?:@([^@]*?))?\s*(?:(?<![eE])\+(.*))?$")
 
 
 def parse_bytes(text: str | float, what: str = "size") -> float:
@@ -41,6 +45,28 @@ def parse_bytes(text: str | float, what: str = "size") -> float:
     return float(match.group(1)) * _UNITS[match.group(2) or "B"]
 
 
+def parse_seconds(text: str | float, what: str = "latency") -> float:
+    """`"100us"` -> `1e-4`; `"2.5ms"` -> `0.0025`; a number is taken as seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = _QUANTITY.match(text)
+    if not match or (match.group(2) or "s") not in _PER_SECOND:
+        raise PartitionError(
+            f"cannot read {what} {text!r}: write a number with a unit such as 100us, 2ms, 0.5s "
+            f"({', '.join(_PER_SECOND)})"
+        )
+    return float(match.group(1)) / _PER_SECOND[match.group(2) or "s"]
+
+
+def _format_seconds(value: float) -> str:
+    """The shortest `"<number><unit>"` that `parse_seconds` reads back as exactly `value`."""
+    for unit, per_second in _PER_SECOND.items():
+        text = f"{value * per_second:g}"
+        if float(text) >= 1 and float(text) / per_second == value:
+            return f"{text}{unit}"
+    return f"{value!r}s"
+
+
 def _format_rate(value: float) -> str:
     """The shortest `"<number><unit>/s"` that `parse_bytes` reads back as exactly `value`."""
     for unit in ("TB", "GB", "MB", "KB"):
@@ -52,50 +78,100 @@ def _format_rate(value: float) -> str:
 
 @dataclass(frozen=True)
 class Level:
-    """`count` groups of the level below (devices, for the innermost), linked at `bandwidth` B/s."""
+    """`count` groups of the level below (devices, for the innermost), linked at `bandwidth` B/s;
+    every message between them also takes `latency` seconds."""
 
     count: int
     bandwidth: float
+    latency: float = 0.0
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """What the runtime's own work costs on a device, besides compute and transfers.
+
+    `memory_bandwidth`: bytes read plus bytes written per second by the copies it makes (packing
+    a message, accumulating gradients, copying weights, the optimizer's update; None: free).
+    `tensor_s`: fixed seconds per tensor it copies or updates. `message_s`: fixed seconds a rank
+    spends on each message it sends or receives (packing, posting, waiting, unpacking).
+    The defaults cost nothing; docs/simulator.md has the formulas and how to measure them.
+    """
+
+    memory_bandwidth: float | None = None
+    tensor_s: float = 0.0
+    message_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        bandwidth = self.memory_bandwidth
+        if bandwidth is not None and not (_number(bandwidth) and bandwidth > 0):
+            raise PartitionError(
+                f"memory_bandwidth must be a positive number of bytes/s or None, got {bandwidth!r}"
+            )
+        for name in ("tensor_s", "message_s"):
+            value = getattr(self, name)
+            if not (_number(value) and value >= 0):
+                raise PartitionError(f"{name} must be a number of seconds >= 0, got {value!r}")
+
+    def moved_s(self, nbytes: float, tensors: int = 0) -> float:
+        """Seconds to read and write `nbytes` in all over `tensors` tensors."""
+        moved = nbytes / self.memory_bandwidth if self.memory_bandwidth else 0.0
+        return moved + tensors * self.tensor_s
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Cluster:
-    """Devices in levels (innermost first), with memory (bytes per device) and relative speeds.
+    """Devices in levels (innermost first), with memory (bytes per device), relative speeds and
+    the runtime's own costs.
 
     Args:
-        levels: `(count, bandwidth_bytes_per_s)` per level, innermost first.
+        levels: `(count, bandwidth_bytes_per_s)` or `(count, bandwidth, latency_s)` per level,
+            innermost first.
         memory: bytes per device, or None for no limit.
         speed: relative speed of every device (1.0 is the speed the costs were measured at), or
             None for all 1.0.
+        runtime: what the runtime's copies, updates and messages cost per device (default: free).
 
     Raises:
-        PartitionError: a count below 1, a bandwidth or memory that is not positive, or speeds
-            of the wrong length.
+        PartitionError: a count below 1, a bandwidth or memory that is not positive, a negative
+            latency, or speeds of the wrong length.
 
     Example:
-        >>> c = Cluster.parse("8@300GB/s,16@25Gbit/s", memory="80GB")
-        >>> c.num_devices, c.bandwidth(0, 7), c.bandwidth(7, 8)
-        (128, 300000000000.0, 3125000000.0)
+        >>> c = Cluster.parse("8@300GB/s,16@25Gbit/s+5us", memory="80GB")
+        >>> c.num_devices, c.bandwidth(0, 7), c.bandwidth(7, 8), c.latency(7, 8)
+        (128, 300000000000.0, 3125000000.0, 5e-06)
     """
 
     def __init__(
         self,
-        levels: Sequence[tuple[int, float]],
+        levels: Sequence[tuple[int, float] | tuple[int, float, float]],
         memory: float | None = None,
         speed: Sequence[float] | None = None,
+        runtime: RuntimeCosts | None = None,
     ) -> None:
         if not levels:
             raise PartitionError("a cluster needs at least one level, e.g. Cluster([(4, 1.25e10)])")
         parsed = []
-        for i, (count, bandwidth) in enumerate(levels):
+        for i, level in enumerate(levels):
+            if len(level) not in (2, 3):
+                raise PartitionError(
+                    f"level {i} is {level!r}; give (count, bytes_per_s) or (count, bytes_per_s, "
+                    "latency_s)"
+                )
+            count, bandwidth, latency = (*level, 0.0)[:3]
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise PartitionError(f"level {i} has {count!r} devices/groups; use an integer >= 1")
-            if not (
-                isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0
-            ):
+            if not (_number(bandwidth) and bandwidth > 0):
                 raise PartitionError(
                     f"level {i} has bandwidth {bandwidth!r} B/s; give a positive number of bytes/s"
                 )
-            parsed.append(Level(count, float(bandwidth)))
+            if not (_number(latency) and latency >= 0):
+                raise PartitionError(
+                    f"level {i} has latency {latency!r} s; give a number of seconds >= 0"
+                )
+            parsed.append(Level(count, float(bandwidth), float(latency)))
         self.levels: tuple[Level, ...] = tuple(parsed)
         self.num_devices = math.prod(level.count for level in self.levels)
         if memory is not None and not (isinstance(memory, (int, float)) and memory > 0):
@@ -111,6 +187,9 @@ class Cluster:
                     f"{len(speed)}"
                 )
         self.speed: tuple[float, ...] | None = speed
+        if runtime is not None and not isinstance(runtime, RuntimeCosts):
+            raise PartitionError(f"runtime must be a RuntimeCosts or None, got {runtime!r}")
+        self.runtime = runtime or RuntimeCosts()
         sizes, size = [], 1
         for level in self.levels:
             size *= level.count
@@ -128,6 +207,10 @@ class Cluster:
         """Bandwidth (B/s) of the slowest level spanned by ranks `first..last`."""
         return self.levels[self.level_of(first, last)].bandwidth
 
+    def latency(self, first: int, last: int) -> float:
+        """Seconds per message across the slowest level spanned by ranks `first..last`."""
+        return self.levels[self.level_of(first, last)].latency
+
     def device_speed(self, ranks: Sequence[int]) -> float:
         """The speed of the slowest of `ranks` (replicas wait for each other)."""
         return min(self.speed[r] for r in ranks) if self.speed else 1.0
@@ -138,49 +221,66 @@ class Cluster:
 
     @classmethod
     def parse(
-        cls, text: str, memory: str | float | None = None, speed: Sequence[float] | None = None
+        cls,
+        text: str,
+        memory: str | float | None = None,
+        speed: Sequence[float] | None = None,
+        runtime: RuntimeCosts | None = None,
     ) -> Cluster:
-        """Read `"8@300GB/s,16@25Gbit/s"`, innermost first (a bare count: `DEFAULT_BANDWIDTH`)."""
+        """Read `"8@300GB/s,16@25Gbit/s+5us"`, innermost first: `COUNT[@BANDWIDTH][+LATENCY]`
+        per level (no bandwidth: `DEFAULT_BANDWIDTH`; no latency: 0)."""
         levels = []
         for part in text.split(","):
-            count_text, _, rate = part.strip().partition("@")
-            if not count_text.strip().isdigit():
+            match = _LEVEL.match(part)
+            if match is None:
                 raise PartitionError(
-                    f"cannot read cluster {text!r}: each level is COUNT or COUNT@BANDWIDTH, "
-                    "innermost first, e.g. 8@300GB/s,16@25Gbit/s"
+                    f"cannot read cluster {text!r}: each level is COUNT, COUNT@BANDWIDTH or "
+                    "COUNT@BANDWIDTH+LATENCY, innermost first, e.g. 8@300GB/s,16@25Gbit/s+5us"
                 )
-            rate = rate.strip().removesuffix("/s")
+            count, rate, latency = match.groups()
+            rate = (rate or "").strip().removesuffix("/s")
             bandwidth = parse_bytes(rate, "bandwidth") if rate else DEFAULT_BANDWIDTH
-            levels.append((int(count_text), bandwidth))
-        return cls(levels, parse_bytes(memory, "memory") if memory is not None else None, speed)
+            levels.append((int(count), bandwidth, parse_seconds(latency) if latency else 0.0))
+        size = parse_bytes(memory, "memory") if memory is not None else None
+        return cls(levels, size, speed, runtime)
 
     def __str__(self) -> str:
-        return ",".join(f"{lv.count}@{_format_rate(lv.bandwidth)}" for lv in self.levels)
+        return ",".join(
+            f"{lv.count}@{_format_rate(lv.bandwidth)}"
+            + (f"+{_format_seconds(lv.latency)}" if lv.latency else "")
+            for lv in self.levels
+        )
 
     def __repr__(self) -> str:
         memory = f", memory={self.memory:g}" if self.memory is not None else ""
-        return f"Cluster({str(self)!r}{memory})"
+        runtime = f", runtime={self.runtime!r}" if self.runtime != RuntimeCosts() else ""
+        return f"Cluster({str(self)!r}{memory}{runtime})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Cluster) and self.to_dict() == other.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "levels": [[lv.count, lv.bandwidth] for lv in self.levels],
+            "levels": [[lv.count, lv.bandwidth, lv.latency] for lv in self.levels],
             "memory": self.memory,
             "speed": list(self.speed) if self.speed else None,
+            "runtime": asdict(self.runtime),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        """A cluster from `to_dict()`'s output (files without latencies or `runtime` load too)."""
         try:
-            return cls([tuple(lv) for lv in data["levels"]], data.get("memory"), data.get("speed"))
+            runtime = RuntimeCosts(**data["runtime"]) if data.get("runtime") is not None else None
+            levels = [tuple(lv) for lv in data["levels"]]
+            return cls(levels, data.get("memory"), data.get("speed"), runtime)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             shown = repr(data) if len(repr(data)) <= 200 else repr(data)[:197] + "..."
             raise PartitionError(
                 f"malformed cluster description {shown} ({type(e).__name__}: {e}); write it "
-                "as {'levels': [[count, bytes_per_s], ...], 'memory': bytes or null, "
-                "'speed': [one per device] or null}"
+                "as {'levels': [[count, bytes_per_s, latency_s], ...], 'memory': bytes or null, "
+                "'speed': [one per device] or null, 'runtime': {'memory_bandwidth': bytes_per_s "
+                "or null, 'tensor_s': s, 'message_s': s} or null}"
             ) from None
 
     def to_json(self) -> str:

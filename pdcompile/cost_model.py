@@ -125,6 +125,52 @@ def extra_weight_versions(schedule: str, stage: int, replicas: Sequence[int]) ->
     return 1 if schedule == "2bw" else 0
 
 
+def parameter_layout(
+    cost_graph: CostGraph, stage_of: dict[str, int]
+) -> tuple[list[int], tuple[tuple[tuple[int, ...], int], ...]]:
+    """Parameter tensors per stage (a tied tensor's copies included) and the tie groups:
+    `(stages, gradient bytes)` per tensor with gradients that nodes of several stages use.
+
+    Reads the CostGraph's `meta["param_tensors"]` and `meta["ties"]` (written by `analyze`;
+    absent from imported profiles, which then count no tensors and no ties). Names of original
+    nodes map to stages through each node's `members`; names the graph lacks are ignored.
+
+    Raises:
+        PartitionError: those meta entries are malformed.
+    """
+    member_stage = {
+        member: stage_of[node]
+        for node, members in cost_graph.graph.nodes(data="members")
+        for member in members
+    }
+    counts, listed = cost_graph.meta.get("param_tensors", {}), cost_graph.meta.get("ties", [])
+    valid = isinstance(counts, dict) and isinstance(listed, list)
+    valid = valid and all(isinstance(n, int) and not isinstance(n, bool) for n in counts.values())
+    valid = valid and all(
+        isinstance(t, dict) and isinstance(t.get("nodes"), list)
+        and isinstance(t.get("grad_bytes"), int) for t in listed
+    )  # fmt: skip
+    if not valid:
+        raise PartitionError(
+            "the CostGraph's meta has a malformed 'param_tensors' (node -> count) or 'ties' "
+            "([{'nodes': [...], 'grad_bytes': n}, ...]); remove both or profile again with "
+            "pdcompile.analyze"
+        )
+    tensors = [0] * (max(stage_of.values(), default=-1) + 1)
+    for node, count in counts.items():
+        if node in member_stage:
+            tensors[member_stage[node]] += count
+    ties = []
+    for tie in listed:
+        users = [member_stage[n] for n in tie["nodes"] if n in member_stage]
+        stages = tuple(sorted(set(users)))
+        if len(stages) > 1:
+            ties.append((stages, tie["grad_bytes"]))
+            for stage in stages:
+                tensors[stage] += stage != users[0]  # a copy of the owner's tensor
+    return tensors, tuple(ties)
+
+
 def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str, int]:
     """Raise PartitionError unless `plan` places every node of `cost_graph` once, in a stage
     order the edges respect, on valid ranks of `cluster`; returns node -> stage."""
@@ -197,6 +243,7 @@ def evaluate(
     pairs = pair_bytes(cost_graph, stage_of)
     replicas = [s.replicas for s in plan.stages]
     stages, compute_parts, allreduces = [], [], []
+    tensors, ties = parameter_layout(cost_graph, stage_of)
     for s in plan.stages:
         sums = node_sums(cost_graph, s.nodes)
         speed = cluster.device_speed(s.ranks)
@@ -227,6 +274,7 @@ def evaluate(
                 recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
                 activation_bytes=sums.activation_bytes, param_bytes=sums.param_bytes,
                 grad_bytes=sums.grad_bytes, weight_bytes=sums.weight_bytes,
+                param_tensors=tensors[s.index],
             )
         )  # fmt: skip
     predicted = max(s.time_s for s in stages)
@@ -248,5 +296,5 @@ def evaluate(
         stages=tuple(stages), cluster=cluster, schedule=schedule, num_microbatches=m,
         predicted_time=predicted, step_time=step, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0, data_parallel_time=dp_time,
-        fits_memory=fits,
+        fits_memory=fits, ties=ties,
     )  # fmt: skip

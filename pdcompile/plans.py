@@ -33,7 +33,8 @@ class Stage:
 
     The byte counts (per minibatch where they scale with it) are what `pdcompile.simulate` needs:
     `recv_bytes` pairs (earlier stage, bytes it sends here), `activation_bytes` are kept from a
-    forward to its backward, `weight_bytes` are parameters + gradients + optimizer state.
+    forward to its backward, `weight_bytes` are parameters + gradients + optimizer state, in
+    `param_tensors` parameter tensors (copies of tied ones included).
     """
 
     index: int
@@ -51,6 +52,7 @@ class Stage:
     param_bytes: int = 0
     grad_bytes: int = 0
     weight_bytes: int = 0
+    param_tensors: int = 0
 
     def __post_init__(self) -> None:
         # JSON gives lists of lists: keep the pairs hashable and equal to the original
@@ -65,6 +67,8 @@ class Plan:
     `step_time`: seconds per optimizer step under `schedule` with `num_microbatches`.
     `lower_bound`: total compute over all devices (no plan beats it); `gap` = predicted/bound - 1.
     `data_parallel_time`: the same devices as one data-parallel stage, for speed-ups.
+    `ties`: per tensor that several stages use, `(stages, gradient bytes)`: before each update
+    their ranks sum its gradients.
     """
 
     stages: tuple[Stage, ...]
@@ -81,6 +85,7 @@ class Plan:
     data_parallel_time: float = 0.0
     fits_memory: bool = True
     solve_time_s: float = 0.0
+    ties: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     @property
     def num_stages(self) -> int:

@@ -1,11 +1,14 @@
 """The schedule simulator: a plan's action lists executed on modelled time. Torch-free.
 
-`simulate` builds the per-rank actions the runtime walks (`build_schedule`) and runs them on an
-event heap: compute takes the plan's seconds, a message travels from its `send` at the bandwidth
-of the link it uses (shared fairly with the transfers on that link at the same time), a `recv`
-waits for its message, collectives wait for their whole group. Under `pipedream` it walks the
-endless stream in calls of `num_microbatches` minibatches, each ended by the loss all-reduce that
-synchronises the ranks, as `DistributedPipeline.train_step` does. docs/simulator.md has the model.
+`simulate` builds the per-rank actions the runtime walks (`build_schedule`, with the plan's tie
+groups) and runs them on an event heap: compute takes the plan's seconds, a message travels from
+its `send` at the bandwidth of the link it uses (shared fairly with the transfers on that link at
+the same time) plus the level's latency, a `recv` waits for its message, collectives wait for
+their whole group, and the runtime's own work (packing messages, accumulating gradients, weight
+copies, optimizer steps: `action_costs`) takes what the cluster's `RuntimeCosts` say. Every
+`train_step` ends with the loss all-reduce that synchronises the ranks; under `pipedream` it walks
+the endless stream in calls of `num_microbatches` minibatches, as `DistributedPipeline.train_step`
+does. docs/simulator.md has the model.
 
 Example:
     >>> sim = pdcompile.simulate(plan, schedule="gpipe", num_microbatches=8)
@@ -22,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.cluster import Cluster
-from pdcompile.cost_model import allreduce_time
 from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.plans import Plan, check_schedule
+from pdcompile.runtime.action_costs import COPIED, loss_s, send_s, stage_costs, tie_costs
 from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.schedules import build_schedule
 from pdcompile.runtime.timeline import Event, to_chrome_trace
@@ -79,10 +82,12 @@ def simulate(
     state) under `schedule` with `num_microbatches` on `cluster` (defaults: the plan's).
 
     A stage's `forward_s`/`backward_s` are taken per microbatch (plan at the microbatch size).
+    Tie groups (`plan.ties`) add their all-reduces before each update of their stages.
 
     Raises:
         PartitionError: the plan has no per-stage byte counts (not scored by this version's
-            `pdcompile.evaluate`), or the cluster has too few devices for its ranks.
+            `pdcompile.evaluate`), the cluster has too few devices for its ranks, or a tie
+            group names stages the plan does not have.
         ScheduleError: the schedule cannot be built (e.g. `2bw` with fewer microbatches than
             stages) or deadlocks.
     """
@@ -92,8 +97,9 @@ def simulate(
     plan = _on(plan, cluster or plan.cluster).with_(schedule=kind, num_microbatches=m)
     ranks = [s.ranks for s in plan.stages]
     edges = {(src, s.index): size > 0 for s in plan.stages for src, size in s.recv_bytes}
+    ties = [stages for stages, _ in plan.ties]
     if kind != "pipedream":
-        built = build_schedule(kind, ranks, edges, m)
+        built = build_schedule(kind, ranks, edges, m, ties)
         engine = _Engine(plan, built)
         engine.run_call(math.inf)
         return engine.result(0.0, engine.release)
@@ -106,7 +112,7 @@ def simulate(
     calls = pipedream_calls(replicas, m)
     deepest = max(warmup(replicas, s) for s in range(len(replicas)))
     lookahead = math.lcm(*replicas) * (deepest + 1) * max(replicas)  # as Pipeline._lookahead
-    engine = _Engine(plan, build_schedule(kind, ranks, edges, calls * m + lookahead))
+    engine = _Engine(plan, build_schedule(kind, ranks, edges, calls * m + lookahead, ties))
     start = 0.0
     for call in range(1, calls + 1):
         start = engine.release
@@ -128,6 +134,12 @@ def _check(plan: Plan, cluster: Cluster) -> None:
             "written by an older pdcompile or never scored); re-score it with "
             "pdcompile.evaluate(plan, cost_graph) or re-plan with `pdcompile plan`"
         )
+    for stages, _ in plan.ties:
+        if len(set(stages)) < 2 or not all(0 <= s < plan.num_stages for s in stages):
+            raise PartitionError(
+                f"tie group {list(stages)} must name at least two of the plan's "
+                f"{plan.num_stages} stages; re-score the plan with pdcompile.evaluate"
+            )
     used = max(r for s in plan.stages for r in s.ranks)
     if used >= cluster.num_devices:
         raise PartitionError(
@@ -168,6 +180,10 @@ class _Link:
         return now + max(0.0, self.flows[0][0] - self.virtual) * len(self.flows) / self.bandwidth
 
 
+# heap entries: (time, sequence, code, what, version)
+RESUME, COMPLETE, TRANSFER, DELIVER = range(4)  # a rank; a link; a message enters it; arrives
+
+
 class _Engine:
     """Runs every rank's actions on an event heap; `run_call(bound)` runs until every rank is
     done, blocked, or at its first action that needs a forward minibatch >= `bound`."""
@@ -180,18 +196,20 @@ class _Engine:
         self.seconds = {(s.index, "F"): s.forward_s for s in plan.stages}
         self.seconds |= {(s.index, "B"): s.backward_s for s in plan.stages}
         self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
-        self.ring = {
-            s.index: allreduce_time(
-                s.grad_bytes, s.replicas, cluster.bandwidth(min(s.ranks), max(s.ranks))
-            )
-            for s in plan.stages
-        }
+        self.costs = stage_costs(plan, cluster)
+        self.ties = tie_costs(plan, cluster)
+        self.send_s = {pair: send_s(cluster, size) for pair, size in self.bytes.items()}
+        self.recv_s = cluster.runtime.message_s
+        self.closing = loss_s(plan, cluster)
+        self.copied = plan.schedule in COPIED
+        self.holds = dict.fromkeys(self.actions, False)  # whether a rank holds gradients
         # devices per group of the level below each level (1 below the innermost)
         self.below = [
             math.prod(lv.count for lv in cluster.levels[:k]) for k in range(len(cluster.levels))
         ]
         self.links: dict[tuple[int, int, int], _Link] = {}  # (level, source group, destination)
         self.routes: dict[tuple[int, int], tuple[int, int, int]] = {}  # rank pair -> link
+        self.latency: dict[tuple[int, int], float] = {}  # rank pair -> seconds per message
         self.position = dict.fromkeys(self.actions, 0)
         self.clock = dict.fromkeys(self.actions, 0.0)  # when each rank last stopped
         self.heap: list[tuple[float, int, int, Any, int]] = []
@@ -224,24 +242,28 @@ class _Engine:
 
     def run_call(self, bound: float) -> None:
         """Run every rank from the last release until nothing can move; then the closing
-        all-reduce (a barrier) sets the next release."""
+        all-reduce of the loss (a barrier) sets the next release."""
         self.bound = bound
         self.waiting.clear()
         self.gathering.clear()
         before = dict(self.position)
         for rank in self.actions:
-            self._push(self.release, 0, rank)
+            self._push(self.release, RESUME, rank)
         while self.heap:
             time, _, code, what, version = heapq.heappop(self.heap)
-            if code == 0:
+            if code == RESUME:
                 self._resume(what, time)
+            elif code == TRANSFER:
+                self._transfer(*what, time)
+            elif code == DELIVER:
+                self._deliver(what, time)
             elif self.links[what].version == version:
                 self._complete(what, time)
         if bound == math.inf and any(self.position[r] < len(a) for r, a in self.actions.items()):
             self._stuck("deadlock")
         if bound < math.inf and self.position == before:
             self._stuck(f"no rank can move towards minibatch {bound}")
-        self.release = max(self.clock.values())
+        self.release = max(self.clock.values()) + self.closing
 
     def _stuck(self, why: str) -> None:
         stuck = {r: p for r, p in self.position.items() if p < len(self.actions[r])}
@@ -268,12 +290,14 @@ class _Engine:
                 break  # the next call gives this minibatch
             if kind in COMPUTE:
                 end = now + self.seconds[(stage, kind)]
+                if kind == "B":
+                    end += self._gradients(rank, stage)
                 self._record(rank, a, now, end)
                 if kind == "F":  # activations are kept from a forward to the end of its backward
                     self._use(rank, now, self.kept[rank])
                 else:
                     self._use(rank, end, -self.kept[rank])
-                self._push(end, 0, rank)
+                self._push(end, RESUME, rank)
                 return
             if kind == "recv":
                 message = (a.peer, rank, *a.key)
@@ -281,22 +305,33 @@ class _Engine:
                 if arrival is None:
                     self.waiting[message] = (rank, now)
                     break
-                if arrival > now:  # sent in an earlier call, still travelling at its end
-                    self._record(rank, a, now, arrival)
-                    self._push(arrival, 0, rank)
-                    return
-                self._record(rank, a, now, now)
+                # a message sent in an earlier call may still travel at its end
+                end = max(now, arrival) + self.recv_s
             elif a.is_collective:
                 if not self._gather(rank, a, now):
                     break
                 return
+            elif kind == "send":
+                end = now + self.send_s[a.key[2:]]
+                if end > now:  # packed and posted: the transfer starts after
+                    self._push(end, TRANSFER, (rank, a))
+                else:
+                    self._transfer(rank, a, now)
             else:
-                if kind == "send":
-                    self._send(rank, a, now)
-                elif kind in ("push", "pop", "step"):
-                    self._version(rank, a, now)
-                self._record(rank, a, now, now)
+                end = now + self._version(rank, a, now) if kind in ("push", "pop", "step") else now
+            self._record(rank, a, now, end)
+            if end > now:
+                self._push(end, RESUME, rank)
+                return
         self.clock[rank] = now
+
+    def _gradients(self, rank: int, stage: int) -> float:
+        """What a backward adds to the stage's gradients: accumulating into those held, or
+        cloning into the live weights the first ones of an update made on a weight copy."""
+        costs = self.costs[stage]
+        seconds = costs.accumulate_s if self.holds[rank] else costs.first_gradients_s
+        self.holds[rank] = True
+        return seconds
 
     def _record(self, rank: int, a: Action, start: float, end: float) -> None:
         self.events.append(Event(rank, a.kind, a.stage, a.microbatch, start, end, a.peer))
@@ -304,11 +339,12 @@ class _Engine:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _send(self, rank: int, a: Action, now: float) -> None:
+    def _transfer(self, rank: int, a: Action, now: float) -> None:
+        """A sent message enters its link (or, without bytes, only waits the latency)."""
         message = (rank, a.peer, *a.key)
         size = self.bytes[a.key[2:]]
         if size <= 0:
-            self._deliver(message, now)
+            self._arrive(message, now)
             return
         key = self._link(rank, a.peer)
         link = self.links[key]
@@ -325,6 +361,7 @@ class _Engine:
             level = self.plan.cluster.level_of(min(src, dst), max(src, dst))
             size = self.below[level]
             key = self.routes[(src, dst)] = (level, src // size, dst // size)
+            self.latency[(src, dst)] = self.plan.cluster.levels[level].latency
             self.links.setdefault(key, _Link(self.plan.cluster.levels[level].bandwidth))
         return key
 
@@ -332,7 +369,7 @@ class _Engine:
         """The link's next completion (earlier ones scheduled are stale from now on)."""
         link.version += 1
         if link.flows:
-            self._push(link.next_completion(now), 1, key, link.version)
+            self._push(link.next_completion(now), COMPLETE, key, link.version)
 
     def _complete(self, key: tuple[int, int, int], now: float) -> None:
         link = self.links[key]
@@ -344,6 +381,15 @@ class _Engine:
             done.append(heapq.heappop(link.flows)[2])
         self._reschedule(key, link, now)
         for message in done:
+            self._arrive(message, now)
+
+    def _arrive(self, message: tuple, now: float) -> None:
+        """The message's bytes are through: it arrives after the latency of its ranks' level."""
+        self._link(message[0], message[1])
+        latency = self.latency[(message[0], message[1])]
+        if latency > 0:
+            self._push(now + latency, DELIVER, message)
+        else:
             self._deliver(message, now)
 
     def _deliver(self, message: tuple, now: float) -> None:
@@ -353,8 +399,8 @@ class _Engine:
             return
         rank, since = waiter
         a = self.actions[rank][self.position[rank]]
-        self._record(rank, a, since, now)
-        self._push(now, 0, rank)
+        self._record(rank, a, since, now + self.recv_s)
+        self._push(now + self.recv_s, RESUME, rank)
 
     # -- collectives, versions, memory ------------------------------------------------------
 
@@ -367,30 +413,37 @@ class _Engine:
             self.clock[rank] = now
             return False
         del self.gathering[a.collective]
-        ring = self.ring[a.stage] if a.kind == "allreduce" and a.tie < 0 else 0.0
-        end = now + ring
+        seconds = 0.0
+        if a.kind == "allreduce":
+            seconds = self.ties[a.tie] if a.tie >= 0 else self.costs[a.stage].allreduce_s
+        end = now + seconds
         for member, since in arrivals:
             self._record(member, self.actions[member][self.position[member]], since, end)
-            self._push(end, 0, member)
+            self._push(end, RESUME, member)
         return True
 
-    def _version(self, rank: int, a: Action, now: float) -> None:
-        """`pipedream` stashes a copy of the weights per version in use (the worker's rule)."""
+    def _version(self, rank: int, a: Action, now: float) -> float:
+        """`pipedream` stashes a copy of the weights per version in use (the worker's rule);
+        `step` updates them. Returns the seconds the action takes."""
         users = self.users[rank]
         if a.kind == "step":
             self.updates[rank] += 1
-        elif a.kind == "push":
+            self.holds[rank] = False  # the optimizer's zero_grad drops them
+            return self.costs[self.stage[rank]].step_s
+        if a.kind == "push":
             version = self.updates[rank]
             self.pushed[rank][a.microbatch] = version
             users[version] = users.get(version, 0) + 1
             if users[version] == 1:
                 self._use(rank, now, self.copy[rank])
-        else:
-            version = self.pushed[rank].pop(a.microbatch)
-            users[version] -= 1
-            if not users[version]:
-                del users[version]
-                self._use(rank, now, -self.copy[rank])
+                return self.costs[self.stage[rank]].copy_s
+            return 0.0
+        version = self.pushed[rank].pop(a.microbatch)
+        users[version] -= 1
+        if not users[version]:
+            del users[version]
+            self._use(rank, now, -self.copy[rank])
+        return 0.0
 
     def _use(self, rank: int, time: float, change: int) -> None:
         if change:

@@ -1,0 +1,96 @@
+"""What the runtime's own work costs per action: the simulator's terms besides compute and
+bandwidth. Torch-free.
+
+From the cluster's `RuntimeCosts` (memory bandwidth B counting bytes read plus bytes written, a
+fixed `tensor_s` per tensor touched, a fixed `message_s` per message) and each level's latency
+`alpha`, for a stage with P parameter bytes, G gradient bytes, W = P + G + optimizer bytes in n
+tensors (a tied tensor's copies included, each counted at its gradient's size):
+
+    send          message_s + 2 * bytes / B          (packed into one buffer, then posted)
+    recv          message_s, after the message arrives (unpacked as views of the buffer)
+    transfer      alpha + bytes / bandwidth           (the bytes share the link; docs/simulator.md)
+    copy          2 * P / B + n * tensor_s            (`push` of a new weight version)
+    step          (2 * W - G) / B + n * tensor_s      (read weights, gradients and state; write
+                                                       weights and state); `2bw` adds a copy
+    gradients     B of a microbatch adds 3 * G / B + n * tensor_s to the gradients held; the
+                  first B of an update on a stashed copy (`pipedream`, `2bw`) clones them to the
+                  live weights, 2 * G / B + n * tensor_s (plain autograd keeps its own: free)
+    all-reduce    2 (r - 1) alpha + 2 (r - 1) / r * G / bandwidth + 4 * G / B + n * tensor_s
+                  over r ranks (flattened into one buffer, reduced, copied back)
+    loss          every `train_step` ends with an all-reduce of the loss over all ranks: a
+                  barrier of 2 (r - 1) alpha (its 16 bytes neglected)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcompile.cluster import Cluster
+from pdcompile.plans import Plan
+
+COPIED = ("pipedream", "2bw")  # schedules whose forwards and backwards run on weight copies
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds of one stage's runtime actions on one of its ranks (docs in the module)."""
+
+    copy_s: float
+    step_s: float
+    accumulate_s: float
+    first_gradients_s: float
+    allreduce_s: float
+
+
+def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
+    """`StageCosts` of every stage of `plan` (its schedule) on `cluster`."""
+    runtime = cluster.runtime
+    copied = {s: 0 for s in range(plan.num_stages)}  # bytes of tied tensors each stage copies
+    for stages, grad_bytes in plan.ties:
+        for stage in stages[1:]:  # the first holds the original
+            copied[stage] += grad_bytes
+    costs = {}
+    for s in plan.stages:
+        extra = copied[s.index]
+        scale = (s.param_bytes + extra) / s.param_bytes if s.param_bytes else 1.0
+        grads, n = s.grad_bytes + extra, s.param_tensors
+        copy = runtime.moved_s(2 * (s.param_bytes + extra), n)
+        step = runtime.moved_s((2 * s.weight_bytes - s.grad_bytes) * scale, n)
+        costs[s.index] = StageCosts(
+            copy_s=copy,
+            step_s=step + (copy if plan.schedule == "2bw" else 0.0),
+            accumulate_s=runtime.moved_s(3 * grads, n),
+            first_gradients_s=runtime.moved_s(2 * grads, n) if plan.schedule in COPIED else 0.0,
+            allreduce_s=allreduce_s(s.grad_bytes, s.ranks, cluster, n),
+        )
+    return costs
+
+
+def tie_costs(plan: Plan, cluster: Cluster) -> list[float]:
+    """Seconds of each tie group's all-reduce (one tensor over every rank of its stages)."""
+    return [
+        allreduce_s(grad_bytes, [r for s in stages for r in plan.stages[s].ranks], cluster, 1)
+        for stages, grad_bytes in plan.ties
+    ]
+
+
+def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Cluster,
+                tensors: int) -> float:  # fmt: skip
+    """A ring all-reduce of `nbytes` in `tensors` tensors over `ranks` (0 for one rank)."""
+    r = len(ranks)
+    if r < 2:
+        return 0.0
+    first, last = min(ranks), max(ranks)
+    network = 2 * (r - 1) * cluster.latency(first, last)
+    network += 2 * (r - 1) / r * nbytes / cluster.bandwidth(first, last)
+    return network + cluster.runtime.moved_s(4 * nbytes, tensors)
+
+
+def send_s(cluster: Cluster, nbytes: float) -> float:
+    """The sender's time to pack a message of `nbytes` and post it."""
+    return cluster.runtime.message_s + cluster.runtime.moved_s(2 * nbytes)
+
+
+def loss_s(plan: Plan, cluster: Cluster) -> float:
+    """The all-reduce of the loss that ends every `train_step` (a barrier of all ranks)."""
+    return allreduce_s(0, [r for s in plan.stages for r in s.ranks], cluster, 0)
