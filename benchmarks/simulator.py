@@ -6,14 +6,16 @@
 1. Scale: 64 stages x 512 microbatches under every schedule (best of 3 wall times).
 2. Predicted against measured: the MLP and the GPT-style decoder of benchmarks/runtime.py, cut in
    the same 2 stages, on 2 gloo ranks with one thread each, 8 microbatches, under `1f1b`,
-   `gpipe`, `pipedream` and `2bw`. The stage costs are profiled (one thread) at the microbatch
-   size, the link's bandwidth is measured between the two ranks (a 4 MB message, one way), and
-   the simulator predicts the time per step. After an untimed round, the ranks time `--steps`
-   train steps per schedule, the schedules alternating within each of `--rounds` rounds;
-   the table gives the median over rounds. A second prediction takes the
-   stages' forward and backward times from one measured step's timeline instead of the profile,
-   which separates the profile's error from the simulator's. `--trace-dir` writes that step's
-   timeline and the simulation as Chrome traces, and both as one Gantt PNG.
+   `gpipe`, `pipedream` and `2bw`. The ranks first calibrate (`runtime/calibration.py`: link
+   latency and bandwidth, the runtime's per-message and per-tensor costs, memory bandwidth);
+   the stage costs are profiled (one thread) at the microbatch size, and the simulator predicts
+   the time per step on the calibrated cluster. After an untimed round, the ranks time `--steps`
+   train steps per schedule, the schedules alternating within each of `--rounds` rounds; the
+   table gives the median over rounds. A second prediction takes the stages' forward and
+   backward times from one measured step's timeline instead of the profile, which separates the
+   profile's error from the simulator's; a third table compares every kind of action's median
+   duration, simulated and measured. `--trace-dir` writes that step's timeline and the
+   simulation as Chrome traces, and both as one Gantt PNG.
 """
 
 from __future__ import annotations
@@ -38,13 +40,18 @@ from rich.table import Table
 import pdcompile
 from pdcompile import Cluster, Plan, Stage, zoo
 from pdcompile.plans import SCHEDULES, consecutive_ranks
+from pdcompile.runtime.action_costs import stage_costs
+from pdcompile.runtime.calibration import Calibration, calibrate
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 
 MICROBATCHES = 8
-PROBE_BYTES = 4 * 2**20  # the message that measures the link
-UNMODELLED = ("send", "step", "push", "pop")  # actions the simulator takes as instantaneous
+KINDS = ("F", "B", "send", "recv", "allreduce", "step", "push")  # compared action by action
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.001)
 
 
 def mlp_case():
@@ -114,40 +121,20 @@ def two_stage_program(model, x) -> pdcompile.StagedProgram:
     return pdcompile.codegen(gm, pdcompile.plan(costs, Cluster.parse("2"), solver="blocks"))
 
 
-def profiled_plan(model, x, bandwidth: float) -> Plan:
+def profiled_plan(model, x, cluster: Cluster) -> Plan:
     """The 2-stage split scored on costs profiled with one thread at the microbatch size."""
     program = two_stage_program(model, x)
     micro = x[: x.shape[0] // MICROBATCHES]
     costs = pdcompile.analyze(pdcompile.trace(model, (micro,)), (micro,), cache=False,
                               progress=False)  # fmt: skip
-    return pdcompile.evaluate(program.plan, costs, cluster=Cluster([(2, bandwidth)]))
-
-
-def _link_bandwidth(rank: int) -> tuple[float, float]:
-    """(bytes/s of a PROBE_BYTES message one way, seconds of a 4-byte one), ping-pong medians."""
-    result = []
-    for size in (PROBE_BYTES, 4):
-        buffer = torch.zeros(size // 4)
-        times = []
-        for _ in range(10):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
-            else:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            times.append((time.perf_counter() - start) / 2)
-        result.append(statistics.median(times))
-    return PROBE_BYTES / result[0], result[1]
+    return pdcompile.evaluate(program.plan, costs, cluster=cluster)
 
 
 def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
     torch.set_num_threads(1)
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=300)
-    bandwidth, latency = _link_bandwidth(rank)
-    results: dict = {"bandwidth": bandwidth, "latency": latency, "cases": {}}
+    calibration = calibrate(rank, device, optimizer)
+    results: dict = {"calibration": dataclasses.asdict(calibration), "cases": {}}
     for name, make in CASES.items():
         results["cases"][name] = _measure(make, rank, device, steps, rounds)
     if rank == 0:
@@ -162,8 +149,7 @@ def _measure(make, rank, device, steps: int, rounds: int) -> dict:
     pipelines = {
         kind: DistributedPipeline(
             two_stage_program(model, x), rank=rank, schedule=kind,
-            num_microbatches=MICROBATCHES, loss_fn=loss_fn, device=device,
-            optimizer=lambda p: torch.optim.SGD(p, lr=0.001),
+            num_microbatches=MICROBATCHES, loss_fn=loss_fn, device=device, optimizer=optimizer,
         )
         for kind in SCHEDULES
     }  # fmt: skip
@@ -221,52 +207,73 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
                  nprocs=2, join=True)  # fmt: skip
         measured = json.loads(Path(out).read_text())
     torch.set_num_threads(1)  # profile as the ranks ran: one thread
-    bandwidth = measured["bandwidth"]
-    table = Table(
-        title=f"time per step, 2 gloo ranks, 1 thread each, {MICROBATCHES} microbatches",
-        caption=f"link measured at {bandwidth / 1e9:.2f} GB/s and {measured['latency'] * 1e6:.0f}"
-        " us per small message (the simulator has no latency); 'unmodelled': the slower rank's "
-        "send, step, push and pop time in one measured step, which the simulator counts as 0",
-    )
+    calibration = Calibration(**measured["calibration"])
+    console.print(calibration_table(calibration))
+    cluster = calibration.cluster(2)
+    table = Table(title=f"time per step, 2 gloo ranks, 1 thread each, {MICROBATCHES} microbatches")
     for column in ("model", "schedule", "simulated", "measured", "ratio",
-                   "sim. on measured F/B", "ratio", "unmodelled", "rounds (ms)"):  # fmt: skip
+                   "sim. on measured F/B", "ratio", "rounds (ms)"):  # fmt: skip
         table.add_column(column, justify="right")
+    actions = Table(title="median seconds per action, simulated / measured (ms)")
+    for column in ("model", "schedule", *KINDS):
+        actions.add_column(column, justify="right")
     rows = {}
     for name, make in CASES.items():
         model, x, _, _ = make()
-        plan = profiled_plan(model, x, bandwidth)
+        plan = profiled_plan(model, x, cluster)
         for kind in SCHEDULES:
             sim = pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
             events = [Event(**e) for e in measured["cases"][name]["events"][kind]]
             replay = pdcompile.simulate(
-                with_measured_compute(plan, events), schedule=kind, num_microbatches=MICROBATCHES
-            )
+                with_measured_compute(plan.with_(schedule=kind), events), schedule=kind,
+                num_microbatches=MICROBATCHES,
+            )  # fmt: skip
             runs = measured["cases"][name]["seconds"][kind]
             median = statistics.median(runs)
-            unmodelled = max(
-                sum(e.duration for e in events if e.rank == r and e.kind in UNMODELLED)
-                for r in (0, 1)
-            )
+            per_action = {k: (_median(sim.timeline, k), _median(events, k)) for k in KINDS}
             rows[f"{name}/{kind}"] = {
                 "simulated": sim.time_per_step, "measured": median,
                 "ratio": sim.time_per_step / median,
                 "simulated_on_measured_compute": replay.time_per_step,
                 "ratio_on_measured_compute": replay.time_per_step / median,
-                "unmodelled": unmodelled, "rounds": runs, "bubble": sim.bubble_fraction,
+                "rounds": runs, "bubble": sim.bubble_fraction, "actions": per_action,
             }  # fmt: skip
             table.add_row(name, kind, f"{sim.time_per_step * 1e3:.1f} ms",
                           f"{median * 1e3:.1f} ms", f"{sim.time_per_step / median:.2f}",
                           f"{replay.time_per_step * 1e3:.1f} ms",
-                          f"{replay.time_per_step / median:.2f}", f"{unmodelled * 1e3:.1f} ms",
+                          f"{replay.time_per_step / median:.2f}",
                           " ".join(f"{t * 1e3:.0f}" for t in runs))  # fmt: skip
+            actions.add_row(name, kind, *(
+                "-" if m is None else f"{(s or 0) * 1e3:.2f} / {m * 1e3:.2f}"
+                for s, m in per_action.values()
+            ))  # fmt: skip
             if args.trace_dir:
                 _write_traces(Path(args.trace_dir), f"{name}_{kind}", events, sim)
     console.print(table)
-    return {"bandwidth": bandwidth, "latency": measured["latency"], "rows": rows}
+    console.print(actions)
+    return {"calibration": measured["calibration"], "rows": rows}
+
+
+def calibration_table(c: Calibration) -> Table:
+    table = Table(title="calibrated between the two ranks (runtime/calibration.py)")
+    for column in ("latency", "bandwidth", "send", "recv", "memory bandwidth", "per tensor"):
+        table.add_column(column, justify="right")
+    table.add_row(f"{c.latency * 1e6:.0f} us", f"{c.bandwidth / 1e9:.2f} GB/s",
+                  f"{c.send_s * 1e6:.0f} us", f"{c.recv_s * 1e6:.0f} us",
+                  f"{c.memory_bandwidth / 1e9:.1f} GB/s", f"{c.tensor_s * 1e6:.2f} us")  # fmt: skip
+    return table
+
+
+def _median(events: list[Event], kind: str) -> float | None:
+    durations = [e.duration for e in events if e.kind == kind]
+    return statistics.median(durations) if durations else None
 
 
 def with_measured_compute(plan: Plan, events: list[Event]) -> Plan:
-    """`plan` with each stage's forward and backward seconds the medians of a timeline's."""
+    """`plan` with each stage's forward and backward seconds the medians of a timeline's; the
+    backward less the gradient work the simulator adds to it, on average over a step."""
+    costs = stage_costs(plan, plan.cluster)
+    per_rank = MICROBATCHES / max(s.replicas for s in plan.stages)
     stages = []
     for s in plan.stages:
         times = {
@@ -275,7 +282,11 @@ def with_measured_compute(plan: Plan, events: list[Event]) -> Plan:
             )
             for kind in ("F", "B")
         }
-        stages.append(dataclasses.replace(s, forward_s=times["F"], backward_s=times["B"]))
+        c = costs[s.index]
+        updates = per_rank if plan.schedule == "pipedream" else 1  # gradients fresh after each
+        gradients = updates * c.first_gradients_s + (per_rank - updates) * c.accumulate_s
+        backward = max(times["B"] - gradients / per_rank, 0.0)
+        stages.append(dataclasses.replace(s, forward_s=times["F"], backward_s=backward))
     return plan.with_(stages=tuple(stages))
 
 

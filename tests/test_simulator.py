@@ -1,4 +1,5 @@
-"""The schedule simulator against closed forms, hand-computed transfers and the local executor."""
+"""The schedule simulator against closed forms, hand-computed transfers and runtime costs, and the
+local executor."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from pipeline_support import mlp_case, program_for
 
 import pdcompile
-from pdcompile import Cluster, PartitionError, Plan, Stage, simulate
+from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, simulate
+from pdcompile.cluster import RuntimeCosts
 from pdcompile.plans import consecutive_ranks
 from pdcompile.runtime import simulator
 from pdcompile.runtime.local import LocalPipeline
@@ -29,6 +31,7 @@ def equal_plan(
     cluster: Cluster | None = None,
     size: int = 1000,
     grad_bytes: int = PARAM,
+    tensors: int = 0,
 ) -> Plan:
     """Stages of equal cost, each receiving `size` bytes per microbatch from the one before."""
     ranks = consecutive_ranks(replicas)
@@ -36,7 +39,7 @@ def equal_plan(
         Stage(
             index=i, nodes=(f"n{i}",), replicas=r, ranks=ranks[i], forward_s=F, backward_s=B,
             recv_bytes=((i - 1, size),) if i else (), activation_bytes=ACT, param_bytes=PARAM,
-            grad_bytes=grad_bytes, weight_bytes=WEIGHT,
+            grad_bytes=grad_bytes, weight_bytes=WEIGHT, param_tensors=tensors,
         )
         for i, r in enumerate(replicas)
     )  # fmt: skip
@@ -228,3 +231,205 @@ def test_chrome_trace_and_plot(tmp_path):
     assert load_trace(tmp_path / "sim.json") == sim.timeline
     sim.plot(tmp_path / "sim.png")
     assert (tmp_path / "sim.png").stat().st_size > 1000
+
+
+# -- latency, the runtime's own costs, ties ---------------------------------------------------
+
+COSTS = RuntimeCosts(memory_bandwidth=1000.0, tensor_s=0.01, message_s=0.1)  # bytes/s, s, s
+TENSORS = 3
+COPY = 2 * PARAM / 1000.0 + TENSORS * 0.01  # a weight copy: 2 P / B + n t
+STEP = (2 * WEIGHT - PARAM) / 1000.0 + TENSORS * 0.01  # (2 W - G) / B + n t
+ADD = 3 * PARAM / 1000.0 + TENSORS * 0.01  # gradients added to those held: 3 G / B + n t
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_latency_adds_once_per_message_on_the_critical_path(stages):
+    """One microbatch: 2 (S - 1) messages in a row (activations down, gradients back), then
+    the loss all-reduce over S ranks, a ring of 2 (S - 1) latencies."""
+    alpha = 0.25
+    plan = equal_plan([1] * stages, cluster=Cluster([(stages, FAST, alpha)]))
+    sim = simulate(plan, schedule="1f1b", num_microbatches=1)
+    messages = 2 * (stages - 1)
+    assert sim.time_per_step == pytest.approx(stages * (F + B) + (messages + messages) * alpha)
+    recv = next(e for e in sim.timeline if e.kind == "recv" and e.rank == 1)
+    assert recv.end == pytest.approx(F + alpha)
+
+
+def test_latency_and_bandwidth_add_up():
+    size, bandwidth, alpha = 4000, 1000.0, 0.5
+    plan = equal_plan([1, 1], cluster=Cluster([(2, bandwidth, alpha)]), size=size)
+    sim = simulate(plan, schedule="gpipe", num_microbatches=1)
+    assert sim.time_per_step == pytest.approx(
+        2 * (F + B) + 2 * (size / bandwidth + alpha) + 2 * alpha
+    )
+
+
+def test_sends_receives_and_steps_cost_what_the_formulas_say():
+    """One microbatch over two stages: F0, send (pack + post), recv, F1, B1, send, recv, B0,
+    step on rank 0; the step of rank 1 is off the critical path."""
+    size = 100
+    plan = equal_plan([1, 1], cluster=Cluster([(2, FAST)], runtime=COSTS), size=size,
+                      tensors=TENSORS)  # fmt: skip
+    sim = simulate(plan, schedule="1f1b", num_microbatches=1)
+    send, recv = 0.1 + 2 * size / 1000.0, 0.1
+    assert sim.time_per_step == pytest.approx(2 * (F + B) + 2 * send + 2 * recv + STEP)
+    durations = {(e.rank, e.kind): e.duration for e in sim.timeline}
+    assert durations[(0, "send")] == pytest.approx(send)
+    arrival = next(e for e in sim.timeline if e.kind == "recv" and e.rank == 1)
+    assert arrival.end == pytest.approx(F + send + recv)  # waited from 0, then unpacked
+    assert durations[(0, "step")] == durations[(1, "step")] == pytest.approx(STEP)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("gpipe", 3 * ADD + STEP),  # the first backward's gradients are autograd's own
+        ("1f1b", 3 * ADD + STEP),
+        ("2bw", COPY + 3 * ADD + STEP + COPY),  # cloned to the live weights; the shadow copy
+        ("pipedream", 4 * (COPY + COPY + STEP)),  # per minibatch: a version, a clone, a step
+    ],
+)
+def test_gradients_copies_and_steps_of_one_stage(kind, extra):
+    m = 4
+    plan = equal_plan([1], cluster=Cluster([(1, FAST)], runtime=COSTS), tensors=TENSORS)
+    sim = simulate(plan, schedule=kind, num_microbatches=m)
+    assert sim.time_per_step == pytest.approx(m * (F + B) + extra)
+
+
+def test_replica_allreduce_is_a_ring_with_latency_and_flattening():
+    grad, bandwidth, alpha = 500, 1000.0, 0.05
+    cluster = Cluster([(3, bandwidth, alpha)], runtime=RuntimeCosts(1000.0, 0.01))
+    plan = equal_plan([2, 1], cluster=cluster, size=0, grad_bytes=grad, tensors=TENSORS)
+    reduce = [e for e in simulate(plan, num_microbatches=4).timeline if e.kind == "allreduce"]
+    ring = 2 * alpha + 2 * (1 / 2) * grad / bandwidth + 4 * grad / 1000.0 + TENSORS * 0.01
+    assert sorted(e.rank for e in reduce) == [0, 1]
+    assert [e.end for e in reduce] == pytest.approx([max(e.start for e in reduce) + ring] * 2)
+
+
+def test_ties_add_an_allreduce_between_the_tied_stages():
+    bandwidth, tied = 1000.0, 400
+    plan = equal_plan([1, 1, 1], cluster=Cluster([(3, bandwidth)]), size=0)
+    with_tie = plan.with_(ties=(((0, 2), tied),))
+    sim = simulate(with_tie, schedule="1f1b", num_microbatches=2)
+    reduce = [e for e in sim.timeline if e.kind == "allreduce"]
+    assert sorted(e.rank for e in reduce) == [0, 2]
+    ring = 2 * (1 / 2) * tied / bandwidth
+    assert [e.end for e in reduce] == pytest.approx([max(e.start for e in reduce) + ring] * 2)
+    assert simulate(plan, schedule="1f1b", num_microbatches=2).timeline != sim.timeline
+    # pipedream: stage 0 waits for stage 2's gradients of the tied tensor at every update
+    free = simulate(plan, schedule="pipedream", num_microbatches=4).time_per_step
+    assert simulate(with_tie, schedule="pipedream", num_microbatches=4).time_per_step > free
+
+
+def test_a_tie_naming_a_missing_stage_is_refused():
+    plan = equal_plan([1, 1]).with_(ties=(((0, 5), 10),))
+    with pytest.raises(PartitionError, match="tie group \\[0, 5\\]"):
+        simulate(plan)
+
+
+def test_evaluate_reads_ties_and_tensor_counts_from_the_cost_graph():
+    costs = CostGraph(batch_size=1, meta={
+        "param_tensors": {"b": 2, "c": 1, "d": 1},
+        "ties": [{"nodes": ["b", "d"], "grad_bytes": 400}, {"nodes": ["c", "c2"], "grad_bytes": 8}],
+    })  # fmt: skip
+    costs.add_node("a", kind="input")
+    for node in ("b", "c", "c2", "d"):
+        costs.add_node(node, forward_s=1.0, backward_s=2.0, param_bytes=100, grad_bytes=100)
+    for u, v in (("a", "b"), ("b", "c"), ("c", "c2"), ("c2", "d")):
+        costs.add_edge(u, v, bytes=8)
+    groups = [("a", "b"), ("c", "c2"), ("d",)]
+    ranks = consecutive_ranks([1, 1, 1])
+    plan = Plan(
+        stages=tuple(Stage(i, g, 1, ranks[i]) for i, g in enumerate(groups)),
+        cluster=Cluster([(3, FAST)]),
+    )
+    scored = pdcompile.evaluate(plan, costs)
+    assert scored.ties == (((0, 2), 400),)  # c and c2 share a stage: no tie
+    assert [s.param_tensors for s in scored.stages] == [2, 1, 2]  # stage 2 holds a copy
+    broken = CostGraph(costs.graph, costs.batch_size, {**costs.meta, "ties": [{"nodes": "b"}]})
+    with pytest.raises(PartitionError, match="malformed 'param_tensors' .* or 'ties'"):
+        pdcompile.evaluate(plan, broken)
+
+
+@functools.cache
+def gpt_program(replicas: tuple[int, ...]):
+    """pipeline_support's GPT (its embedding tied to the head) cut for `replicas`."""
+    from pipeline_support import gpt_case
+
+    model, x, _, _ = gpt_case()
+    costs = pdcompile.analyze(pdcompile.trace(model, (x,)), (x,), profile=False)
+    return program_for(model, x, list(replicas)), costs
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "pipedream"])
+def test_ties_are_the_runtimes(kind):
+    """The plan learns the GPT's tie from its CostGraph; the simulated order, tie all-reduces
+    included, is the one the local executor runs."""
+    from pipeline_support import gpt_case
+
+    _, x, y, loss_fn = gpt_case()
+    program, costs = gpt_program((1, 1))
+    plan = pdcompile.evaluate(program.plan, costs, schedule=kind, num_microbatches=4)
+    assert [stages for stages, _ in plan.ties] == [t.stages for t in program.ties] == [(0, 1)]
+    assert plan.stages[1].param_tensors == sum(1 for _ in program.stages[1].parameters())
+    sim = simulate(plan)
+    pipeline = LocalPipeline(program, schedule=kind, num_microbatches=4, loss_fn=loss_fn,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
+    for worker in pipeline.workers.values():
+        worker.timeline = []
+    for _ in range(pipedream_calls([1, 1], 4) if kind == "pipedream" else 1):
+        pipeline.train_step((x,), y)
+    measured = _ordered(e for w in pipeline.workers.values() for e in w.timeline)
+    assert _ordered(sim.timeline) == measured
+    assert any(kind == "allreduce" for kind, _, _ in measured[0])
+
+
+def test_clusters_with_latency_and_runtime_costs_round_trip():
+    cluster = Cluster.parse("8@300GB/s+2us,4@25Gbit/s+15us", runtime=COSTS)
+    assert [lv.latency for lv in cluster.levels] == [2e-6, 15e-6]
+    assert cluster.latency(0, 7) == 2e-6 and cluster.latency(7, 8) == 15e-6
+    assert str(cluster) == "8@300GB/s+2us,4@3.125GB/s+15us"
+    assert Cluster.parse(str(cluster), runtime=COSTS) == cluster
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    assert Cluster.parse("2@1e+9B/s").levels[0].bandwidth == 1e9  # an exponent, not a latency
+    old = {"levels": [[2, 1e9]], "memory": None, "speed": None}  # written before latencies
+    assert Cluster.from_dict(old) == Cluster([(2, 1e9)])
+    assert Cluster.from_dict(old).runtime == RuntimeCosts()
+    for bad in ("2@1GB/s+5 parsecs", "2@1GB/s+-3us"):
+        with pytest.raises(PartitionError, match="cannot read latency"):
+            Cluster.parse(bad)
+    with pytest.raises(PartitionError, match="tensor_s must be a number of seconds >= 0"):
+        RuntimeCosts(tensor_s=-1.0)
+    with pytest.raises(PartitionError, match="malformed cluster description"):
+        Cluster.from_dict({**old, "runtime": {"memory_bandwidth": 1e9, "speed": 2}})
+
+
+def test_plans_keep_ties_and_tensor_counts_and_old_plans_load(tmp_path):
+    plan = equal_plan([1, 1, 1], tensors=TENSORS).with_(ties=(((0, 2), 64),))
+    assert Plan.from_json(plan.to_json()) == plan
+    old = json.loads(plan.to_json())
+    del old["ties"]
+    for stage in old["stages"]:
+        del stage["param_tensors"]
+    loaded = Plan.from_json(json.dumps(old))
+    assert loaded.ties == () and [s.param_tensors for s in loaded.stages] == [0, 0, 0]
+
+
+def _calibrate(rank, world_size, init_file):
+    from pdcompile.runtime.calibration import calibrate
+    from pdcompile.runtime.distributed import init_process_group
+
+    device = init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
+    return calibrate(rank, device, lambda p: torch.optim.SGD(p, lr=0.1), repeats=3)
+
+
+def test_calibration_measures_the_link_and_the_runtime_on_two_ranks():
+    from spawn import run_ranks
+
+    first, second = run_ranks(_calibrate, 2, timeout_s=120)
+    assert first == second  # rank 0's figures everywhere
+    assert first.latency >= 0 and first.bandwidth > 0 and first.memory_bandwidth > 0
+    assert first.send_s > 0 and first.recv_s > 0 and first.tensor_s > 0
+    cluster = first.cluster(2)
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    assert cluster.runtime.message_s == pytest.approx((first.send_s + first.recv_s) / 2)

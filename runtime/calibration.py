@@ -1,0 +1,148 @@
+"""Measure what the simulator needs to know of a cluster that a profile does not say: the link's
+latency and bandwidth and the runtime's own costs (`RuntimeCosts`), on ranks 0 and 1.
+
+Every rank of an initialised process group calls `calibrate`; ranks 0 and 1 measure, with the
+runtime's own `DistributedComm` and the same kind of tensors and optimizer the pipeline uses:
+
+- a message's host costs: how long `send` (packing, posting) and `recv` of a message that has
+  already arrived (waiting on it, unpacking) take, for a tiny message;
+- latency: half a tiny message's round trip less those host costs;
+- bandwidth: the extra one-way time of a `PROBE_BYTES` message over a tiny one, less the extra
+  time its sender spends packing it;
+- memory bandwidth: bytes read and written per second by a clone of `PROBE_BYTES` (allocation
+  included, as in the runtime's copies);
+- per-tensor overhead: the optimizer's step over `TENSORS` tiny parameters, per tensor.
+
+Results are medians over `repeats`; every rank gets rank 0's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pdcompile.cluster import Cluster, RuntimeCosts
+from pdcompile.runtime.distributed import DistributedComm
+from pdcompile.staged_program import Channel
+
+PROBE_BYTES = 4 * 2**20
+TENSORS = 64
+_PROBE = Channel(0, 1, "probe", shape=("batch",), dtype="float32")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured seconds and bytes per second (see the module); `cluster(n)` puts them in a flat
+    cluster of n devices."""
+
+    latency: float
+    bandwidth: float
+    send_s: float
+    recv_s: float
+    memory_bandwidth: float
+    tensor_s: float
+
+    @property
+    def runtime(self) -> RuntimeCosts:
+        """The runtime's costs; `message_s` is the mean of a send's and a receive's."""
+        message = (self.send_s + self.recv_s) / 2
+        return RuntimeCosts(self.memory_bandwidth, self.tensor_s, message)
+
+    def cluster(self, num_devices: int) -> Cluster:
+        return Cluster([(num_devices, self.bandwidth, self.latency)], runtime=self.runtime)
+
+
+def calibrate(
+    rank: int,
+    device: torch.device,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    *,
+    repeats: int = 20,
+    timeout_s: float = 60.0,
+) -> Calibration:
+    """Measure on ranks 0 and 1 (every rank calls it); returns rank 0's figures on every rank."""
+    comm = DistributedComm(rank, [], timeout_s=timeout_s, device=device)
+    one_way, send, recv = _message(comm, rank, 1, repeats)
+    large_one_way, large_send, _ = _message(comm, rank, PROBE_BYTES // 4, repeats)
+    latency = max(one_way - send - recv, 0.0)
+    extra = (large_one_way - one_way) - (large_send - send)
+    bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large_one_way
+    shared = torch.tensor(_host(device, optimizer, repeats), dtype=torch.float64, device=device)
+    dist.broadcast(shared, 0)
+    return Calibration(latency, bandwidth, send, recv, *shared.tolist())
+
+
+def _message(comm: DistributedComm, rank: int, rows: int, repeats: int) -> tuple[float, ...]:
+    """(one-way seconds, the sender's time in `send`, the receiver's in `recv` once the message
+    is there) of a message of `rows` float32 values from rank 0 to rank 1 (and back), on every
+    rank."""
+    active, peer = rank in (0, 1), 1 - rank
+    payload = [torch.zeros(rows, device=comm.device)]
+    trips, sends, recvs = [], [], []
+    for i in range(repeats + 2):  # two untimed rounds first
+        ping, pong, waited = ("act", i, 0, 1), ("grad", i, 0, 1), ("wait", i, 0, 1)
+        if active:
+            comm.expect(peer, pong if rank == 0 else ping, [_PROBE], rows)
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            comm.send(peer, ping, payload, [_PROBE], rows)
+            sends.append(time.perf_counter() - start)
+            comm.recv(peer, pong, [_PROBE], rows)
+            trips.append(time.perf_counter() - start)
+        elif rank == 1:
+            comm.recv(peer, ping, [_PROBE], rows)
+            comm.send(peer, pong, payload, [_PROBE], rows)
+        # a receive that finds its message there (rank 1 waits until it surely arrived)
+        if rank == 1:
+            comm.expect(peer, waited, [_PROBE], rows)
+        dist.barrier()
+        if rank == 0:
+            comm.send(peer, waited, payload, [_PROBE], rows)
+            comm.flush()
+        dist.barrier()
+        if rank == 1:
+            time.sleep(0.002)
+            start = time.perf_counter()
+            comm.recv(peer, waited, [_PROBE], rows)
+            recvs.append(time.perf_counter() - start)
+        comm.flush()
+    figures = [statistics.median(trips[2:]) / 2 if trips else 0.0,
+               statistics.median(sends[2:]) if sends else 0.0,
+               statistics.median(recvs[2:]) if recvs else 0.0]  # fmt: skip
+    both = torch.tensor(figures, dtype=torch.float64, device=comm.device)
+    dist.all_reduce(both)  # each figure was measured on one rank, the others give 0
+    return tuple(both.tolist())
+
+
+def _host(
+    device: torch.device,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    repeats: int,
+) -> list[float]:
+    """[memory bandwidth, per-tensor seconds] of this rank."""
+    data = torch.ones(PROBE_BYTES // 4, device=device)
+    clone = _median(device, lambda: data.clone(), repeats)
+    params = [torch.nn.Parameter(torch.ones(1, device=device)) for _ in range(TENSORS)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    step = optimizer(params).step
+    return [2 * PROBE_BYTES / clone, _median(device, step, repeats) / TENSORS]
+
+
+def _median(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
