@@ -34,7 +34,8 @@ MEANING = {
     "staleness of up to the pipeline depth, no bubble. Minibatches stay in flight across "
     "train_step calls until flush().",
     "2bw": "PipeDream-2BW: one update per step from the gradient computed on the weights "
-    "before the previous update (one step stale), two weight versions, no flush.",
+    "before the previous update (one step stale), two weight versions, no flush: consecutive "
+    "steps overlap, and microbatches stay in flight across train_step calls until flush().",
 }
 _KEEP_STEPS = 1000  # measured steps kept for explain()
 _KEEP_ACTIONS = 50 * _KEEP_STEPS  # recorded actions kept per rank for explain() and save_trace()
@@ -92,7 +93,7 @@ class PipelinedModule:
         return self.pipeline.eval_step(args, kwargs)
 
     def flush(self) -> None:
-        """Complete the minibatches in flight (`pipedream`)."""
+        """Complete the microbatches in flight (`pipedream`, `2bw`)."""
         self.pipeline.flush()
 
     def version(self, stage: int, minibatch: int) -> int:
@@ -139,7 +140,7 @@ class PipelinedModule:
         worker = self._only_worker("save")
         self.flush()
         extra: dict[str, Any] = {"steps": self.steps, "updates": worker.updates, **rng_state()}
-        extra.update({f"shadow/{n}": t.detach() for n, t in worker.shadow.items()})
+        extra.update({f"shadow/{n}": t.detach() for n, t in worker.previous.items()})
         if worker.scheduler is not None:
             extra["scheduler/last_epoch"] = worker.scheduler.last_epoch
         save(
@@ -159,15 +160,11 @@ class PipelinedModule:
         set_rng_state(extra)
         self.steps = int(extra.get("steps", self.steps))
         worker.updates = int(extra.get("updates", worker.updates))
-        if worker.shadow:
-            worker.shadow = {
-                n: extra[f"shadow/{n}"].clone().requires_grad_(t.requires_grad)
-                if f"shadow/{n}" in extra else t.detach().clone().requires_grad_(t.requires_grad)
-                for n, t in worker.module.named_parameters()
-            }  # fmt: skip
         if worker.scheduler is not None and "scheduler/last_epoch" in extra:
             worker.scheduler.last_epoch = int(extra["scheduler/last_epoch"])
         self.pipeline.restart()
+        worker.restore_previous({k.removeprefix("shadow/"): t for k, t in extra.items()
+                                 if k.startswith("shadow/")})  # fmt: skip
 
     def _only_worker(self, what: str) -> Any:
         if len(self.pipeline.workers) != 1:

@@ -72,9 +72,9 @@ class DistributedPipeline(Pipeline):
         module = program.stages[stage].to(device)
         worker = StageWorker(
             program, stage, module, comm, loss_fn=loss_fn, optimizer=optimizer,
-            schedule_kind=schedule, stash=stash, vertical_sync=vertical_sync,
-            clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler, autocast=autocast,
-            nonfinite=nonfinite,
+            schedule_kind=schedule, num_microbatches=num_microbatches, stash=stash,
+            vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
+            lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
         )  # fmt: skip
         self.rank, self.device, self.comm = rank, device, comm
         super().__init__(program, {rank: worker}, schedule=schedule,
@@ -89,7 +89,7 @@ class DistributedPipeline(Pipeline):
         args = [move(a) for a in args]
         kwargs = {k: move(v) for k, v in (kwargs or {}).items()}
         loss = super().train_step(args, move(targets), kwargs)
-        if self.kind != "pipedream":
+        if not self.streaming:
             self.comm.flush()  # every message of a synchronous step has been received
         return loss
 

@@ -41,8 +41,8 @@ class LocalPipeline(Pipeline):
         optimizer: a factory `params -> torch.optim.Optimizer`, applied per stage replica.
         stash: weight stashing under `pipedream` (False only to show what it prevents).
         vertical_sync: `pipedream` with vertical sync (docs/runtime.md).
-        clip_grad_norm: the largest gradient norm: over the whole model for the synchronous
-            schedules, per stage for `pipedream`.
+        clip_grad_norm: the largest gradient norm: over the whole model for `1f1b`, `gpipe`
+            and `2bw`, per stage for `pipedream`.
         lr_scheduler: a factory `optimizer -> LRScheduler` per rank, stepped after each update.
         autocast: the dtype of `torch.autocast` around every forward (None: off).
         nonfinite: a NaN or infinite loss raises `LossError` ("raise") or skips the step on
@@ -72,7 +72,8 @@ class LocalPipeline(Pipeline):
             for rank in ranks:
                 workers[rank] = StageWorker(
                     program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
-                    loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule, stash=stash,
+                    loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule,
+                    num_microbatches=num_microbatches, stash=stash,
                     vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
                     lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
                 )  # fmt: skip
@@ -91,7 +92,8 @@ class LocalPipeline(Pipeline):
         return total / weight
 
     def stage_modules(self) -> dict[int, nn.Module]:
-        """Each rank's trained module."""
+        """Each rank's trained module (flushes first)."""
+        self.flush()
         return {rank: w.module for rank, w in self.workers.items()}
 
 

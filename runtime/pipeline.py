@@ -1,11 +1,12 @@
-"""What every executor shares: the schedule, the microbatches, and `pipedream`'s endless stream.
+"""What every executor shares: the schedule, the microbatches, and the streaming schedules'
+endless stream.
 
-A synchronous step runs every rank's schedule to its end. Under `pipedream` minibatches stay in
-flight across `train_step` calls: the ranks walk one endless stream of actions (the schedule of
-a pipeline that never drains), and each call runs every rank up to its first forward of a
-minibatch it has not been given yet; `flush()` completes the rest, and the next call fills the
-pipeline again. Subclasses say how a rank's actions run (`_execute`) and how the loss reaches
-every rank (`_loss`).
+A synchronous step runs every rank's schedule to its end. Under the streaming schedules
+(`pipedream`, `2bw`) microbatches stay in flight across `train_step` calls: the ranks walk one
+endless stream of actions (the schedule of a pipeline that never drains), and each call runs
+every rank up to its first forward of a microbatch it has not been given yet; `flush()`
+completes the rest, and the next call fills the pipeline again. Subclasses say how a rank's
+actions run (`_execute`) and how the loss reaches every rank (`_loss`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 
 from pdcompile.errors import BatchError
 from pdcompile.runtime.actions import Action, Schedule
-from pdcompile.runtime.schedules import build_schedule, forward_schedule
+from pdcompile.runtime.schedules import STREAMING, build_schedule, forward_schedule
 from pdcompile.runtime.validate import validate_schedule
-from pdcompile.runtime.versions import warmup
+from pdcompile.runtime.versions import two_bw_warmup, warmup
 from pdcompile.runtime.worker import Batch, StageWorker, split_batch
 from pdcompile.staged_program import StagedProgram
 
@@ -42,12 +43,16 @@ def program_schedule(
     num_microbatches: int,
     clip: bool = False,
     skip_nonfinite: bool = False,
+    num_steps: int = 1,
 ) -> Schedule:
-    """The validated schedule of `program` under its plan's ranks."""
+    """The validated schedule of `program` under its plan's ranks (`num_steps` steps as one
+    stream for the streaming schedules)."""
     ranks = [stage.ranks for stage in program.plan.stages]
     ties = [tie.stages for tie in program.ties]
     edges = program_edges(program)
-    schedule = build_schedule(kind, ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
+    schedule = build_schedule(
+        kind, ranks, edges, num_microbatches, ties, clip, skip_nonfinite, num_steps
+    )
     validate_schedule(schedule)
     return schedule
 
@@ -65,14 +70,15 @@ class Pipeline:
     ) -> None:
         self.program = program
         self.kind = schedule
+        self.streaming = schedule in STREAMING
         self.num_microbatches = num_microbatches
         self.clip = any(w.clip_grad_norm is not None for w in workers.values())
         self.skip = any(w.nonfinite == "skip" for w in workers.values())
         self.schedule = program_schedule(program, schedule, num_microbatches, self.clip, self.skip)
         self.workers = workers
         self.steps = 0  # train steps run
-        self.started = 0  # pipedream: minibatches given since the last flush
-        # pipedream: actions every rank has done since the stream (re)started (each call, every
+        self.started = 0  # streaming: microbatches given since the last flush
+        # streaming: actions every rank has done since the stream (re)started (each call, every
         # rank runs to its cut, so this process knows where the other ranks are too)
         self.position = dict.fromkeys(self.schedule.actions, 0)
         self._cached: Schedule | None = None
@@ -81,18 +87,18 @@ class Pipeline:
             worker.begin_stream()
 
     def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
-        """One step over the batch (every rank passes the same batch); returns the loss, the
-        mean over its microbatches weighted by their rows, on every rank."""
-        pipedream = self.kind == "pipedream"
+        """One step over the batch (every rank passes the same batch); returns the loss on every
+        rank: the mean over the microbatches whose losses the last stage computed in this call,
+        weighted by their rows. Every schedule computes all of this step's losses in the call
+        (streaming ones leave backwards in flight), so this is the step's loss."""
         check_batch(self.program, args, kwargs or {}, self._input_device())
-        batch = split_batch(
-            args, kwargs or {}, targets, self.num_microbatches, weighted=not pipedream
-        )
-        first = self.started if pipedream else 0
+        weighted = self.kind != "pipedream"  # a pipedream minibatch is a whole update
+        batch = split_batch(args, kwargs or {}, targets, self.num_microbatches, weighted=weighted)
+        first = self.started if self.streaming else 0
         for worker in self.workers.values():
             worker.add_microbatches(batch, first, self.steps)
         self.steps += 1
-        if pipedream:
+        if self.streaming:
             self.started += self.num_microbatches
             stream = self._stream(self.started + self._lookahead())
             stop = cuts(stream, self.started, self.position)
@@ -125,10 +131,14 @@ class Pipeline:
             return concat([holders[0].outputs[k] for k in range(self.num_microbatches)])
 
     def flush(self) -> None:
-        """Complete every minibatch in flight (`pipedream`; nothing to do for the others)."""
-        if self.kind != "pipedream" or not self.started:
+        """Complete every microbatch in flight (streaming schedules; nothing to do for the
+        others)."""
+        if not self.streaming or not self.started:
             return
-        drain = program_schedule(self.program, self.kind, self.started, self.clip)  # the end
+        steps = self.started // self.num_microbatches
+        drain = program_schedule(
+            self.program, self.kind, self.num_microbatches, self.clip, num_steps=steps
+        )  # the end of the stream
         self._execute(drain.actions, self.position, None)
         self.started = 0
         self.position = dict.fromkeys(self.schedule.actions, 0)
@@ -137,7 +147,7 @@ class Pipeline:
 
     def restart(self) -> None:
         """After the weights changed from outside (a checkpoint loaded): weight versions start
-        again from the live weights."""
+        again from the live weights (`2bw`'s previous weights: `StageWorker.restore_previous`)."""
         self.flush()
         for worker in self.workers.values():
             worker.versions.clear()
@@ -177,16 +187,23 @@ class Pipeline:
 
     def _stream(self, minibatches: int) -> Schedule:
         """A schedule of at least `minibatches` (whose prefix is the endless stream's), built
-        and validated again only when it runs out: then for twice as many."""
+        and validated again only when it runs out: then for twice as many steps."""
         if self._cached is None or self._cached.num_microbatches < minibatches:
-            self._cached = program_schedule(self.program, self.kind, 2 * minibatches, self.clip)
+            steps = -(-minibatches // self.num_microbatches)
+            self._cached = program_schedule(
+                self.program, self.kind, self.num_microbatches, self.clip, num_steps=2 * steps
+            )
         return self._cached
 
     def _lookahead(self) -> int:
-        """Minibatches past the given ones that every replica's warm-up fits in (so that the
+        """Microbatches past the given ones that every replica's warm-up fits in (so that the
         stream's prefix is that of an endless pipeline), a multiple of every replica count."""
         replicas = self.schedule.replicas
-        deepest = max(warmup(replicas, s) for s in range(len(replicas)))
+        m = self.num_microbatches
+        deepest = max(
+            two_bw_warmup(replicas, s, m) if self.kind == "2bw" else warmup(replicas, s)
+            for s in range(len(replicas))
+        )
         return math.lcm(*replicas) * (deepest + 1) * max(replicas)
 
 

@@ -1,26 +1,31 @@
-"""Build every rank's actions for one step of a plan under `1f1b`, `gpipe`, `pipedream`, `2bw`.
+"""Build every rank's actions for a plan under `1f1b`, `gpipe`, `pipedream`, `2bw`.
 
 Pure and torch-free. Inputs: the ranks of each stage (a stage's replicas, in order), the stage
 pairs that exchange tensors (`edges[(src, dst)]` is True when gradients flow back along it) and
 the number of microbatches. Microbatch k runs on replica k mod r_s of stage s. Each replica runs
 its microbatches in order: `gpipe` all forwards then all backwards; the others w_s warm-up
-forwards (`versions.warmup`), then one forward and one backward alternately, then the
-remaining backwards. Receives come right before the compute that needs them, sends right after
-the compute that produced them (the executor posts receives early and never blocks a sender).
+forwards (`versions.warmup`; `versions.two_bw_warmup` for `2bw`), then one forward and one
+backward alternately, then the remaining backwards. Receives come right before the compute that
+needs them, sends right after the compute that produced them (the executor posts receives early
+and never blocks a sender). The streaming schedules (`pipedream`, `2bw`) stash a weight version
+per microbatch (`push`/`pop`) and update after each round, in a stream of steps that never
+drains between them; the synchronous ones update once at the end of their one step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import SCHEDULES
 from pdcompile.runtime.actions import Action, Schedule
-from pdcompile.runtime.versions import warmup
+from pdcompile.runtime.versions import two_bw_warmup, warmup
 
 Edges = Mapping[tuple[int, int], bool]
 NONFINITE = ("raise", "skip")  # what a step with a NaN or infinite loss does
 SKIPPABLE = ("1f1b", "gpipe")  # schedules whose steps can be skipped on every rank together
+STREAMING = ("pipedream", "2bw")  # minibatches stay in flight across train_step calls
 
 
 def check_nonfinite(kind: str, nonfinite: str) -> None:
@@ -56,8 +61,9 @@ def build_schedule(
     ties: Sequence[Sequence[int]] = (),
     clip: bool = False,
     skip_nonfinite: bool = False,
+    num_steps: int = 1,
 ) -> Schedule:
-    """Every rank's actions for one step of `num_microbatches` microbatches.
+    """Every rank's actions for `num_steps` steps of `num_microbatches` microbatches.
 
     Args:
         kind: "1f1b", "gpipe", "pipedream" or "2bw".
@@ -66,15 +72,19 @@ def build_schedule(
         num_microbatches: microbatches per step (PipeDream minibatches under `pipedream`).
         ties: per tie group, the stages using the tensor: before each update their ranks sum
             its gradients.
-        clip: clip the gradients' norm before each update: over all ranks together for the
-            synchronous schedules, per stage for `pipedream`.
+        clip: clip the gradients' norm before each update: over all ranks together (`1f1b`,
+            `gpipe`, `2bw`), per stage for `pipedream`.
         skip_nonfinite: before the update every rank learns whether a loss of the step was NaN
             or infinite (a `check` all-reduce over all ranks) and, if so, skips it (`1f1b`,
             `gpipe` only).
+        num_steps: the streaming schedules (`pipedream`, `2bw`) run this many steps as one
+            stream, microbatch k of it in step k // M, without draining between steps: each
+            replica updates after its last backward of a round (`pipedream`: r_s minibatches;
+            `2bw`: one step). The synchronous schedules run exactly one step.
 
     Raises:
         ScheduleError: unknown kind, bad stage pairs, too few microbatches for `2bw`,
-            `skip_nonfinite` with an asynchronous schedule.
+            `skip_nonfinite` with an asynchronous schedule, several steps of a synchronous one.
     """
     if kind not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
@@ -84,6 +94,11 @@ def build_schedule(
     stages = len(ranks)
     if num_microbatches < 1:
         raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if num_steps < 1 or (num_steps > 1 and kind not in STREAMING):
+        raise ScheduleError(
+            f"{kind} cannot build {num_steps} steps as one schedule: only the streaming "
+            f"schedules ({', '.join(STREAMING)}) run several steps without draining; build one"
+        )
     if kind == "2bw" and num_microbatches < stages:
         raise ScheduleError(
             f"2bw needs at least as many microbatches as stages ({stages}), got "
@@ -112,23 +127,41 @@ def build_schedule(
             "pipedream clips gradients per stage, so the copies of a tied tensor would be scaled "
             "by different norms and drift apart; train without clip_grad_norm or without ties"
         )
-    schedule = Schedule(kind, num_microbatches, replicas, ranks)
+    total = num_microbatches * num_steps
+    schedule = Schedule(kind, total, replicas, ranks)
     world = () if kind == "pipedream" else tuple(sorted(r for rs in ranks for r in rs))
     actions = {}
     for s, stage_ranks in enumerate(ranks):
-        w = warmup(replicas, s)
+        if kind == "2bw":
+            w = two_bw_warmup(replicas, s, num_microbatches)
+            rounds = _Rounds(num_microbatches, num_steps)  # one update per step
+        else:
+            w = warmup(replicas, s)
+            rounds = _Rounds(replicas[s], total // replicas[s])  # pipedream's (unused by others)
         my_ties = [
             (i, tuple(sorted(r for t in tie for r in ranks[t])))
             for i, tie in enumerate(ties)
             if s in tie
         ]
         for i, rank in enumerate(stage_ranks):
-            mine = list(range(i, num_microbatches, replicas[s]))
+            mine = list(range(i, total, replicas[s]))
             update = _update(
                 s, ranks[s], my_ties, world if clip else None, world if skip_nonfinite else None
             )
-            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, update))
-    return Schedule(kind, num_microbatches, replicas, ranks, actions)
+            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, update, rounds))
+    return Schedule(kind, total, replicas, ranks, actions)
+
+
+@dataclass(frozen=True)
+class _Rounds:
+    """A streaming replica's updates: one per round of `size` consecutive microbatches (of the
+    whole stage), `count` rounds in the stream."""
+
+    size: int
+    count: int
+
+    def of(self, microbatch: int) -> int:
+        return microbatch // self.size
 
 
 def _expand(
@@ -138,18 +171,31 @@ def _expand(
     w: int,
     mine: list[int],
     update: Callable[[int], list[Action]],
+    rounds: _Rounds,
 ) -> list[Action]:
-    """One replica's compute order with its communication, stashing and updates."""
+    """One replica's compute order with its communication, stashing and updates. A streaming
+    replica makes update u right after its last backward of round u (at its start when it has
+    no microbatch in rounds up to u)."""
     into = sorted(src for src, dst in edges if dst == stage)
     out = sorted(dst for src, dst in edges if src == stage)
-    group = schedule.ranks[stage]
-    pipedream = schedule.kind == "pipedream"
+    streaming = schedule.kind in STREAMING
+    following = dict(zip(mine, mine[1:], strict=False))  # the replica's next microbatch
     actions: list[Action] = []
+    done = 0  # streaming: updates made
+
+    def updates_before(round_: int) -> None:
+        nonlocal done
+        while done < round_:
+            actions.extend(update(done))
+            done += 1
+
+    if streaming and mine:
+        updates_before(rounds.of(mine[0]))
     for phase, k in compute_order(schedule.kind, w, mine):
         if phase == "F":
             for src in into:
                 actions.append(_comm("recv", stage, k, schedule.rank_of(src, k), src, "act"))
-            if pipedream:
+            if streaming:
                 actions.append(Action("push", stage, k))
             actions.append(Action("F", stage, k))
             for dst in out:
@@ -162,10 +208,12 @@ def _expand(
         for src in into:
             if edges[(src, stage)]:
                 actions.append(_comm("send", stage, k, schedule.rank_of(src, k), src, "grad"))
-        if pipedream:
+        if streaming:
             actions.append(Action("pop", stage, k))
-            actions += update(k // len(group))  # once per round
-    if not pipedream:
+            updates_before(rounds.of(following[k]) if k in following else rounds.count)
+    if streaming:
+        updates_before(rounds.count)  # a replica without microbatches still joins every update
+    else:
         actions += update(-1)
     return actions
 

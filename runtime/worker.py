@@ -1,11 +1,12 @@
 """One rank's stage: runs the actions of a schedule on its stage module.
 
 The worker owns a replica of one stage module, its optimizer and the state of the microbatches
-in flight (inputs received, outputs sent, gradients coming back). Under `pipedream` it stashes
-weight versions: the forward of a microbatch runs on a detached copy of the weights as they are
-then (`torch.func.functional_call`), shared by every microbatch that uses the same version, and
-the backward runs through that same copy; its gradients are added to the live weights, which
-the optimizer updates. A version is dropped when no microbatch in flight uses it.
+in flight (inputs received, outputs sent, gradients coming back). Under the streaming schedules
+(`pipedream`, `2bw`) it stashes weight versions: the forward of a microbatch runs on a detached
+copy of the weights of its version (`torch.func.functional_call`), shared by every microbatch
+that uses the same version, and the backward runs through that same copy; its gradients are
+added to the live weights, which the optimizer updates. A version is dropped when no microbatch
+in flight uses it and none to come will (`2bw` keeps the weights before the last update).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from pdcompile.errors import BatchError, LossError, PartitionError, ScheduleErro
 from pdcompile.ir import iter_tensors
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Comm, gradient_channels
+from pdcompile.runtime.schedules import STREAMING
 from pdcompile.runtime.timeline import Event
-from pdcompile.runtime.versions import vertical_version
+from pdcompile.runtime.versions import two_bw_version, vertical_version
 from pdcompile.staged_program import Channel, StagedProgram
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class StageWorker:
         loss_fn: `loss_fn(output, target)`, run on the last stage.
         optimizer: a factory applied to the stage's parameters.
         schedule_kind: "1f1b", "gpipe", "pipedream" or "2bw".
+        num_microbatches: microbatches per step (`2bw`'s versions count steps).
         stash: under `pipedream`, keep each microbatch's weight version for its backward
             (False recomputes the backward on the newest weights: only to show the difference).
         vertical_sync: under `pipedream`, minibatch k runs on `versions.vertical_version`.
@@ -103,6 +106,7 @@ class StageWorker:
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         schedule_kind: str,
+        num_microbatches: int = 1,
         stash: bool = True,
         vertical_sync: bool = False,
         clip_grad_norm: float | None = None,
@@ -122,9 +126,11 @@ class StageWorker:
         self.outputs: dict[int, Any] = {}  # evaluation: the last stage's output per microbatch
         self.norm_squares = torch.zeros(1, dtype=torch.float64)  # of the last global clip
         self.kind = schedule_kind
+        self.num_microbatches = num_microbatches
         self.pipedream = schedule_kind == "pipedream"
+        self.streaming = schedule_kind in STREAMING
         self.stash = stash
-        self.vertical = vertical_sync
+        self.vertical = vertical_sync and self.pipedream
         self.replicas = [s.replicas for s in program.plan.stages]
         self.inbound = {c.src_stage: [] for c in program.channels_to(stage)}
         for c in program.channels_to(stage):
@@ -142,11 +148,10 @@ class StageWorker:
         self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
         self.updates = 0
         self.flight: dict[int, _InFlight] = {}
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # updates -> weights (pipedream)
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # updates -> weights (streaming)
         self.users: dict[int, int] = {}  # updates -> microbatches in flight on that version
         self.newest = 0  # the version the latest push picked
-        self.stream_base = 0  # updates when the pipedream stream (re)started
-        self.shadow = _copy(self.params) if schedule_kind == "2bw" else {}  # 2bw: W(t - 1)
+        self.stream_base = 0  # updates when the stream (re)started
         self.losses: dict[int, float] = {}
         self.data: dict[int, Microbatch] = {}
         self.timeline: list[Event] | None = None
@@ -210,6 +215,8 @@ class StageWorker:
         u = self.updates
         if self.vertical:
             u = self.stream_base + vertical_version(self.replicas, self.stage, a.microbatch)
+        elif self.kind == "2bw":
+            u = two_bw_version(self.num_microbatches, a.microbatch, self.stream_base)
         if u not in self.versions:
             assert u == self.updates, f"version {u} of stage {self.stage} was not kept"
             self.versions[u] = _copy(self.params)
@@ -229,11 +236,34 @@ class StageWorker:
             self.users.pop(u, None)
 
     def begin_stream(self) -> None:
-        """A pipedream stream (re)starts: minibatch numbers count from 0 again."""
+        """A stream (re)starts: microbatch numbers count from 0 again. `2bw` keeps the weights
+        before the last update: the next step computes on them."""
         self.stream_base = self.newest = self.updates
+        previous = self.previous
         self.versions = {u: w for u, w in self.versions.items() if self.users.get(u)}
+        if previous:
+            self.newest = self.updates - 1
+            self.versions[self.newest] = previous
         if self.vertical:
             self.versions[self.updates] = _copy(self.params)
+
+    @property
+    def previous(self) -> dict[str, torch.Tensor]:
+        """`2bw`: the weights before the last update, which the next step computes on ({}
+        before the first update and under the other schedules)."""
+        return self.versions.get(self.updates - 1, {}) if self.kind == "2bw" else {}
+
+    def restore_previous(self, weights: dict[str, torch.Tensor]) -> None:
+        """`2bw` after a checkpoint load: the weights before the last update (names missing
+        from `weights` take the live ones)."""
+        if self.kind != "2bw" or not self.updates:
+            return
+        live = _copy(self.params)
+        self.versions[self.updates - 1] = {
+            n: weights[n].detach().clone().requires_grad_(t.requires_grad) if n in weights else t
+            for n, t in live.items()
+        }
+        self.newest = self.updates - 1
 
     def _F(self, a: Action) -> None:
         k = a.microbatch
@@ -308,9 +338,7 @@ class StageWorker:
 
     def _weights(self, state: _InFlight) -> dict[str, torch.Tensor] | None:
         """The weight copy a microbatch runs on (None: the live weights)."""
-        if self.pipedream:
-            return self.versions[state.version]
-        return self.shadow or None
+        return self.versions[state.version] if self.streaming else None
 
     def _call(self, state: _InFlight, args: tuple, kwargs: dict[str, Any]) -> Any:
         weights = self._weights(state)
@@ -350,7 +378,8 @@ class StageWorker:
             tensors = [_ensure_grad(self.params[n]) for n in names[:1]]
         else:
             tensors = [_ensure_grad(p) for p in self.untied]
-        # pipedream's replicas make one shared update from the average of their gradients
+        # pipedream's replicas make one shared update from the average of their gradients; the
+        # others' microbatch losses are weighted by their share of the step: the sum is the mean
         average = a.tie < 0 and self.pipedream
         self.comm.all_reduce(tensors, a.group, a.collective, average=average)
         if a.tie < 0 and self.buffers:  # buffers are not averaged: the replicas take the first's
@@ -409,17 +438,19 @@ class StageWorker:
             self.flight.clear()
             self.data.clear()
             return
-        before = _copy(self.params) if self.shadow else {}
+        if self.kind == "2bw":  # the next step computes on the weights before this update
+            self.newest = self.updates
+            self._drop_old()  # the version this step computed on: its microbatches are done
+            if self.updates not in self.versions:
+                self.versions[self.updates] = _copy(self.params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
         self.updates += 1
-        if self.shadow:
-            self.shadow = before  # 2bw: the next step computes on the weights before this one
         if self.vertical:
             self.versions[self.updates] = _copy(self.params)
-        if not self.pipedream:
+        if not self.streaming:
             self.flight.clear()  # a synchronous step ends with every microbatch done
             self.data.clear()
 

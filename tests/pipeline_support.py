@@ -96,12 +96,27 @@ def accumulate_reference(
     return ref, loss
 
 
+def varied_batches(x: torch.Tensor, y: torch.Tensor, steps: int, seed: int = 1) -> list:
+    """A different (x, y) per step, like `x, y` (integer targets drawn from y's range), so that
+    a misplaced microbatch across steps changes the result."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def like(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=generator, dtype=t.dtype)
+        return torch.randint(0, int(t.max()) + 1, t.shape, generator=generator)
+
+    return [(like(x), like(y)) for _ in range(steps)]
+
+
 def pipedream_reference(
-    program, x, y, loss_fn, optimizer, m: int, steps: int, *, vertical=False, clip=None
-):
+    program, x, y, loss_fn, optimizer, m: int, steps: int, *, vertical=False, clip=None,
+    data=None,
+):  # fmt: skip
     """Replays PipeDream's version function sequentially: minibatch k runs forward and
     backward at stage s on the weights after v(k, s) updates of s; each stage averages the
-    gradients of a round of r_s minibatches into one update."""
+    gradients of a round of r_s minibatches into one update. `data`: one (x, y) per step
+    (default: x, y every step)."""
     replicas = [s.replicas for s in program.plan.stages]
     live = [copy.deepcopy(stage) for stage in program.stages]
     opts = [optimizer(list(stage.parameters())) for stage in live]
@@ -109,8 +124,8 @@ def pipedream_reference(
     pending: list[list[dict[str, torch.Tensor]]] = [[] for _ in live]
     clipped: list[bool] = []
     k = 0
-    for _ in range(steps):
-        for a, b, _share in microbatches(x, y, m):
+    for xs, ys in data or [(x, y)] * steps:
+        for a, b, _share in microbatches(xs, ys, m):
             rule = vertical_version if vertical else version
             versions = [history[s][rule(replicas, s, k)] for s in range(len(live))]
             weights = [{n: t.clone().requires_grad_(True) for n, t in v.items()} for v in versions]
@@ -149,20 +164,40 @@ def pipedream_reference(
 def two_bw_reference(model, x, y, loss_fn, optimizer, m: int, steps: int) -> nn.Module:
     """PipeDream-2BW: step t applies the gradient (accumulated over the microbatches) computed
     on the weights before the previous step: W(t+1) = W(t) - lr grad(W(t-1)), the first on W(0)."""
+    return two_bw_run(model, [(x, y)] * steps, loss_fn, optimizer, m)[0]
+
+
+def two_bw_run(
+    model, data, loss_fn, optimizer, m: int, clip=None, scheduler=None
+) -> tuple[nn.Module, list[float]]:
+    """`two_bw_reference` over one (x, y) per step in `data` (the gradient clipped with
+    `clip_grad_norm_`, the learning rate from `scheduler`); returns the trained copy and each
+    step's loss (the row-weighted mean over its microbatches, computed on W(t-1))."""
     ref = copy.deepcopy(model)
     params = dict(ref.named_parameters())
     opt = optimizer(list(params.values()))
+    sched = scheduler(opt) if scheduler else None
     older = {n: p.detach().clone() for n, p in params.items()}
-    for _ in range(steps):
+    losses = []
+    for x, y in data:
         weights = {n: t.clone().requires_grad_(True) for n, t in older.items()}
+        loss = 0.0
         for a, b, share in microbatches(x, y, m):
-            (loss_fn(torch.func.functional_call(ref, weights, (a,)), b) * share).backward()
+            part = loss_fn(torch.func.functional_call(ref, weights, (a,)), b) * share
+            part.backward()
+            loss += float(part.detach())
+        losses.append(loss)
         older = {n: p.detach().clone() for n, p in params.items()}
         for n, p in params.items():
             p.grad = weights[n].grad
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            assert norm > clip, "the test's clip never acts"
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return ref
+        if sched is not None:
+            sched.step()
+    return ref, losses
 
 
 CASES = {"mlp": mlp_case, "resnet": resnet_case, "unet": unet_case, "gpt": gpt_case}

@@ -16,6 +16,7 @@ from pipeline_support import (
     accumulate_reference,
     pipedream_reference,
     program_for,
+    two_bw_run,
 )
 from spawn import run_ranks
 
@@ -36,6 +37,8 @@ THREE_RANKS = [
     ("mlp", [2, 1], "pipedream", "sgd", 2, 5),
     ("gpt", [1, 1, 1], "pipedream", "sgd", 3, 4),
     ("gpt", [1, 1, 1], "1f1b", "sgd", 4, 4, 0.05),  # global clipping over tied copies
+    ("mlp", [2, 1], "2bw", "sgd", 3, 4),  # steps stream across calls, uneven replica rounds
+    ("gpt", [1, 1, 1], "2bw", "sgd", 3, 4, 0.05),  # streaming with global clipping and ties
 ]
 FOUR_RANKS = [
     ("unet", [1, 1, 1, 1], "1f1b", "sgd", 4, 5),
@@ -71,11 +74,14 @@ def _expected(case, replicas, schedule, optimizer, m, steps, *clip):
     """Reference parameters by name, and the local executor's per rank."""
     model, x, y, loss_fn = CASES[case]()
     program = program_for(model, x, replicas)
+    extra = {"clip": clip[0], "scheduler": STEP_LR} if clip else {}
     if schedule == "pipedream":
         stages = pipedream_reference(program, x, y, loss_fn, OPTIMIZERS[optimizer], m, steps)
         reference = {n: p for stage in stages for n, p in stage.named_parameters()}
+    elif schedule == "2bw":
+        ref, _ = two_bw_run(model, [(x, y)] * steps, loss_fn, OPTIMIZERS[optimizer], m, **extra)
+        reference = dict(ref.named_parameters(remove_duplicate=False))
     else:
-        extra = {"clip": clip[0], "scheduler": STEP_LR} if clip else {}
         ref, _ = accumulate_reference(
             model, x, y, loss_fn, OPTIMIZERS[optimizer], m, steps, **extra
         )

@@ -1,5 +1,6 @@
 """The local executor against single-process references: synchronous schedules against
-gradient accumulation, `pipedream` against a sequential replay of its version function."""
+gradient accumulation, `pipedream` against a sequential replay of its version function, `2bw`
+against W(t+1) = W(t) - lr grad(W(t-1)), streaming across steps with two weight versions."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pipeline_support import (
     program_for,
     resnet_case,
     two_bw_reference,
+    two_bw_run,
+    varied_batches,
 )
 
 from pdcompile.errors import ScheduleError
@@ -132,6 +135,93 @@ def test_two_bw_applies_gradients_one_step_stale(case, replicas) -> None:
     fresh = accumulate_reference(model, x, y, loss_fn, SGD, m, steps)[0]
     with pytest.raises(AssertionError):  # and that differs from fresh gradients
         assert_matches(pipeline, dict(fresh.named_parameters(remove_duplicate=False)))
+
+
+def _watch_versions(pipeline: LocalPipeline) -> dict[int, tuple[int, int]]:
+    """Per rank, the most (distinct weight versions alive, stashed copies) after any action:
+    a version is alive while it is the live weights or stashed."""
+    most = dict.fromkeys(pipeline.workers, (0, 0))
+    for rank, worker in pipeline.workers.items():
+
+        def watched(action, run=worker.run, worker=worker, rank=rank) -> None:
+            run(action)
+            alive = len(set(worker.versions) | {worker.updates})
+            most[rank] = tuple(map(max, most[rank], (alive, len(worker.versions))))
+
+        worker.run = watched
+    return most
+
+
+@pytest.mark.parametrize(
+    ("case", "replicas", "m", "overlaps"),
+    [
+        (mlp_case, [1, 1, 1], 3, True),
+        (mlp_case, [2, 1], 3, True),
+        (mlp_case, [3, 1], 2, False),  # M // r_0 = 0 caps stage 0's warm-up at 0
+        (gpt_case, [1, 1], 2, True),
+    ],
+    ids=["straight", "2x1-uneven-rounds", "3x1-replica-without-microbatches", "gpt-tied"],
+)
+def test_two_bw_streams_steps_on_two_versions_and_equals_its_reference(
+    case, replicas, m, overlaps
+) -> None:
+    """A different batch every step (a microbatch misplaced across steps would show), the
+    steps overlap (stage 0 runs forwards of step 1 before its update 0, and backwards stay in
+    flight across calls) unless the warm-up cap forbids it, at most two weight versions per
+    stage, and after a flush the weights and every step's loss are the reference's."""
+    model, x, y, loss_fn = case()
+    program = program_for(model, x, replicas)
+    data = varied_batches(x, y, steps=4)
+    pipeline = LocalPipeline(
+        program, schedule="2bw", num_microbatches=m, loss_fn=loss_fn, optimizer=SGD
+    )
+    most = _watch_versions(pipeline)
+    first = pipeline.workers[0]
+    first.timeline = []
+    losses = [pipeline.train_step((xs,), ys) for xs, ys in data[:2]]
+    in_flight = len(first.flight)  # stage 0's backwards of step 1 wait for the next call
+    losses += [pipeline.train_step((xs,), ys) for xs, ys in data[2:]]
+    pipeline.flush()
+    expected, expected_losses = two_bw_run(model, data, loss_fn, SGD, m)
+    assert_matches(pipeline, dict(expected.named_parameters(remove_duplicate=False)))
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    order = [(e.kind, e.microbatch) for e in first.timeline]
+    step_one = next(i for i, (kind, k) in enumerate(order) if kind == "F" and k >= m)
+    assert (step_one < order.index(("step", 0))) == overlaps
+    assert (in_flight > 0) == overlaps
+    assert max(alive for alive, _ in most.values()) == 2
+    assert max(copies for _, copies in most.values()) <= 2
+
+
+def test_two_bw_clips_globally_while_streaming() -> None:
+    """One norm over every rank at each update (a collective the stages reach at different
+    times), with a StepLR, on a replicated stage and uneven rounds."""
+    model, x, y, loss_fn = mlp_case()
+    data = varied_batches(x, y, steps=4)
+    pipeline = LocalPipeline(
+        program_for(model, x, [2, 1]), schedule="2bw", num_microbatches=3, loss_fn=loss_fn,
+        optimizer=SGD, clip_grad_norm=0.05, lr_scheduler=STEP_LR,
+    )  # fmt: skip
+    for xs, ys in data:
+        pipeline.train_step((xs,), ys)
+    expected, _ = two_bw_run(model, data, loss_fn, SGD, 3, clip=0.05, scheduler=STEP_LR)
+    assert_matches(pipeline, dict(expected.named_parameters()))  # stage_modules() flushes
+    unclipped, _ = two_bw_run(model, data, loss_fn, SGD, 3, scheduler=STEP_LR)
+    with pytest.raises(AssertionError):
+        assert_matches(pipeline, dict(unclipped.named_parameters()))
+
+
+def test_pipedream_equals_the_version_replay_on_a_different_batch_every_step() -> None:
+    model, x, y, loss_fn = mlp_case()
+    program = program_for(model, x, [2, 1])
+    data = varied_batches(x, y, steps=3)
+    pipeline = LocalPipeline(
+        program, schedule="pipedream", num_microbatches=2, loss_fn=loss_fn, optimizer=SGD
+    )
+    for xs, ys in data:
+        pipeline.train_step((xs,), ys)
+    stages = pipedream_reference(program, x, y, loss_fn, SGD, 2, 3, data=data)
+    assert_matches(pipeline, {n: p for stage in stages for n, p in stage.named_parameters()})
 
 
 def test_a_batch_too_small_for_the_microbatches_is_refused() -> None:

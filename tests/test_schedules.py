@@ -12,6 +12,7 @@ from pdcompile.errors import ScheduleError
 from pdcompile.runtime import build_schedule, validate_schedule, version, vertical_version, warmup
 from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.schedules import compute_order
+from pdcompile.runtime.versions import two_bw_version, two_bw_warmup
 
 
 def layout(replicas):
@@ -48,6 +49,17 @@ def test_replicated_versions_follow_pipedreams_rule() -> None:
     assert [vertical_version(replicas, 1, k) for k in range(8)] == [0, 0, 0, 0, 2, 2, 4, 4]
 
 
+def test_two_bw_versions_lag_one_step_and_its_warmup_is_capped() -> None:
+    # step t = k // M computes on W(t - 1), the first two steps on W(0)
+    assert [two_bw_version(3, k) for k in range(12)] == [0] * 6 + [1] * 3 + [2] * 3
+    assert [two_bw_version(3, k, first_step=2) for k in range(6)] == [1] * 3 + [2] * 3
+    assert [two_bw_warmup([1, 1, 1, 1], s, 4) for s in range(4)] == [3, 2, 1, 0]
+    # 2-1 with M = 2: w_0 = 1 <= M // r_0 = 1; 3-1 with M = 2: w_0 = 1 capped at 2 // 3 = 0
+    assert two_bw_warmup([2, 1], 0, 2) == 1 and two_bw_warmup([3, 1], 0, 2) == 0
+    with pytest.raises(ScheduleError, match="num_microbatches >= 1"):
+        two_bw_version(0, 1)
+
+
 def test_bad_layouts_are_schedule_errors() -> None:
     with pytest.raises(ScheduleError, match="replica counts must be >= 1"):
         warmup([1, 0], 0)
@@ -63,6 +75,8 @@ def test_bad_layouts_are_schedule_errors() -> None:
         build_schedule("pipedream", layout([2, 1]), chain_edges(2), 2, ties=[(0, 1)])
     with pytest.raises(ScheduleError, match="must flow to a later stage"):
         build_schedule("1f1b", layout([1, 1]), {(1, 0): True}, 2)
+    with pytest.raises(ScheduleError, match="only the streaming schedules"):
+        build_schedule("1f1b", layout([1, 1]), chain_edges(2), 2, num_steps=2)
 
 
 # -- builders ------------------------------------------------------------------------------
@@ -90,18 +104,19 @@ def pipelines(draw):
     for r in replicas:
         lcm = lcm * r // __import__("math").gcd(lcm, r)
     m = lcm * draw(st.integers(1, 3)) if kind == "pipedream" else draw(st.integers(stages, 9))
+    steps = draw(st.integers(1, 3)) if kind in ("pipedream", "2bw") else 1
     tie = st.sets(st.integers(0, stages - 1), min_size=2)
     ties = draw(st.lists(tie, max_size=2)) if stages > 1 else []
     if kind == "pipedream":  # tied stages of pipedream have one replica each
         ties = [t for t in ties if all(replicas[s] == 1 for s in t)]
-    return kind, replicas, chain_edges(stages, skips), m, ties
+    return kind, replicas, chain_edges(stages, skips), m, ties, steps
 
 
 @settings(deadline=None, max_examples=150)
 @given(pipelines())
 def test_every_built_schedule_validates(pipeline) -> None:
-    kind, replicas, edges, m, ties = pipeline
-    schedule = build_schedule(kind, layout(replicas), edges, m, ties)
+    kind, replicas, edges, m, ties, steps = pipeline
+    schedule = build_schedule(kind, layout(replicas), edges, m, ties, num_steps=steps)
     validate_schedule(schedule)
     computed = sorted(
         (a.stage, a.microbatch)
@@ -109,15 +124,21 @@ def test_every_built_schedule_validates(pipeline) -> None:
         for a in actions
         if a.kind == "F"
     )
-    assert computed == sorted((s, k) for s in range(len(replicas)) for k in range(m))
+    assert computed == sorted((s, k) for s in range(len(replicas)) for k in range(m * steps))
+    updates = [sum(a.kind == "step" for a in actions) for actions in schedule.actions.values()]
+    rounds = {"pipedream": m * steps // min(replicas), "2bw": steps}.get(kind, 1)
+    assert max(updates) == rounds
 
 
 @settings(deadline=None, max_examples=60)
 @given(pipelines().filter(lambda p: p[0] == "pipedream"))
 def test_pipedream_order_realises_the_version_function(pipeline) -> None:
-    """Counting a replica's updates before each forward gives v(k, s) exactly."""
-    _, replicas, edges, m, ties = pipeline
-    schedule = build_schedule("pipedream", layout(replicas), edges, m, ties)
+    """Counting a replica's updates before each forward gives v(k, s) exactly; a stream of
+    several steps is the schedule of all their minibatches at once."""
+    _, replicas, edges, m, ties, steps = pipeline
+    schedule = build_schedule("pipedream", layout(replicas), edges, m * steps, ties)
+    streamed = build_schedule("pipedream", layout(replicas), edges, m, ties, num_steps=steps)
+    assert streamed == schedule
     for rank, actions in schedule.actions.items():
         stage, _ = schedule.stage_of_rank(rank)
         steps = 0
@@ -126,6 +147,51 @@ def test_pipedream_order_realises_the_version_function(pipeline) -> None:
                 steps += 1
             elif a.kind == "F":
                 assert steps == version(replicas, stage, a.microbatch), (rank, a)
+
+
+@settings(deadline=None, max_examples=80)
+@given(pipelines().filter(lambda p: p[0] == "2bw"))
+def test_two_bw_streams_updates_once_per_step_on_two_versions(pipeline) -> None:
+    """Replaying each replica: every replica makes one update per step, after its backwards of
+    that step; the weights each forward needs, W(u) with u = two_bw_version, are the live ones
+    (u updates made) or the one stashed version before them (u + 1 made); the versions that
+    microbatches in flight use, with the live one, are at most two."""
+    _, replicas, edges, m, ties, steps = pipeline
+    schedule = build_schedule("2bw", layout(replicas), edges, m, ties, num_steps=steps)
+    for rank, actions in schedule.actions.items():
+        updates, in_flight = 0, {}
+        for a in actions:
+            if a.kind == "step":
+                assert a.microbatch == updates, (rank, a)
+                assert all(k // m > updates for k in in_flight), (rank, a)  # its step is done
+                updates += 1
+            elif a.kind == "push":
+                in_flight[a.microbatch] = two_bw_version(m, a.microbatch)
+                assert updates - in_flight[a.microbatch] in (0, 1), (rank, a)
+                assert a.microbatch // m >= updates, (rank, a)  # its step's update is to come
+            elif a.kind == "pop":
+                del in_flight[a.microbatch]
+            assert len({*in_flight.values(), updates}) <= 2, (rank, a)
+        assert updates == steps and not in_flight
+
+
+def test_two_bw_steps_overlap_without_draining() -> None:
+    """Over two steps of a straight pipeline, every stage with a warm-up runs its w_s warm-up
+    forwards of step 1 before its update 0 (1f1b drains first); one step alone is 1f1b's order
+    with stashing."""
+    ranks, edges, m = layout([1, 1, 1, 1]), chain_edges(4), 4
+    stream = build_schedule("2bw", ranks, edges, m, num_steps=2)
+    validate_schedule(stream)
+    for rank, actions in stream.actions.items():
+        kinds = [(a.kind, a.microbatch) for a in actions]
+        ahead = [k for kind, k in kinds[: kinds.index(("step", 0))] if kind == "F" and k >= m]
+        assert ahead == list(range(m, m + 3 - rank))  # w_s = S - 1 - s
+    one = build_schedule("2bw", ranks, edges, m)
+    synchronous = build_schedule("1f1b", ranks, edges, m)
+    for rank, actions in one.actions.items():
+        assert [str(a) for a in actions if a.kind not in ("push", "pop")] == [
+            str(a) if a.kind != "step" else "step0" for a in synchronous.actions[rank]
+        ]
 
 
 def test_one_f_one_b_keeps_at_most_warmup_plus_one_in_flight() -> None:
