@@ -1,15 +1,19 @@
 """Simulator benchmark: how fast `pdcompile.simulate` is, and how well it predicts real runs.
 
-    python benchmarks/simulator.py [--steps 5] [--rounds 5] [--scale-only] [--json FILE]
-                                   [--trace-dir DIR]
+    python benchmarks/simulator.py [--steps 5] [--rounds 5] [--scale-only | --skip-scale]
+                                   [--json FILE] [--trace-dir DIR] [--default-malloc]
 
 1. Scale: 64 stages x 512 microbatches under every schedule (best of 3 wall times).
 2. Predicted against measured: the MLP and the GPT-style decoder of benchmarks/runtime.py, cut in
    the same 2 stages, on 2 gloo ranks with one thread each, 8 microbatches, under `1f1b`,
    `gpipe`, `pipedream` and `2bw`. The ranks first calibrate (`runtime/calibration.py`: link
    latency and bandwidth, the runtime's per-message and per-tensor costs, memory bandwidth);
-   the stage costs are profiled (one thread) at the microbatch size, and the simulator predicts
-   the time per step on the calibrated cluster. After an untimed round, the ranks time `--steps`
+   then both profile the model (one thread each, at the microbatch size; rank 0's profile is
+   used), and the simulator predicts the time per step on the calibrated cluster. The ranks run
+   with glibc's malloc keeping freed memory (`KEEP_FREED_MEMORY`; `--default-malloc` runs
+   without): otherwise whether a backward's gradients land on pages the allocator just gave
+   back to the system, at a page fault per 4 KiB, changes its time by up to 2x, in the profile
+   and in the run alike (docs/simulator.md). After an untimed round, the ranks time `--steps`
    train steps per schedule, the schedules alternating within each of `--rounds` rounds; the
    table gives the median over rounds. A second prediction takes the stages' forward and
    backward times from one measured step's timeline instead of the profile, which separates the
@@ -38,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pdcompile
-from pdcompile import Cluster, Plan, Stage, zoo
+from pdcompile import Cluster, CostGraph, Plan, Stage, zoo
 from pdcompile.plans import SCHEDULES, consecutive_ranks
 from pdcompile.runtime.action_costs import stage_costs
 from pdcompile.runtime.calibration import Calibration, calibrate
@@ -47,6 +51,8 @@ from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 
 MICROBATCHES = 8
+# glibc: allocations up to 32 MiB from the heap, which is never trimmed (no page faults on reuse)
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 KINDS = ("F", "B", "send", "recv", "allreduce", "step", "push")  # compared action by action
 
 
@@ -121,13 +127,11 @@ def two_stage_program(model, x) -> pdcompile.StagedProgram:
     return pdcompile.codegen(gm, pdcompile.plan(costs, Cluster.parse("2"), solver="blocks"))
 
 
-def profiled_plan(model, x, cluster: Cluster) -> Plan:
-    """The 2-stage split scored on costs profiled with one thread at the microbatch size."""
-    program = two_stage_program(model, x)
+def profile(model, x) -> CostGraph:
+    """The model's costs at the microbatch size (this process's threads: one in the ranks)."""
     micro = x[: x.shape[0] // MICROBATCHES]
-    costs = pdcompile.analyze(pdcompile.trace(model, (micro,)), (micro,), cache=False,
-                              progress=False)  # fmt: skip
-    return pdcompile.evaluate(program.plan, costs, cluster=cluster)
+    return pdcompile.analyze(pdcompile.trace(model, (micro,)), (micro,), cache=False,
+                             progress=False)  # fmt: skip
 
 
 def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
@@ -136,7 +140,10 @@ def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, o
     calibration = calibrate(rank, device, optimizer)
     results: dict = {"calibration": dataclasses.asdict(calibration), "cases": {}}
     for name, make in CASES.items():
-        results["cases"][name] = _measure(make, rank, device, steps, rounds)
+        model, x, _, _ = make()
+        costs = profile(model, x)  # both ranks at once, as both compute in the run
+        results["cases"][name] = {"costs": costs.to_json(),
+                                  **_measure(make, rank, device, steps, rounds)}  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
@@ -183,17 +190,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--scale-only", action="store_true")
+    parser.add_argument("--skip-scale", action="store_true")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--trace-dir", metavar="DIR")
+    parser.add_argument("--default-malloc", action="store_true")
     args = parser.parse_args()
     console = Console(width=150)
-    summary: dict = {"scale": scale()}
-    table = Table(title="simulate: 64 stages x 512 microbatches (best of 3)")
-    for column in ("schedule", "actions", "seconds"):
-        table.add_column(column, justify="right")
-    for row in summary["scale"]:
-        table.add_row(row["schedule"], str(row["actions"]), f"{row['seconds']:.2f}")
-    console.print(table)
+    summary: dict = {}
+    if not args.skip_scale:
+        summary["scale"] = scale()
+        table = Table(title="simulate: 64 stages x 512 microbatches (best of 3)")
+        for column in ("schedule", "actions", "seconds"):
+            table.add_column(column, justify="right")
+        for row in summary["scale"]:
+            table.add_row(row["schedule"], str(row["actions"]), f"{row['seconds']:.2f}")
+        console.print(table)
     if not args.scale_only:
         summary["predicted"] = predicted_against_measured(args, console)
     if args.json:
@@ -201,12 +212,13 @@ def main() -> None:
 
 
 def predicted_against_measured(args: argparse.Namespace, console: Console) -> dict:
+    if not args.default_malloc:  # the ranks' processes read it when they start
+        os.environ.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
                  nprocs=2, join=True)  # fmt: skip
         measured = json.loads(Path(out).read_text())
-    torch.set_num_threads(1)  # profile as the ranks ran: one thread
     calibration = Calibration(**measured["calibration"])
     console.print(calibration_table(calibration))
     cluster = calibration.cluster(2)
@@ -220,7 +232,8 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
     rows = {}
     for name, make in CASES.items():
         model, x, _, _ = make()
-        plan = profiled_plan(model, x, cluster)
+        costs = CostGraph.from_json(measured["cases"][name]["costs"])
+        plan = pdcompile.evaluate(two_stage_program(model, x).plan, costs, cluster=cluster)
         for kind in SCHEDULES:
             sim = pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
             events = [Event(**e) for e in measured["cases"][name]["events"][kind]]
@@ -251,7 +264,8 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
                 _write_traces(Path(args.trace_dir), f"{name}_{kind}", events, sim)
     console.print(table)
     console.print(actions)
-    return {"calibration": measured["calibration"], "rows": rows}
+    malloc = os.environ.get("GLIBC_TUNABLES", "default")
+    return {"calibration": measured["calibration"], "malloc": malloc, "rows": rows}
 
 
 def calibration_table(c: Calibration) -> Table:

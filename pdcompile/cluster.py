@@ -90,32 +90,38 @@ class Level:
 class RuntimeCosts:
     """What the runtime's own work costs on a device, besides compute and transfers.
 
-    `memory_bandwidth`: bytes read plus bytes written per second by the copies it makes (packing
-    a message, accumulating gradients, copying weights, the optimizer's update; None: free).
-    `tensor_s`: fixed seconds per tensor it copies or updates. `message_s`: fixed seconds a rank
-    spends on each message it sends or receives (packing, posting, waiting, unpacking).
-    The defaults cost nothing; docs/simulator.md has the formulas and how to measure them.
+    Bandwidths count bytes read plus bytes written per second (None: free). `memory_bandwidth`
+    moves what waited in memory since its last use: weights and optimizer state (the optimizer's
+    update, weight copies, flattening gradients for an all-reduce). `cache_bandwidth` (None: the
+    memory bandwidth) moves what the compute just produced: gradients added to those held or
+    cloned to the live weights, activations packed into a message. `tensor_s`: fixed seconds
+    per tensor an action copies, updates or swaps in. `message_s`: fixed seconds a rank spends
+    on each message it sends or receives (packing, posting, waiting, unpacking).
+    The defaults cost nothing; docs/simulator.md has the formulas and how they are measured.
     """
 
     memory_bandwidth: float | None = None
     tensor_s: float = 0.0
     message_s: float = 0.0
+    cache_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        bandwidth = self.memory_bandwidth
-        if bandwidth is not None and not (_number(bandwidth) and bandwidth > 0):
-            raise PartitionError(
-                f"memory_bandwidth must be a positive number of bytes/s or None, got {bandwidth!r}"
-            )
+        for name in ("memory_bandwidth", "cache_bandwidth"):
+            bandwidth = getattr(self, name)
+            if bandwidth is not None and not (_number(bandwidth) and bandwidth > 0):
+                raise PartitionError(
+                    f"{name} must be a positive number of bytes/s or None, got {bandwidth!r}"
+                )
         for name in ("tensor_s", "message_s"):
             value = getattr(self, name)
             if not (_number(value) and value >= 0):
                 raise PartitionError(f"{name} must be a number of seconds >= 0, got {value!r}")
 
-    def moved_s(self, nbytes: float, tensors: int = 0) -> float:
-        """Seconds to read and write `nbytes` in all over `tensors` tensors."""
-        moved = nbytes / self.memory_bandwidth if self.memory_bandwidth else 0.0
-        return moved + tensors * self.tensor_s
+    def moved_s(self, nbytes: float, tensors: int = 0, *, cached: bool = False) -> float:
+        """Seconds to read and write `nbytes` in all over `tensors` tensors (`cached`: data the
+        compute just produced)."""
+        bandwidth = (cached and self.cache_bandwidth) or self.memory_bandwidth
+        return (nbytes / bandwidth if bandwidth else 0.0) + tensors * self.tensor_s
 
 
 def _number(value: Any) -> bool:
@@ -280,7 +286,8 @@ class Cluster:
                 f"malformed cluster description {shown} ({type(e).__name__}: {e}); write it "
                 "as {'levels': [[count, bytes_per_s, latency_s], ...], 'memory': bytes or null, "
                 "'speed': [one per device] or null, 'runtime': {'memory_bandwidth': bytes_per_s "
-                "or null, 'tensor_s': s, 'message_s': s} or null}"
+                "or null, 'tensor_s': s, 'message_s': s, 'cache_bandwidth': bytes_per_s or null} "
+                "or null}"
             ) from None
 
     def to_json(self) -> str:

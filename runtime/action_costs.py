@@ -1,22 +1,25 @@
 """What the runtime's own work costs per action: the simulator's terms besides compute and
 bandwidth. Torch-free.
 
-From the cluster's `RuntimeCosts` (memory bandwidth B counting bytes read plus bytes written, a
-fixed `tensor_s` per tensor touched, a fixed `message_s` per message) and each level's latency
-`alpha`, for a stage with P parameter bytes, G gradient bytes, W = P + G + optimizer bytes in n
+From the cluster's `RuntimeCosts` (memory bandwidth B for weights and optimizer state, cache
+bandwidth C for what the compute just produced, both counting bytes read plus bytes written; a
+fixed `tensor_s` t per tensor touched; a fixed `message_s` per message) and each level's latency
+alpha, for a stage with P parameter bytes, G gradient bytes, W = P + G + optimizer bytes in n
 tensors (a tied tensor's copies included, each counted at its gradient's size):
 
-    send          message_s + 2 * bytes / B          (packed into one buffer, then posted)
+    send          message_s + 2 * bytes / C           (packed into one buffer, then posted)
     recv          message_s, after the message arrives (unpacked as views of the buffer)
     transfer      alpha + bytes / bandwidth           (the bytes share the link; docs/simulator.md)
-    copy          2 * P / B + n * tensor_s            (`push` of a new weight version)
-    step          (2 * W - G) / B + n * tensor_s      (read weights, gradients and state; write
+    copy          2 * P / B + n * t                   (`push` of a new weight version)
+    step          (2 * W - G) / B + n * t             (read weights, gradients and state; write
                                                        weights and state); `2bw` adds a copy
-    gradients     B of a microbatch adds 3 * G / B + n * tensor_s to the gradients held; the
-                  first B of an update on a stashed copy (`pipedream`, `2bw`) clones them to the
-                  live weights, 2 * G / B + n * tensor_s (plain autograd keeps its own: free)
-    all-reduce    2 (r - 1) alpha + 2 (r - 1) / r * G / bandwidth + 4 * G / B + n * tensor_s
-                  over r ranks (flattened into one buffer, reduced, copied back)
+    F on a weight + n * t: the weights swapped in for the call (`torch.func.functional_call`;
+    copy          `pipedream`, `2bw`)
+    gradients     a backward adds 3 * G / C + n * t to the gradients held; the first of an update
+                  on a weight copy clones them to the live weights, 2 * G / C + n * t (plain
+                  autograd keeps its first ones as they are: free)
+    all-reduce    2 (r - 1) alpha + 2 (r - 1) / r * G / bandwidth + 4 * G / B + n * t over r ranks
+                  (flattened into one buffer, reduced, copied back)
     loss          every `train_step` ends with an all-reduce of the loss over all ranks: a
                   barrier of 2 (r - 1) alpha (its 16 bytes neglected)
 """
@@ -37,6 +40,7 @@ class StageCosts:
 
     copy_s: float
     step_s: float
+    swap_s: float
     accumulate_s: float
     first_gradients_s: float
     allreduce_s: float
@@ -45,13 +49,14 @@ class StageCosts:
 def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
     """`StageCosts` of every stage of `plan` (its schedule) on `cluster`."""
     runtime = cluster.runtime
-    copied = {s: 0 for s in range(plan.num_stages)}  # bytes of tied tensors each stage copies
+    tied = {s: 0 for s in range(plan.num_stages)}  # bytes of tied tensors each stage copies
     for stages, grad_bytes in plan.ties:
         for stage in stages[1:]:  # the first holds the original
-            copied[stage] += grad_bytes
+            tied[stage] += grad_bytes
+    copied = plan.schedule in COPIED
     costs = {}
     for s in plan.stages:
-        extra = copied[s.index]
+        extra = tied[s.index]
         scale = (s.param_bytes + extra) / s.param_bytes if s.param_bytes else 1.0
         grads, n = s.grad_bytes + extra, s.param_tensors
         copy = runtime.moved_s(2 * (s.param_bytes + extra), n)
@@ -59,8 +64,9 @@ def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
         costs[s.index] = StageCosts(
             copy_s=copy,
             step_s=step + (copy if plan.schedule == "2bw" else 0.0),
-            accumulate_s=runtime.moved_s(3 * grads, n),
-            first_gradients_s=runtime.moved_s(2 * grads, n) if plan.schedule in COPIED else 0.0,
+            swap_s=runtime.moved_s(0, n) if copied else 0.0,
+            accumulate_s=runtime.moved_s(3 * grads, n, cached=True),
+            first_gradients_s=runtime.moved_s(2 * grads, n, cached=True) if copied else 0.0,
             allreduce_s=allreduce_s(s.grad_bytes, s.ranks, cluster, n),
         )
     return costs
@@ -88,7 +94,7 @@ def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Clus
 
 def send_s(cluster: Cluster, nbytes: float) -> float:
     """The sender's time to pack a message of `nbytes` and post it."""
-    return cluster.runtime.message_s + cluster.runtime.moved_s(2 * nbytes)
+    return cluster.runtime.message_s + cluster.runtime.moved_s(2 * nbytes, cached=True)
 
 
 def loss_s(plan: Plan, cluster: Cluster) -> float:

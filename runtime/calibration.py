@@ -7,11 +7,15 @@ runtime's own `DistributedComm` and the same kind of tensors and optimizer the p
 - a message's host costs: how long `send` (packing, posting) and `recv` of a message that has
   already arrived (waiting on it, unpacking) take, for a tiny message;
 - latency: half a tiny message's round trip less those host costs;
-- bandwidth: the extra one-way time of a `PROBE_BYTES` message over a tiny one, less the extra
-  time its sender spends packing it;
-- memory bandwidth: bytes read and written per second by a clone of `PROBE_BYTES` (allocation
-  included, as in the runtime's copies);
-- per-tensor overhead: the optimizer's step over `TENSORS` tiny parameters, per tensor.
+- bandwidth: the extra one-way time of a `PROBE_BYTES` message over a tiny one, less packing
+  the extra bytes at the cache bandwidth;
+- memory bandwidth: bytes read and written per second by a clone of `PROBE_BYTES` right after
+  `EVICT_BYTES` were written (the caches hold other data, as the weights after a step's compute);
+- cache bandwidth: the same clone repeated at once (its data in cache, as freshly computed
+  gradients and activations);
+- per-tensor overhead: the mean per tensor of the runtime's three per-tensor operations over
+  `TENSORS` tiny parameters: the optimizer's step, a weight copy, a `functional_call` (less the
+  plain call).
 
 Results are medians over `repeats`; every rank gets rank 0's.
 """
@@ -25,12 +29,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.func import functional_call
 
 from pdcompile.cluster import Cluster, RuntimeCosts
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.staged_program import Channel
 
 PROBE_BYTES = 4 * 2**20
+EVICT_BYTES = 64 * 2**20  # twice a large last-level cache
 TENSORS = 64
 _PROBE = Channel(0, 1, "probe", shape=("batch",), dtype="float32")
 
@@ -45,13 +51,14 @@ class Calibration:
     send_s: float
     recv_s: float
     memory_bandwidth: float
+    cache_bandwidth: float
     tensor_s: float
 
     @property
     def runtime(self) -> RuntimeCosts:
         """The runtime's costs; `message_s` is the mean of a send's and a receive's."""
         message = (self.send_s + self.recv_s) / 2
-        return RuntimeCosts(self.memory_bandwidth, self.tensor_s, message)
+        return RuntimeCosts(self.memory_bandwidth, self.tensor_s, message, self.cache_bandwidth)
 
     def cluster(self, num_devices: int) -> Cluster:
         return Cluster([(num_devices, self.bandwidth, self.latency)], runtime=self.runtime)
@@ -67,14 +74,15 @@ def calibrate(
 ) -> Calibration:
     """Measure on ranks 0 and 1 (every rank calls it); returns rank 0's figures on every rank."""
     comm = DistributedComm(rank, [], timeout_s=timeout_s, device=device)
+    host = torch.tensor(_host(device, optimizer, repeats), dtype=torch.float64, device=device)
+    dist.broadcast(host, 0)
+    memory, cache, tensor_s = host.tolist()
     one_way, send, recv = _message(comm, rank, 1, repeats)
-    large_one_way, large_send, _ = _message(comm, rank, PROBE_BYTES // 4, repeats)
+    large, _, _ = _message(comm, rank, PROBE_BYTES // 4, repeats)
     latency = max(one_way - send - recv, 0.0)
-    extra = (large_one_way - one_way) - (large_send - send)
-    bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large_one_way
-    shared = torch.tensor(_host(device, optimizer, repeats), dtype=torch.float64, device=device)
-    dist.broadcast(shared, 0)
-    return Calibration(latency, bandwidth, send, recv, *shared.tolist())
+    extra = large - one_way - 2 * (PROBE_BYTES - 4) / cache  # less packing the extra bytes
+    bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large
+    return Calibration(latency, bandwidth, send, recv, memory, cache, tensor_s)
 
 
 def _message(comm: DistributedComm, rank: int, rows: int, repeats: int) -> tuple[float, ...]:
@@ -125,24 +133,44 @@ def _host(
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     repeats: int,
 ) -> list[float]:
-    """[memory bandwidth, per-tensor seconds] of this rank."""
+    """[memory bandwidth, cache bandwidth, per-tensor seconds] of this rank."""
     data = torch.ones(PROBE_BYTES // 4, device=device)
-    clone = _median(device, lambda: data.clone(), repeats)
-    params = [torch.nn.Parameter(torch.ones(1, device=device)) for _ in range(TENSORS)]
-    for p in params:
+    evict = torch.zeros(EVICT_BYTES // 4, device=device)
+    cold, hot = [], []
+    for _ in range(repeats + 2):
+        evict.add_(1.0)
+        cold.append(_seconds(device, data.clone))
+        hot.append(_seconds(device, data.clone))
+    del evict
+    modules = torch.nn.Sequential(*(torch.nn.Linear(1, 1, bias=False) for _ in range(TENSORS)))
+    modules.to(device)
+    params = dict(modules.named_parameters())
+    for p in params.values():
         p.grad = torch.ones_like(p)
-    step = optimizer(params).step
-    return [2 * PROBE_BYTES / clone, _median(device, step, repeats) / TENSORS]
+    x = torch.ones(1, 1, device=device)
+    copies = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    per_tensor = [
+        _median(device, optimizer(list(params.values())).step, repeats),
+        _median(device, lambda: {n: p.detach().clone().requires_grad_() for n, p in params.items()},
+                repeats),
+        _median(device, lambda: functional_call(modules, copies, (x,)), repeats)
+        - _median(device, lambda: modules(x), repeats),
+    ]  # fmt: skip
+    copy = 2 * PROBE_BYTES
+    tensor_s = max(statistics.mean(per_tensor), 0.0) / TENSORS
+    return [copy / statistics.median(cold[2:]), copy / statistics.median(hot[2:]), tensor_s]
 
 
 def _median(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    """Median seconds of `fn` over `repeats` runs, after two untimed ones."""
+    return statistics.median([_seconds(device, fn) for _ in range(repeats + 2)][2:])
+
+
+def _seconds(device: torch.device, fn: Callable[[], object]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

@@ -290,7 +290,9 @@ class _Engine:
                 break  # the next call gives this minibatch
             if kind in COMPUTE:
                 end = now + self.seconds[(stage, kind)]
-                if kind == "B":
+                if kind == "F":
+                    end += self.costs[stage].swap_s
+                else:
                     end += self._gradients(rank, stage)
                 self._record(rank, a, now, end)
                 if kind == "F":  # activations are kept from a forward to the end of its backward

@@ -239,7 +239,8 @@ COSTS = RuntimeCosts(memory_bandwidth=1000.0, tensor_s=0.01, message_s=0.1)  # b
 TENSORS = 3
 COPY = 2 * PARAM / 1000.0 + TENSORS * 0.01  # a weight copy: 2 P / B + n t
 STEP = (2 * WEIGHT - PARAM) / 1000.0 + TENSORS * 0.01  # (2 W - G) / B + n t
-ADD = 3 * PARAM / 1000.0 + TENSORS * 0.01  # gradients added to those held: 3 G / B + n t
+ADD = 3 * PARAM / 1000.0 + TENSORS * 0.01  # gradients added to those held: 3 G / C + n t
+SWAP = TENSORS * 0.01  # a forward on a weight copy swaps its tensors in: n t
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -285,8 +286,9 @@ def test_sends_receives_and_steps_cost_what_the_formulas_say():
     [
         ("gpipe", 3 * ADD + STEP),  # the first backward's gradients are autograd's own
         ("1f1b", 3 * ADD + STEP),
-        ("2bw", COPY + 3 * ADD + STEP + COPY),  # cloned to the live weights; the shadow copy
-        ("pipedream", 4 * (COPY + COPY + STEP)),  # per minibatch: a version, a clone, a step
+        ("2bw", 4 * SWAP + COPY + 3 * ADD + STEP + COPY),  # a clone to the live weights first;
+        # the shadow copy at the step
+        ("pipedream", 4 * (COPY + SWAP + COPY + STEP)),  # per minibatch: a version, a clone, a step
     ],
 )
 def test_gradients_copies_and_steps_of_one_stage(kind, extra):
@@ -400,6 +402,8 @@ def test_clusters_with_latency_and_runtime_costs_round_trip():
             Cluster.parse(bad)
     with pytest.raises(PartitionError, match="tensor_s must be a number of seconds >= 0"):
         RuntimeCosts(tensor_s=-1.0)
+    with pytest.raises(PartitionError, match="cache_bandwidth must be a positive number"):
+        RuntimeCosts(cache_bandwidth=0.0)
     with pytest.raises(PartitionError, match="malformed cluster description"):
         Cluster.from_dict({**old, "runtime": {"memory_bandwidth": 1e9, "speed": 2}})
 
@@ -433,3 +437,16 @@ def test_calibration_measures_the_link_and_the_runtime_on_two_ranks():
     cluster = first.cluster(2)
     assert Cluster.from_json(cluster.to_json()) == cluster
     assert cluster.runtime.message_s == pytest.approx((first.send_s + first.recv_s) / 2)
+    assert cluster.runtime.cache_bandwidth == first.cache_bandwidth > 0
+
+
+def test_what_the_compute_just_produced_moves_at_the_cache_bandwidth():
+    """Packing activations and adding gradients run at the cache bandwidth; the optimizer's
+    update reads the weights from memory."""
+    runtime = RuntimeCosts(memory_bandwidth=1000.0, cache_bandwidth=4000.0)
+    plan = equal_plan([1], cluster=Cluster([(1, FAST)], runtime=runtime))
+    sim = simulate(plan, schedule="1f1b", num_microbatches=2)
+    durations = {(e.kind, e.microbatch): e.duration for e in sim.timeline}
+    assert durations[("B", 0)] == pytest.approx(B)  # autograd's own gradients
+    assert durations[("B", 1)] == pytest.approx(B + 3 * PARAM / 4000.0)
+    assert durations[("step", -1)] == pytest.approx((2 * WEIGHT - PARAM) / 1000.0)
