@@ -44,7 +44,6 @@ from rich.table import Table
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan, Stage, zoo
 from pdcompile.plans import SCHEDULES, consecutive_ranks
-from pdcompile.runtime.action_costs import stage_costs
 from pdcompile.runtime.calibration import Calibration, calibrate
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
@@ -238,7 +237,7 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
             sim = pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
             events = [Event(**e) for e in measured["cases"][name]["events"][kind]]
             replay = pdcompile.simulate(
-                with_measured_compute(plan.with_(schedule=kind), events), schedule=kind,
+                with_measured_compute(plan, sim, events), schedule=kind,
                 num_microbatches=MICROBATCHES,
             )  # fmt: skip
             runs = measured["cases"][name]["seconds"][kind]
@@ -283,24 +282,19 @@ def _median(events: list[Event], kind: str) -> float | None:
     return statistics.median(durations) if durations else None
 
 
-def with_measured_compute(plan: Plan, events: list[Event]) -> Plan:
-    """`plan` with each stage's forward and backward seconds the medians of a timeline's; the
-    backward less the gradient work the simulator adds to it, on average over a step."""
-    costs = stage_costs(plan, plan.cluster)
-    per_rank = MICROBATCHES / max(s.replicas for s in plan.stages)
+def with_measured_compute(plan: Plan, sim, events: list[Event]) -> Plan:
+    """`plan` with each stage's forward and backward seconds the medians of a measured
+    timeline's, less the median work on the weights `sim` adds to them (swapping a copy in,
+    accumulating gradients), so that the replay's F and B take the measured time."""
     stages = []
     for s in plan.stages:
-        times = {
-            kind: statistics.median(
-                e.duration for e in events if e.stage == s.index and e.kind == kind
-            )
-            for kind in ("F", "B")
-        }
-        c = costs[s.index]
-        updates = per_rank if plan.schedule == "pipedream" else 1  # gradients fresh after each
-        gradients = updates * c.first_gradients_s + (per_rank - updates) * c.accumulate_s
-        backward = max(times["B"] - gradients / per_rank, 0.0)
-        stages.append(dataclasses.replace(s, forward_s=times["F"], backward_s=backward))
+        seconds = {}
+        for kind, profiled in (("F", s.forward_s), ("B", s.backward_s)):
+            measured = [e.duration for e in events if e.stage == s.index and e.kind == kind]
+            added = [e.duration - profiled for e in sim.timeline
+                     if e.stage == s.index and e.kind == kind]  # fmt: skip
+            seconds[kind] = max(statistics.median(measured) - statistics.median(added), 0.0)
+        stages.append(dataclasses.replace(s, forward_s=seconds["F"], backward_s=seconds["B"]))
     return plan.with_(stages=tuple(stages))
 
 

@@ -3,7 +3,7 @@
 Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.flops`,
 `pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other),
 and `gm.meta["pdcompile.param_table"]` for the CostGraph's `meta["param_tensors"]` and
-`meta["ties"]` (docs/cost_graph.md).
+`meta["ties"]` (docs/simulator.md).
 """
 
 from __future__ import annotations

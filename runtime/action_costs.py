@@ -10,14 +10,15 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
     send          message_s + 2 * bytes / C           (packed into one buffer, then posted)
     recv          message_s, after the message arrives (unpacked as views of the buffer)
     transfer      alpha + bytes / bandwidth           (the bytes share the link; docs/simulator.md)
-    copy          2 * P / B + n * t                   (`push` of a new weight version)
+    copy          2 * P / B + n * t                   (a weight version kept: `push`; `2bw`'s
+                                                       `step`; `simulated_weights` says when)
     step          (2 * W - G) / B + n * t             (read weights, gradients and state; write
-                                                       weights and state); `2bw` adds a copy
+                                                       weights and state)
     F on a weight + n * t: the weights swapped in for the call (`torch.func.functional_call`;
     copy          `pipedream`, `2bw`)
-    gradients     a backward adds 3 * G / C + n * t to the gradients held; the first of an update
-                  on a weight copy clones them to the live weights, 2 * G / C + n * t (plain
-                  autograd keeps its first ones as they are: free)
+    gradients     a backward adds 3 * G / C + n * t to the gradients its weights hold (autograd
+                  keeps the first ones as they are: free); moving a copy's gradients to the live
+                  weights costs the same when they hold some, else n * t
     all-reduce    2 (r - 1) alpha + 2 (r - 1) / r * G / bandwidth + 4 * G / B + n * t over r ranks
                   (flattened into one buffer, reduced, copied back)
     loss          every `train_step` ends with an all-reduce of the loss over all ranks: a
@@ -31,8 +32,6 @@ from dataclasses import dataclass
 from pdcompile.cluster import Cluster
 from pdcompile.plans import Plan
 
-COPIED = ("pipedream", "2bw")  # schedules whose forwards and backwards run on weight copies
-
 
 @dataclass(frozen=True)
 class StageCosts:
@@ -42,18 +41,17 @@ class StageCosts:
     step_s: float
     swap_s: float
     accumulate_s: float
-    first_gradients_s: float
+    collect_s: float
     allreduce_s: float
 
 
 def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
-    """`StageCosts` of every stage of `plan` (its schedule) on `cluster`."""
+    """`StageCosts` of every stage of `plan` on `cluster`."""
     runtime = cluster.runtime
     tied = {s: 0 for s in range(plan.num_stages)}  # bytes of tied tensors each stage copies
     for stages, grad_bytes in plan.ties:
         for stage in stages[1:]:  # the first holds the original
             tied[stage] += grad_bytes
-    copied = plan.schedule in COPIED
     costs = {}
     for s in plan.stages:
         extra = tied[s.index]
@@ -63,10 +61,10 @@ def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
         step = runtime.moved_s((2 * s.weight_bytes - s.grad_bytes) * scale, n)
         costs[s.index] = StageCosts(
             copy_s=copy,
-            step_s=step + (copy if plan.schedule == "2bw" else 0.0),
-            swap_s=runtime.moved_s(0, n) if copied else 0.0,
+            step_s=step,
+            swap_s=runtime.moved_s(0, n),
             accumulate_s=runtime.moved_s(3 * grads, n, cached=True),
-            first_gradients_s=runtime.moved_s(2 * grads, n, cached=True) if copied else 0.0,
+            collect_s=runtime.moved_s(0, n),
             allreduce_s=allreduce_s(s.grad_bytes, s.ranks, cluster, n),
         )
     return costs

@@ -6,9 +6,9 @@ its `send` at the bandwidth of the link it uses (shared fairly with the transfer
 the same time) plus the level's latency, a `recv` waits for its message, collectives wait for
 their whole group, and the runtime's own work (packing messages, accumulating gradients, weight
 copies, optimizer steps: `action_costs`) takes what the cluster's `RuntimeCosts` say. Every
-`train_step` ends with the loss all-reduce that synchronises the ranks; under `pipedream` it walks
-the endless stream in calls of `num_microbatches` minibatches, as `DistributedPipeline.train_step`
-does. docs/simulator.md has the model.
+`train_step` ends with the loss all-reduce that synchronises the ranks; under the streaming
+schedules (`pipedream`, `2bw`) it walks the endless stream in calls of `num_microbatches`
+microbatches, as `DistributedPipeline.train_step` does. docs/simulator.md has the model.
 
 Example:
     >>> sim = pdcompile.simulate(plan, schedule="gpipe", num_microbatches=8)
@@ -27,11 +27,12 @@ from typing import Any
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.plans import Plan, check_schedule
-from pdcompile.runtime.action_costs import COPIED, loss_s, send_s, stage_costs, tie_costs
+from pdcompile.runtime.action_costs import loss_s, send_s, stage_costs, tie_costs
 from pdcompile.runtime.actions import Action, Schedule
-from pdcompile.runtime.schedules import build_schedule
+from pdcompile.runtime.schedules import STREAMING, build_schedule
+from pdcompile.runtime.simulated_weights import SimulatedWeights
 from pdcompile.runtime.timeline import Event, to_chrome_trace
-from pdcompile.runtime.versions import warmup
+from pdcompile.runtime.versions import two_bw_warmup, warmup
 
 __all__ = ["Simulation", "simulate"]
 
@@ -43,9 +44,10 @@ class Simulation:
     """What a simulated run did and cost.
 
     `timeline`: every action of every rank (seconds from 0); `time_per_step`: seconds per
-    `train_step` (synchronous schedules: one step's span; `pipedream`: the last, steady-state
-    call); `bubble_fraction[rank]`: the share of that span the rank spends outside `F` and `B`;
-    `memory[rank]`: (time, bytes in use) after each change; `peak_memory[rank]`: its maximum.
+    `train_step` (synchronous schedules: one step's span; streaming ones: the last,
+    steady-state call); `bubble_fraction[rank]`: the share of that span the rank spends
+    outside `F` and `B`; `memory[rank]`: (time, bytes in use) after each change;
+    `peak_memory[rank]`: its maximum.
     """
 
     plan: Plan
@@ -78,8 +80,9 @@ def simulate(
     num_microbatches: int | None = None,
     cluster: Cluster | None = None,
 ) -> Simulation:
-    """Simulate one `train_step` of `plan` (for `pipedream`, enough calls to reach its steady
-    state) under `schedule` with `num_microbatches` on `cluster` (defaults: the plan's).
+    """Simulate one `train_step` of `plan` (for `pipedream` and `2bw`, enough calls to reach
+    their steady state) under `schedule` with `num_microbatches` on `cluster` (defaults: the
+    plan's).
 
     A stage's `forward_s`/`backward_s` are taken per microbatch (plan at the microbatch size).
     Tie groups (`plan.ties`) add their all-reduces before each update of their stages.
@@ -98,21 +101,16 @@ def simulate(
     ranks = [s.ranks for s in plan.stages]
     edges = {(src, s.index): size > 0 for s in plan.stages for src, size in s.recv_bytes}
     ties = [stages for stages, _ in plan.ties]
-    if kind != "pipedream":
-        built = build_schedule(kind, ranks, edges, m, ties)
-        engine = _Engine(plan, built)
+    if kind not in STREAMING:
+        engine = _Engine(plan, build_schedule(kind, ranks, edges, m, ties))
         engine.run_call(math.inf)
         return engine.result(0.0, engine.release)
     replicas = [s.replicas for s in plan.stages]
-    if any(m % r for r in replicas):
-        raise ScheduleError(
-            f"pipedream updates a stage once per round of its replicas ({replicas}); give a "
-            f"number of minibatches that every replica count divides, got {m}"
-        )
-    calls = pipedream_calls(replicas, m)
-    deepest = max(warmup(replicas, s) for s in range(len(replicas)))
+    calls = streaming_calls(kind, replicas, m)
+    deepest = max(_warmup(kind, replicas, s, m) for s in range(len(replicas)))
     lookahead = math.lcm(*replicas) * (deepest + 1) * max(replicas)  # as Pipeline._lookahead
-    engine = _Engine(plan, build_schedule(kind, ranks, edges, calls * m + lookahead, ties))
+    steps = calls + -(-lookahead // m)
+    engine = _Engine(plan, build_schedule(kind, ranks, edges, m, ties, num_steps=steps))
     start = 0.0
     for call in range(1, calls + 1):
         start = engine.release
@@ -120,11 +118,20 @@ def simulate(
     return engine.result(start, engine.release)
 
 
-def pipedream_calls(replicas: Sequence[int], num_microbatches: int) -> int:
-    """`train_step` calls until one is steady: every replica of stage s has had w_s + 1
-    minibatches before it starts (its cut is then in the one-forward-one-backward phase)."""
-    steady = max(r * (warmup(replicas, s) + 1) for s, r in enumerate(replicas))
-    return -(-steady // num_microbatches) + 1
+def streaming_calls(kind: str, replicas: Sequence[int], num_microbatches: int) -> int:
+    """`train_step` calls of a streaming schedule until one is steady: every replica of stage s
+    has had w_s + 1 microbatches before it starts (its cut is then in the one-forward-one-
+    backward phase), and `2bw` has made the update after which it computes on a copy."""
+    steady = max(
+        r * (_warmup(kind, replicas, s, num_microbatches) + 1) for s, r in enumerate(replicas)
+    )
+    return max(-(-steady // num_microbatches) + 1, 3 if kind == "2bw" else 2)
+
+
+def _warmup(kind: str, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+    if kind == "2bw":
+        return two_bw_warmup(replicas, stage, num_microbatches)
+    return warmup(replicas, stage)
 
 
 def _check(plan: Plan, cluster: Cluster) -> None:
@@ -201,8 +208,6 @@ class _Engine:
         self.send_s = {pair: send_s(cluster, size) for pair, size in self.bytes.items()}
         self.recv_s = cluster.runtime.message_s
         self.closing = loss_s(plan, cluster)
-        self.copied = plan.schedule in COPIED
-        self.holds = dict.fromkeys(self.actions, False)  # whether a rank holds gradients
         # devices per group of the level below each level (1 below the innermost)
         self.below = [
             math.prod(lv.count for lv in cluster.levels[:k]) for k in range(len(cluster.levels))
@@ -220,19 +225,16 @@ class _Engine:
         self.events: list[Event] = []
         self.release = 0.0  # when the last call's closing all-reduce let the ranks go
         self.bound = math.inf
-        # memory: weights (+ 2bw's second version), activations in flight, stashed versions
-        kind = plan.schedule
+        # memory: weights, activations in flight, weight copies
         by_stage = {s.index: s for s in plan.stages}
         self.kept = {r: by_stage[s].activation_bytes for r, s in self.stage.items()}
-        self.copy = {r: by_stage[s].param_bytes for r, s in self.stage.items()}
-        self.used = {
-            r: by_stage[s].weight_bytes + (by_stage[s].param_bytes if kind == "2bw" else 0)
+        self.weights = {
+            r: SimulatedWeights(plan.schedule, plan.num_microbatches, self.costs[s],
+                                by_stage[s].param_bytes)
             for r, s in self.stage.items()
-        }
+        }  # fmt: skip
+        self.used = {r: by_stage[s].weight_bytes for r, s in self.stage.items()}
         self.memory = {r: [(0.0, self.used[r])] for r in self.actions}
-        self.updates = dict.fromkeys(self.actions, 0)
-        self.users: dict[int, dict[int, int]] = {r: {} for r in self.actions}
-        self.pushed: dict[int, dict[int, int]] = {r: {} for r in self.actions}
 
     # -- the event loop ---------------------------------------------------------------------
 
@@ -290,10 +292,8 @@ class _Engine:
                 break  # the next call gives this minibatch
             if kind in COMPUTE:
                 end = now + self.seconds[(stage, kind)]
-                if kind == "F":
-                    end += self.costs[stage].swap_s
-                else:
-                    end += self._gradients(rank, stage)
+                weights = self.weights[rank]
+                end += weights.forward() if kind == "F" else weights.backward(a.microbatch)
                 self._record(rank, a, now, end)
                 if kind == "F":  # activations are kept from a forward to the end of its backward
                     self._use(rank, now, self.kept[rank])
@@ -326,14 +326,6 @@ class _Engine:
                 self._push(end, RESUME, rank)
                 return
         self.clock[rank] = now
-
-    def _gradients(self, rank: int, stage: int) -> float:
-        """What a backward adds to the stage's gradients: accumulating into those held, or
-        cloning into the live weights the first ones of an update made on a weight copy."""
-        costs = self.costs[stage]
-        seconds = costs.accumulate_s if self.holds[rank] else costs.first_gradients_s
-        self.holds[rank] = True
-        return seconds
 
     def _record(self, rank: int, a: Action, start: float, end: float) -> None:
         self.events.append(Event(rank, a.kind, a.stage, a.microbatch, start, end, a.peer))
@@ -425,27 +417,13 @@ class _Engine:
         return True
 
     def _version(self, rank: int, a: Action, now: float) -> float:
-        """`pipedream` stashes a copy of the weights per version in use (the worker's rule);
-        `step` updates them. Returns the seconds the action takes."""
-        users = self.users[rank]
-        if a.kind == "step":
-            self.updates[rank] += 1
-            self.holds[rank] = False  # the optimizer's zero_grad drops them
-            return self.costs[self.stage[rank]].step_s
-        if a.kind == "push":
-            version = self.updates[rank]
-            self.pushed[rank][a.microbatch] = version
-            users[version] = users.get(version, 0) + 1
-            if users[version] == 1:
-                self._use(rank, now, self.copy[rank])
-                return self.costs[self.stage[rank]].copy_s
-            return 0.0
-        version = self.pushed[rank].pop(a.microbatch)
-        users[version] -= 1
-        if not users[version]:
-            del users[version]
-            self._use(rank, now, -self.copy[rank])
-        return 0.0
+        """What `push`, `pop` and `step` do to the rank's weights (`SimulatedWeights`): the
+        seconds they take; the copies they keep or drop change its memory at once."""
+        weights = self.weights[rank]
+        before = weights.copies
+        seconds = getattr(weights, a.kind)(*(() if a.kind == "step" else (a.microbatch,)))
+        self._use(rank, now, weights.copies - before)
+        return seconds
 
     def _use(self, rank: int, time: float, change: int) -> None:
         if change:

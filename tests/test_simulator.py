@@ -17,7 +17,8 @@ from pdcompile.cluster import RuntimeCosts
 from pdcompile.plans import consecutive_ranks
 from pdcompile.runtime import simulator
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.runtime.simulator import pipedream_calls
+from pdcompile.runtime.schedules import STREAMING
+from pdcompile.runtime.simulator import streaming_calls
 from pdcompile.runtime.timeline import load_trace
 
 F, B = 1.0, 2.0  # seconds per microbatch of every stage
@@ -55,7 +56,7 @@ def in_flight(sim, rank: int) -> int:
 SHAPES = [(2, 4), (3, 5), (4, 4), (4, 16), (8, 8)]
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 @pytest.mark.parametrize(("stages", "m"), SHAPES)
 def test_synchronous_bubble_is_the_closed_form(kind, stages, m):
     sim = simulate(equal_plan([1] * stages), schedule=kind, num_microbatches=m)
@@ -75,17 +76,20 @@ def test_in_flight_activations_and_versions(stages, m):
         assert in_flight(gpipe, s) == m
         assert in_flight(one, s) == min(stages - s, m)
         assert one.peak_memory[s] == WEIGHT + min(stages - s, m) * ACT
-        assert two.peak_memory[s] == WEIGHT + PARAM + min(stages - s, m) * ACT  # a second copy
+        # two copies: the weights this step computes on and those the next one will
+        copies = 2 if s < stages - 1 else 1
+        assert two.peak_memory[s] == WEIGHT + copies * PARAM + min(stages - s, m) * ACT
         # pipedream: w_s + 1 microbatches in flight, each on its own stashed version
         assert dream.peak_memory[s] == WEIGHT + (stages - s) * (ACT + PARAM)
     assert [m for _, m in one.memory[0]][-1] == WEIGHT  # everything released at the end
 
 
+@pytest.mark.parametrize("kind", ["pipedream", "2bw"])
 @pytest.mark.parametrize(("stages", "m"), SHAPES)
-def test_pipedream_bubble_is_only_the_refill_after_each_call(stages, m):
+def test_streaming_bubble_is_only_the_refill_after_each_call(kind, stages, m):
     """Each `train_step` ends with the loss all-reduce, after which the forwards refill the
     pipeline: (S - 1) forwards per call, so the bubble vanishes as calls grow."""
-    sim = simulate(equal_plan([1] * stages), schedule="pipedream", num_microbatches=m)
+    sim = simulate(equal_plan([1] * stages), schedule=kind, num_microbatches=m)
     refill = (stages - 1) * F
     assert sim.time_per_step == pytest.approx(m * (F + B) + refill, rel=1e-12)
     assert sim.bubble_fraction == pytest.approx([refill / sim.time_per_step] * stages)
@@ -109,10 +113,10 @@ def test_pipedream_time_per_step_is_that_of_a_steady_call(replicas, m, monkeypat
         dataclasses.replace(s, forward_s=1 + s.index % 3 / 2, backward_s=2 + s.index % 2)
         for s in plan.stages
     ))  # fmt: skip
-    calls = pipedream_calls(replicas, m)
+    calls = streaming_calls("pipedream", replicas, m)
 
     def step(count: int) -> float:
-        monkeypatch.setattr(simulator, "pipedream_calls", lambda *_: count)
+        monkeypatch.setattr(simulator, "streaming_calls", lambda *_: count)
         return simulate(plan, schedule="pipedream", num_microbatches=m).time_per_step
 
     assert step(calls) == pytest.approx(step(calls + 2))
@@ -194,7 +198,7 @@ def test_simulated_order_is_what_the_local_executor_runs(kind, replicas):
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
     for worker in pipeline.workers.values():
         worker.timeline = []
-    calls = pipedream_calls(replicas, m) if kind == "pipedream" else 1
+    calls = streaming_calls(kind, replicas, m) if kind in STREAMING else 1
     for _ in range(calls):
         pipeline.train_step((x,), y)
     measured = _ordered(e for w in pipeline.workers.values() for e in w.timeline)
@@ -240,7 +244,7 @@ TENSORS = 3
 COPY = 2 * PARAM / 1000.0 + TENSORS * 0.01  # a weight copy: 2 P / B + n t
 STEP = (2 * WEIGHT - PARAM) / 1000.0 + TENSORS * 0.01  # (2 W - G) / B + n t
 ADD = 3 * PARAM / 1000.0 + TENSORS * 0.01  # gradients added to those held: 3 G / C + n t
-SWAP = TENSORS * 0.01  # a forward on a weight copy swaps its tensors in: n t
+SWAP = MOVE = TENSORS * 0.01  # a forward on a copy swaps its tensors in; its gradients move
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -286,9 +290,9 @@ def test_sends_receives_and_steps_cost_what_the_formulas_say():
     [
         ("gpipe", 3 * ADD + STEP),  # the first backward's gradients are autograd's own
         ("1f1b", 3 * ADD + STEP),
-        ("2bw", 4 * SWAP + COPY + 3 * ADD + STEP + COPY),  # a clone to the live weights first;
-        # the shadow copy at the step
-        ("pipedream", 4 * (COPY + SWAP + COPY + STEP)),  # per minibatch: a version, a clone, a step
+        # the step's weights kept for the next one, gradients moved to the live weights
+        ("2bw", 4 * SWAP + 3 * ADD + MOVE + COPY + STEP),
+        ("pipedream", 4 * (COPY + SWAP + MOVE + STEP)),  # per minibatch: a version of its own
     ],
 )
 def test_gradients_copies_and_steps_of_one_stage(kind, extra):
@@ -379,7 +383,7 @@ def test_ties_are_the_runtimes(kind):
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
     for worker in pipeline.workers.values():
         worker.timeline = []
-    for _ in range(pipedream_calls([1, 1], 4) if kind == "pipedream" else 1):
+    for _ in range(streaming_calls(kind, [1, 1], 4) if kind == "pipedream" else 1):
         pipeline.train_step((x,), y)
     measured = _ordered(e for w in pipeline.workers.values() for e in w.timeline)
     assert _ordered(sim.timeline) == measured
@@ -450,3 +454,28 @@ def test_what_the_compute_just_produced_moves_at_the_cache_bandwidth():
     assert durations[("B", 0)] == pytest.approx(B)  # autograd's own gradients
     assert durations[("B", 1)] == pytest.approx(B + 3 * PARAM / 4000.0)
     assert durations[("step", -1)] == pytest.approx((2 * WEIGHT - PARAM) / 1000.0)
+
+
+@pytest.mark.parametrize("kind", ["pipedream", "2bw"])
+def test_simulated_weight_copies_are_the_workers(kind):
+    """The most weight versions each rank holds at once, simulated and in the local executor."""
+    _, x, y, loss_fn = mlp_case()
+    program, costs = mlp_program((1, 1, 1))
+    plan = pdcompile.evaluate(program.plan, costs, schedule=kind, num_microbatches=4)
+    plan = plan.with_(stages=tuple(dataclasses.replace(s, activation_bytes=0) for s in plan.stages))
+    sim = simulate(plan)
+    simulated = [(sim.peak_memory[s.index] - s.weight_bytes) // s.param_bytes for s in plan.stages]
+    pipeline = LocalPipeline(program, schedule=kind, num_microbatches=4, loss_fn=loss_fn,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
+    held = dict.fromkeys(pipeline.workers, 0)
+    for rank, worker in pipeline.workers.items():
+        run = worker.run
+
+        def counted(action, rank=rank, worker=worker, run=run):
+            run(action)
+            held[rank] = max(held[rank], len(worker.versions))
+
+        worker.run = counted
+    for _ in range(streaming_calls(kind, [1, 1, 1], 4)):
+        pipeline.train_step((x,), y)
+    assert simulated == [held[r] for r in sorted(held)]
