@@ -12,7 +12,6 @@ a pickle. Torch-free.
 from __future__ import annotations
 
 import fnmatch
-import glob
 import hashlib
 import json
 import logging
@@ -261,7 +260,14 @@ def _missing(directory: str) -> str:
 
 def _leftovers(directory: str, kind: str) -> list[str]:
     """What interrupted saves of `directory` left: `.<name>.<kind>-*`, oldest first."""
-    found = glob.glob(glob.escape(staging_path(directory, "", kind)) + "*")
+    # a prefix match, not glob: glob caches a compiled pattern per folder name, ~1.7 KB that
+    # every save into a new folder (ckpt/step-N) would add, up to 32,768 patterns
+    parent, prefix = os.path.split(staging_path(directory, "", kind))
+    try:
+        names = os.listdir(parent)
+    except OSError:  # no parent folder: nothing left
+        names = []
+    found = [os.path.join(parent, n) for n in names if n.startswith(prefix)]
     return sorted(found, key=lambda path: os.stat(path).st_mtime if os.path.exists(path) else 0)
 
 
