@@ -152,6 +152,8 @@ def _rank(rank: int, job: Job, init_file: str) -> None:
         report.update(error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
                       error_at=time.time())  # fmt: skip
     report["peak_rss"] = peak_rss()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        report["peak_cuda"] = torch.cuda.max_memory_allocated()
     path = os.path.join(job.results, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
@@ -248,16 +250,18 @@ def launch(job: Job, deadline: float, grace_s: float) -> list[dict[str, Any]]:
 
 def last_checkpoint(folder: str) -> tuple[str | None, list[str]]:
     """The newest checkpoint in `folder` whose manifest reads and whose files verify, and what
-    else an interrupted save left there."""
+    else is there (what an interrupted save left, newer checkpoints that do not verify)."""
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     leftovers = [n for n in names if not re.fullmatch(r"step-\d{6}", n)]
     for name in reversed([n for n in names if n not in leftovers]):
         path = os.path.join(folder, name)
         try:
-            if not manifest.verify(path, manifest.read(path)):
-                return path, leftovers
-        except pdcompile.PdcompileError:
-            leftovers.append(name)
+            problems = manifest.verify(path, manifest.read(path))
+        except pdcompile.PdcompileError as exc:
+            problems = [str(exc)]
+        if not problems:
+            return path, leftovers
+        leftovers.append(name)
     return None, leftovers
 
 
@@ -283,7 +287,10 @@ def memory_summary(samples: list[list[Any]], every: int, peak: int) -> dict[str,
     """Peak, steady-state growth and slope of one rank's samples (minibatch, RSS, CUDA bytes,
     actions logged); the steady state starts after the first save."""
     cuda = bool(samples) and all(s[2] is not None for s in samples)
-    steady = [(s[0], s[2] if cuda else s[1]) for s in samples if s[0] > every]
+    measure = 2 if cuda else 1
+    steady = [(s[0], s[measure]) for s in samples if s[0] > every]
+    # Linux updates getrusage's high-water mark lazily: a sample may lie above it
+    peak = max([peak, *(s[measure] for s in samples)])
     out: dict[str, Any] = {
         "measure": "cuda allocated" if cuda else "rss", "peak": peak,
         "steady_max": max((b for _, b in steady), default=None), "growth": None,
@@ -352,7 +359,8 @@ def soak(schedule: str, args: argparse.Namespace, root: str, deadline: float) ->
                    for name, reports in (("uninterrupted", whole), ("resumed", resumed))
                    for r in reports if r["error"]},
         "memory": {r["rank"]: memory_summary(r.get("memory", []), args.every,
-                                             r.get("peak_rss", 0)) for r in whole},
+                                             r.get("peak_cuda", r.get("peak_rss", 0)))
+                   for r in whole},
     }  # fmt: skip
     result.update(equal=False, max_diff=math.nan, differ=[])
     if not result["errors"]:
