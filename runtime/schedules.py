@@ -15,7 +15,6 @@ drains between them; the synchronous ones update once at the end of their one st
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import SCHEDULES
@@ -109,6 +108,12 @@ def build_schedule(
             f"pipedream updates a stage once per round of its replicas ({list(replicas)}); give "
             f"a number of minibatches that every replica count divides, got {num_microbatches}"
         )
+    if kind == "2bw" and any(num_microbatches % r for r in replicas):
+        raise ScheduleError(
+            f"2bw streams steps, so every replica of a stage must hold as many microbatches of "
+            f"each step (replicas {list(replicas)}); give a number of microbatches that every "
+            f"replica count divides, got {num_microbatches}"
+        )
     for src, dst in edges:
         if not 0 <= src < dst < stages:
             raise ScheduleError(
@@ -133,11 +138,9 @@ def build_schedule(
     actions = {}
     for s, stage_ranks in enumerate(ranks):
         if kind == "2bw":
-            w = two_bw_warmup(replicas, s, num_microbatches)
-            rounds = _Rounds(num_microbatches, num_steps)  # one update per step
+            w, round_size = two_bw_warmup(replicas, s, num_microbatches), num_microbatches
         else:
-            w = warmup(replicas, s)
-            rounds = _Rounds(replicas[s], total // replicas[s])  # pipedream's (unused by others)
+            w, round_size = warmup(replicas, s), replicas[s]  # pipedream: a round of replicas
         my_ties = [
             (i, tuple(sorted(r for t in tie for r in ranks[t])))
             for i, tie in enumerate(ties)
@@ -148,20 +151,8 @@ def build_schedule(
             update = _update(
                 s, ranks[s], my_ties, world if clip else None, world if skip_nonfinite else None
             )
-            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, update, rounds))
+            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, update, round_size))
     return Schedule(kind, total, replicas, ranks, actions)
-
-
-@dataclass(frozen=True)
-class _Rounds:
-    """A streaming replica's updates: one per round of `size` consecutive microbatches (of the
-    whole stage), `count` rounds in the stream."""
-
-    size: int
-    count: int
-
-    def of(self, microbatch: int) -> int:
-        return microbatch // self.size
 
 
 def _expand(
@@ -171,26 +162,16 @@ def _expand(
     w: int,
     mine: list[int],
     update: Callable[[int], list[Action]],
-    rounds: _Rounds,
+    round_size: int,
 ) -> list[Action]:
     """One replica's compute order with its communication, stashing and updates. A streaming
-    replica makes update u right after its last backward of round u (at its start when it has
-    no microbatch in rounds up to u)."""
+    replica makes update u right after its last backward of round u (microbatches
+    u * round_size to (u + 1) * round_size - 1 of its stage; it holds some of every round)."""
     into = sorted(src for src, dst in edges if dst == stage)
     out = sorted(dst for src, dst in edges if src == stage)
     streaming = schedule.kind in STREAMING
-    following = dict(zip(mine, mine[1:], strict=False))  # the replica's next microbatch
+    group = schedule.ranks[stage]
     actions: list[Action] = []
-    done = 0  # streaming: updates made
-
-    def updates_before(round_: int) -> None:
-        nonlocal done
-        while done < round_:
-            actions.extend(update(done))
-            done += 1
-
-    if streaming and mine:
-        updates_before(rounds.of(mine[0]))
     for phase, k in compute_order(schedule.kind, w, mine):
         if phase == "F":
             for src in into:
@@ -210,10 +191,9 @@ def _expand(
                 actions.append(_comm("send", stage, k, schedule.rank_of(src, k), src, "grad"))
         if streaming:
             actions.append(Action("pop", stage, k))
-            updates_before(rounds.of(following[k]) if k in following else rounds.count)
-    if streaming:
-        updates_before(rounds.count)  # a replica without microbatches still joins every update
-    else:
+            if (k + len(group)) // round_size > k // round_size:  # its last of the round
+                actions += update(k // round_size)
+    if not streaming:
         actions += update(-1)
     return actions
 

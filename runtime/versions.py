@@ -63,7 +63,7 @@ def two_bw_version(num_microbatches: int, microbatch: int, first_step: int = 0) 
 
 def two_bw_warmup(replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
     """Warm-up forwards of each replica of `stage` under `2bw`: PipeDream's w_s, capped at
-    M // r_s. A replica holds at least M // r_s microbatches of every step, so no forward of
+    M // r_s, the microbatches a replica holds of every step (r_s divides M). So no forward of
     step t + 2 comes before its update t, and two weight versions suffice: W(t) for step t + 1,
     W(t - 1) for step t. The cap can bind only when M < sum_{t>=s} r_t - 1."""
     return min(warmup(replicas, stage), num_microbatches // replicas[stage])

@@ -4,9 +4,10 @@ The worker owns a replica of one stage module, its optimizer and the state of th
 in flight (inputs received, outputs sent, gradients coming back). Under the streaming schedules
 (`pipedream`, `2bw`) it stashes weight versions: the forward of a microbatch runs on a detached
 copy of the weights of its version (`torch.func.functional_call`), shared by every microbatch
-that uses the same version, and the backward runs through that same copy; its gradients are
-added to the live weights, which the optimizer updates. A version is dropped when no microbatch
-in flight uses it and none to come will (`2bw` keeps the weights before the last update).
+that uses the same version, and the backward runs through that same copy, where autograd
+accumulates its gradients; they move to the live weights, which the optimizer updates, when the
+version is dropped or an update begins. A version is dropped when no microbatch in flight uses
+it and none to come will (`2bw` keeps the weights before the last update).
 """
 
 from __future__ import annotations
@@ -232,8 +233,19 @@ class StageWorker:
     def _drop_old(self) -> None:
         """Forget versions no microbatch in flight uses and no later one will."""
         for u in [u for u in self.versions if u < self.newest and not self.users.get(u)]:
-            del self.versions[u]
+            self._collect(self.versions.pop(u))
             self.users.pop(u, None)
+
+    def _collect(self, *copies: dict[str, torch.Tensor]) -> None:
+        """Move the gradients backwards left on weight copies (default: every stashed version)
+        to the live weights. Every backward run since the last update belongs to the next one,
+        so this may happen at any time before it."""
+        for weights in copies or tuple(self.versions.values()):
+            for name, copy in weights.items():
+                if copy.grad is not None:
+                    live = self.params[name]
+                    live.grad = copy.grad if live.grad is None else live.grad + copy.grad
+                    copy.grad = None
 
     def begin_stream(self) -> None:
         """A stream (re)starts: microbatch numbers count from 0 again. `2bw` keeps the weights
@@ -364,15 +376,12 @@ class StageWorker:
             tensors = [state.outputs[name] for name, _ in state.grads]
             grads = [g.to(t.dtype) for t, (_, g) in zip(tensors, state.grads, strict=True)]
             torch.autograd.backward(tensors, grads)
-        if weights is not None:  # the copy's gradients go to the live weights
-            for name, copy in weights.items():
-                if copy.grad is not None:
-                    live = self.params[name]
-                    live.grad = copy.grad.clone() if live.grad is None else live.grad + copy.grad
-                    copy.grad = None
+        if self.pipedream and not self.stash:
+            self._collect(weights)  # a copy of its own: its gradients go now
         state.outputs, state.grads, state.loss = None, [], None
 
     def _allreduce(self, a: Action) -> None:
+        self._collect()
         if a.tie >= 0:
             names = self.tied[a.tie]
             tensors = [_ensure_grad(self.params[n]) for n in names[:1]]
@@ -393,6 +402,7 @@ class StageWorker:
         every rank (`a.group`: each tensor counted once, on first replicas and tie owners;
         applied by `finish` once the all-reduce is complete) or over this stage (no group,
         `pipedream`)."""
+        self._collect()
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         if not a.group:
             self._scale(float(sum(g.double().pow(2).sum() for g in grads)))
@@ -407,6 +417,7 @@ class StageWorker:
     def _check(self, a: Action) -> None:
         """Tell every rank whether a loss of this step was NaN or infinite (applied by
         `finish`: the step is then skipped everywhere)."""
+        self._collect()
         bad = any(not math.isfinite(loss) for loss in self.losses.values())
         device = getattr(self.comm, "device", torch.device("cpu"))
         self.nonfinite_flag = torch.tensor([float(bad)], device=device)
@@ -428,6 +439,7 @@ class StageWorker:
                     p.grad.mul_(coefficient)
 
     def _step(self, a: Action) -> None:
+        self._collect()
         if self.skip:  # a non-finite loss: no update, the buffers as before the step
             self.skip, self.skipped = False, self.skipped + 1
             self.optimizer.zero_grad(set_to_none=True)

@@ -37,7 +37,7 @@ THREE_RANKS = [
     ("mlp", [2, 1], "pipedream", "sgd", 2, 5),
     ("gpt", [1, 1, 1], "pipedream", "sgd", 3, 4),
     ("gpt", [1, 1, 1], "1f1b", "sgd", 4, 4, 0.05),  # global clipping over tied copies
-    ("mlp", [2, 1], "2bw", "sgd", 3, 4),  # steps stream across calls, uneven replica rounds
+    ("mlp", [2, 1], "2bw", "sgd", 4, 4),  # steps stream across calls, a replicated stage
     ("gpt", [1, 1, 1], "2bw", "sgd", 3, 4, 0.05),  # streaming with global clipping and ties
 ]
 FOUR_RANKS = [

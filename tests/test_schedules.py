@@ -54,8 +54,8 @@ def test_two_bw_versions_lag_one_step_and_its_warmup_is_capped() -> None:
     assert [two_bw_version(3, k) for k in range(12)] == [0] * 6 + [1] * 3 + [2] * 3
     assert [two_bw_version(3, k, first_step=2) for k in range(6)] == [1] * 3 + [2] * 3
     assert [two_bw_warmup([1, 1, 1, 1], s, 4) for s in range(4)] == [3, 2, 1, 0]
-    # 2-1 with M = 2: w_0 = 1 <= M // r_0 = 1; 3-1 with M = 2: w_0 = 1 capped at 2 // 3 = 0
-    assert two_bw_warmup([2, 1], 0, 2) == 1 and two_bw_warmup([3, 1], 0, 2) == 0
+    # 2-1 with M = 2: w_0 = 1 <= M // r_0 = 1; 3-3-3 with M = 3: w_0 = 2 capped at 3 // 3 = 1
+    assert two_bw_warmup([2, 1], 0, 2) == 1 and two_bw_warmup([3, 3, 3], 0, 3) == 1
     with pytest.raises(ScheduleError, match="num_microbatches >= 1"):
         two_bw_version(0, 1)
 
@@ -69,6 +69,8 @@ def test_bad_layouts_are_schedule_errors() -> None:
         build_schedule("2bw", layout([1, 1, 1]), chain_edges(3), 2)
     with pytest.raises(ScheduleError, match="every replica count divides"):
         build_schedule("pipedream", layout([2, 1]), chain_edges(2), 3)
+    with pytest.raises(ScheduleError, match="2bw streams steps, so every replica"):
+        build_schedule("2bw", layout([2, 1]), chain_edges(2), 3)
     with pytest.raises(ScheduleError, match="unknown schedule"):
         build_schedule("zb", layout([1]), {}, 2)
     with pytest.raises(ScheduleError, match="tied tensor on a replicated stage"):
@@ -103,8 +105,10 @@ def pipelines(draw):
     lcm = 1
     for r in replicas:
         lcm = lcm * r // __import__("math").gcd(lcm, r)
-    m = lcm * draw(st.integers(1, 3)) if kind == "pipedream" else draw(st.integers(stages, 9))
-    steps = draw(st.integers(1, 3)) if kind in ("pipedream", "2bw") else 1
+    least = -(-stages // lcm) if kind == "2bw" else 1  # 2bw: at least as many as stages
+    streaming = kind in ("pipedream", "2bw")
+    m = lcm * draw(st.integers(least, least + 2)) if streaming else draw(st.integers(stages, 9))
+    steps = draw(st.integers(1, 3)) if streaming else 1
     tie = st.sets(st.integers(0, stages - 1), min_size=2)
     ties = draw(st.lists(tie, max_size=2)) if stages > 1 else []
     if kind == "pipedream":  # tied stages of pipedream have one replica each
@@ -125,9 +129,10 @@ def test_every_built_schedule_validates(pipeline) -> None:
         if a.kind == "F"
     )
     assert computed == sorted((s, k) for s in range(len(replicas)) for k in range(m * steps))
-    updates = [sum(a.kind == "step" for a in actions) for actions in schedule.actions.values()]
-    rounds = {"pipedream": m * steps // min(replicas), "2bw": steps}.get(kind, 1)
-    assert max(updates) == rounds
+    for rank, actions in schedule.actions.items():  # one update per round, step or call
+        r = replicas[schedule.stage_of_rank(rank)[0]]
+        rounds = {"pipedream": m * steps // r, "2bw": steps}.get(kind, 1)
+        assert sum(a.kind == "step" for a in actions) == rounds, rank
 
 
 @settings(deadline=None, max_examples=60)
