@@ -121,11 +121,12 @@ def simulate(
 def streaming_calls(kind: str, replicas: Sequence[int], num_microbatches: int) -> int:
     """`train_step` calls of a streaming schedule until one is steady: every replica of stage s
     has had w_s + 1 microbatches before it starts (its cut is then in the one-forward-one-
-    backward phase), and `2bw` has made the update after which it computes on a copy."""
+    backward phase); `2bw` one more, as its first two steps share the first weights (the
+    second call copies them less often than the later ones)."""
     steady = max(
         r * (_warmup(kind, replicas, s, num_microbatches) + 1) for s, r in enumerate(replicas)
     )
-    return max(-(-steady // num_microbatches) + 1, 3 if kind == "2bw" else 2)
+    return -(-steady // num_microbatches) + (2 if kind == "2bw" else 1)
 
 
 def _warmup(kind: str, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:

@@ -105,19 +105,25 @@ def test_pipedream_bubble_vanishes_as_calls_grow():
     assert bubbles[-1] < 0.01
 
 
-@pytest.mark.parametrize(("replicas", "m"), [([1] * 8, 2), ([4, 1, 1], 4)])
-def test_pipedream_time_per_step_is_that_of_a_steady_call(replicas, m, monkeypatch):
-    """Unequal stages: the first calls still fill the pipeline; the one measured does not."""
-    plan = equal_plan(replicas)
+@pytest.mark.parametrize(
+    ("kind", "replicas", "m"),
+    [("pipedream", [1] * 8, 2), ("pipedream", [4, 1, 1], 4), ("2bw", [1] * 8, 8),
+     ("2bw", [2, 1, 1], 4)],
+)  # fmt: skip
+def test_streaming_time_per_step_is_that_of_a_steady_call(kind, replicas, m, monkeypatch):
+    """Unequal stages, weight copies that cost time: the first calls still fill the pipeline
+    (and `2bw` computes on the first weights twice); the one measured is steady."""
+    plan = equal_plan(replicas, cluster=Cluster([(sum(replicas), FAST)], runtime=COSTS))
     plan = plan.with_(stages=tuple(
-        dataclasses.replace(s, forward_s=1 + s.index % 3 / 2, backward_s=2 + s.index % 2)
+        dataclasses.replace(s, forward_s=1 + s.index % 3 / 2, backward_s=2 + s.index % 2,
+                            param_tensors=TENSORS)
         for s in plan.stages
     ))  # fmt: skip
-    calls = streaming_calls("pipedream", replicas, m)
+    calls = streaming_calls(kind, replicas, m)
 
     def step(count: int) -> float:
         monkeypatch.setattr(simulator, "streaming_calls", lambda *_: count)
-        return simulate(plan, schedule="pipedream", num_microbatches=m).time_per_step
+        return simulate(plan, schedule=kind, num_microbatches=m).time_per_step
 
     assert step(calls) == pytest.approx(step(calls + 2))
     assert step(1) != pytest.approx(step(calls))
