@@ -417,7 +417,6 @@ class StageWorker:
     def _check(self, a: Action) -> None:
         """Tell every rank whether a loss of this step was NaN or infinite (applied by
         `finish`: the step is then skipped everywhere)."""
-        self._collect()
         bad = any(not math.isfinite(loss) for loss in self.losses.values())
         device = getattr(self.comm, "device", torch.device("cpu"))
         self.nonfinite_flag = torch.tensor([float(bad)], device=device)
