@@ -22,8 +22,9 @@ from pdcompile.errors import ScheduleError
 class Action:
     """One step of one rank.
 
-    `microbatch` is -1 for per-step actions (`allreduce`, `step` of synchronous schedules) and
-    the round (k // replicas) for the per-round `allreduce` and `step` of `pipedream`;
+    `microbatch` is -1 for per-step actions (`allreduce`, `step` of `1f1b` and `gpipe`) and
+    the round for the per-round updates of the streaming schedules (`pipedream`: k // replicas;
+    `2bw`: the step, k // num_microbatches);
     `peer` and `stream` (`act` or `grad`) are set for `send`/`recv`; `peer_stage` is the stage on
     the other end; `group` lists the ranks of an `allreduce`, which sums the gradients of a tie
     group (`tie`, its index in `program.ties`: every rank of every stage using the tensor) or,
