@@ -20,10 +20,13 @@ A minibatch is one update of every stage: a `train_step` of 4 microbatches for `
 and `2bw`, and one PipeDream minibatch for `pipedream` (a `train_step` of 1 microbatch; minibatches
 stay in flight across steps until a save flushes them).
 
-Memory: the resident set size (RSS, `/proc/self/statm`) of each rank, and on CUDA the allocated
-bytes, sampled in the uninterrupted run. Growth is the largest sample of the second half of the
-steady state (after the first save) minus the largest of its first quarter, and the slope is a
-least-squares fit over the steady state; flat means growth under `--flat` bytes.
+Memory: the resident set size (RSS, `/proc/self/statm`) of each rank, or on CUDA the allocated
+bytes, sampled in the uninterrupted run. The log of actions `PipelinedModule` keeps for
+`explain()` is cleared at each sample (`--action-log` keeps it): it is a buffer of 50,000 actions
+per rank, about 10 MiB here, that fills over the first 1,300-2,600 minibatches and would hide a
+leak. Growth is the largest sample of the second half of the steady state (after the first save)
+minus the largest of its first quarter; the late slope is a least-squares fit over that second
+half; flat means growth of at most `--flat` bytes.
 """
 
 from __future__ import annotations
@@ -284,8 +287,9 @@ def compare(first: str, second: str) -> tuple[bool, float, list[str]]:
 
 
 def memory_summary(samples: list[list[Any]], every: int, peak: int) -> dict[str, Any]:
-    """Peak, steady-state growth and slope of one rank's samples (minibatch, RSS, CUDA bytes,
-    actions logged); the steady state starts after the first save."""
+    """Peak, steady-state growth and late slope (bytes per 1,000 minibatches) of one rank's
+    samples (minibatch, RSS, CUDA bytes, actions logged); the steady state starts after the
+    first save."""
     cuda = bool(samples) and all(s[2] is not None for s in samples)
     measure = 2 if cuda else 1
     steady = [(s[0], s[measure]) for s in samples if s[0] > every]
@@ -299,7 +303,7 @@ def memory_summary(samples: list[list[Any]], every: int, peak: int) -> dict[str,
     if len(steady) >= 4:
         quarter, half = steady[: len(steady) // 4], steady[len(steady) // 2 :]
         out["growth"] = max(b for _, b in half) - max(b for _, b in quarter)
-        steps, values = np.array(steady, dtype=np.float64).T
+        steps, values = np.array(half, dtype=np.float64).T
         out["slope_per_1000"] = float(np.polyfit(steps, values, 1)[0] * 1000)
     return out
 
@@ -398,11 +402,11 @@ def _stop(survivor: dict[str, Any]) -> str:
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> Table:
     log = "kept" if args.action_log else "cleared at each sample"
     out = Table(title=f"soak: {WORLD_SIZE} gloo ranks, {args.minibatches} minibatches, a save "
-                f"every {args.every}, seed {args.seed}; memory in MiB for ranks 0 / 1 / 2, "
-                f"action log {log}")  # fmt: skip
+                f"every {args.every}, seed {args.seed}; memory (RSS; CUDA allocated on GPUs) "
+                f"in MiB for ranks 0 / 1 / 2, action log {log}")  # fmt: skip
     columns = ("schedule", "killed rank @ minibatch", "resumed from",
-               "survivors stopped (after the kill)", "equal", "max |diff|", "peak RSS",
-               "steady growth", "slope / 1000 minibatches", "flat",
+               "survivors stopped (after the kill)", "equal", "max |diff|", "peak",
+               "steady growth", "late slope / 1000 minibatches", "flat",
                "wall s (whole, cut, resumed)")  # fmt: skip
     for column in columns:
         out.add_column(column, justify="left" if column.startswith("surv") else "right")

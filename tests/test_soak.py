@@ -82,7 +82,7 @@ def test_memory_summary_growth_and_slope() -> None:
     assert summary["steady_max"] == 105 * mib and summary["actions_logged"] == 7
     # steady samples 110..500: the first quarter ends at 200, the second half starts at 310
     assert summary["growth"] == (500 - 200) * mib // 100
-    assert summary["slope_per_1000"] == pytest.approx(10 * mib)
+    assert summary["slope_per_1000"] == pytest.approx(10 * mib)  # over 310..500
     flat = soak.memory_summary([[m, 5 * mib, None, 0] for m in range(10, 510, 10)], 100, 0)
     assert flat["growth"] == 0 and flat["slope_per_1000"] == pytest.approx(0, abs=1e-6)
 
