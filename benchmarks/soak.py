@@ -17,16 +17,16 @@ index, so any run sees the same minibatch at the same index):
 The final parameters of 1 and 3 must be exactly equal (`torch.equal`, every tensor of every
 rank, and the final checkpoints read back whole), and so must the losses logged after the resume.
 A minibatch is one update of every stage: a `train_step` of 4 microbatches for `1f1b`, `gpipe`
-and `2bw`, and one PipeDream minibatch for `pipedream` (a `train_step` of 1 microbatch; minibatches
-stay in flight across steps until a save flushes them).
+and `2bw`, and one PipeDream minibatch for `pipedream` (a `train_step` of 1 microbatch). Under
+`pipedream` and `2bw` minibatches stay in flight across steps until a save flushes them.
 
 Memory: the resident set size (RSS, `/proc/self/statm`) of each rank, or on CUDA the allocated
 bytes, sampled in the uninterrupted run. The log of actions `PipelinedModule` keeps for
-`explain()` is cleared at each sample (`--action-log` keeps it): it is a buffer of 50,000 actions
-per rank, about 10 MiB here, that fills over the first 1,300-2,600 minibatches and would hide a
-leak. Growth is the largest sample of the second half of the steady state (after the first save)
-minus the largest of its first quarter; the late slope is a least-squares fit over that second
-half; flat means growth of at most `--flat` bytes.
+`explain()` is cleared at each sample (`--action-log` keeps it): it is a buffer of up to 50,000
+actions per rank, about 285 bytes each here (14 MiB), that grows for the first 1,900-6,000
+minibatches and would hide a leak. Growth is the largest sample of the second half of the steady
+state (after the first save) minus the largest of its first quarter; the late slope is a
+least-squares fit over that second half; flat means growth of at most `--flat` bytes.
 """
 
 from __future__ import annotations
