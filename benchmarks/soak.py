@@ -23,7 +23,7 @@ and `2bw`, and one PipeDream minibatch for `pipedream` (a `train_step` of 1 micr
 Memory: the resident set size (RSS, `/proc/self/statm`) of each rank, or on CUDA the allocated
 bytes, sampled in the uninterrupted run. The log of actions `PipelinedModule` keeps for
 `explain()` is cleared at each sample (`--action-log` keeps it): it is a buffer of up to 50,000
-actions per rank, about 285 bytes each here (14 MiB), that grows for the first 1,900-6,000
+actions per rank, about 285 bytes each here (14 MiB), that grows for the first 1,900-6,300
 minibatches and would hide a leak. Growth is the largest sample of the second half of the steady
 state (after the first save) minus the largest of its first quarter; the late slope is a
 least-squares fit over that second half; flat means growth of at most `--flat` bytes.
