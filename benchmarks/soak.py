@@ -1,12 +1,13 @@
-"""Soak run: a GPT-style decoder on 3 gloo ranks, checkpointed, a rank killed, then resumed.
+"""Soak run: a GPT-style decoder on 3 ranks, checkpointed, a rank killed, then resumed.
 
     python benchmarks/soak.py [--minibatches 2000] [--every 200] [--schedules 1f1b gpipe
         pipedream 2bw] [--seed 0] [--timeout 20] [--sample-every 10] [--deadline 5400]
-        [--json out.json]
+        [--backend gloo|nccl] [--json out.json]
 
 For each schedule, three launches of 3 ranks (spawned processes, one thread each, meeting through
-a `FileStore`), all training the same model on the same data (each minibatch is drawn from its
-index, so any run sees the same minibatch at the same index):
+a `FileStore`; gloo, or NCCL where CUDA is available, which needs a GPU per rank), all training
+the same model on the same data (each minibatch is drawn from its index, so any run sees the same
+minibatch at the same index):
 1. uninterrupted: `--minibatches` minibatches with a save every `--every` (a save flushes), the
    memory of each rank sampled every `--sample-every` minibatches;
 2. interrupted: the same, but one rank, drawn with `--seed`, SIGKILLs itself part-way through a
@@ -90,6 +91,7 @@ class Job:
     checkpoints: str  # folder of the step-NNNNNN checkpoints
     results: str  # folder of the ranks' reports
     action_log: bool = False  # keep PipelinedModule's log of actions (else cleared per sample)
+    backend: str | None = None  # None: NCCL when CUDA is available (a GPU per rank), else gloo
     kill: Kill | None = None
     resume_from: str | None = None
 
@@ -147,7 +149,7 @@ def _rank(rank: int, job: Job, init_file: str) -> None:
     torch.set_num_threads(1)
     report: dict[str, Any] = {"rank": rank, "error": None, "memory": [], "losses": {}}
     try:
-        device = init_process_group(rank, WORLD_SIZE, init_file=init_file,
+        device = init_process_group(rank, WORLD_SIZE, init_file=init_file, backend=job.backend,
                                     timeout_s=job.timeout_s)  # fmt: skip
         report["device"] = str(device)
         _train(rank, job, device, report)
@@ -273,7 +275,8 @@ def compare(first: str, second: str) -> tuple[bool, float, list[str]]:
     are equal: (equal, largest absolute difference, names that differ)."""
     pairs = []
     for rank in range(WORLD_SIZE):
-        a, b = (torch.load(os.path.join(d, f"rank{rank}.pt")) for d in (first, second))
+        a, b = (torch.load(os.path.join(d, f"rank{rank}.pt"), map_location="cpu")
+                for d in (first, second))  # fmt: skip
         if a.keys() != b.keys():
             return False, math.inf, [f"rank {rank}: names {sorted(a.keys() ^ b.keys())}"]
         pairs += [(f"rank {rank}: {n}", a[n], b[n]) for n in a]
@@ -343,7 +346,7 @@ def soak(schedule: str, args: argparse.Namespace, root: str, deadline: float) ->
         spec = Job(schedule=schedule, minibatches=args.minibatches, every=args.every,
                    sample_every=args.sample_every, timeout_s=args.timeout, seed=args.seed,
                    checkpoints=ckpt, results=os.path.join(folder, name),
-                   action_log=args.action_log, **job)  # fmt: skip
+                   action_log=args.action_log, backend=args.backend, **job)  # fmt: skip
         reports = launch(spec, deadline, grace_s=2 * args.timeout + 60)
         wall[name] = time.monotonic() - start
         return reports
@@ -380,9 +383,9 @@ def soak(schedule: str, args: argparse.Namespace, root: str, deadline: float) ->
                       differ=differ[:10], checkpoints_equal=same_files,
                       losses_equal=same_losses, losses_compared=len(after),
                       final_loss=whole[0]["losses"].get(str(args.minibatches)))  # fmt: skip
-    result["flat"] = all(
-        m["growth"] is not None and m["growth"] <= args.flat for m in result["memory"].values()
-    )
+    growth = [m["growth"] for m in result["memory"].values()]
+    # too few samples to tell: None
+    result["flat"] = None if None in growth else all(g <= args.flat for g in growth)
     return result
 
 
@@ -401,7 +404,8 @@ def _stop(survivor: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> Table:
     log = "kept" if args.action_log else "cleared at each sample"
-    out = Table(title=f"soak: {WORLD_SIZE} gloo ranks, {args.minibatches} minibatches, a save "
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    out = Table(title=f"soak: {WORLD_SIZE} {backend} ranks, {args.minibatches} minibatches, a save "
                 f"every {args.every}, seed {args.seed}; memory (RSS; CUDA allocated on GPUs) "
                 f"in MiB for ranks 0 / 1 / 2, action log {log}")  # fmt: skip
     columns = ("schedule", "killed rank @ minibatch", "resumed from",
@@ -423,7 +427,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> Table:
             _per_rank(memory, "peak"),
             _per_rank(memory, "growth"),
             _per_rank(memory, "slope_per_1000"),
-            "yes" if r["flat"] else "NO",
+            {True: "yes", False: "NO", None: "-"}[r["flat"]],
             ", ".join(f"{s:.0f}" for s in r["wall_s"].values()),
         )
     return out
@@ -441,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--action-log", action="store_true",
                         help="keep the actions PipelinedModule logs for explain() (a buffer of "
                         "50,000 per rank) instead of clearing them at each sample")  # fmt: skip
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="default: nccl when CUDA is available (3 GPUs), else gloo",
+    )
     parser.add_argument("--deadline", type=float, default=5400.0, help="overall limit (s)")
     parser.add_argument("--workdir", help="keep checkpoints and reports here (else a temp dir)")
     parser.add_argument("--json", metavar="FILE")
