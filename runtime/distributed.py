@@ -213,12 +213,20 @@ class DistributedComm:
             raise error
 
     def send_error(
-        self, peer: int, key: Key, channels: Sequence[Channel], rows: int, text: str
+        self,
+        peer: int,
+        key: Key,
+        channels: Sequence[Channel],
+        rows: int,
+        text: str,
+        timeout: bool = False,
     ) -> None:
         """Send `text` in place of the message of `key` (the peer raises `StageCommError` with
-        it). Best effort: the run is failing already, and the peer may be gone too."""
+        it, or `PipelineTimeoutError` if `timeout`: a relayed timeout or dead peer). Best effort:
+        the run is failing already, and the peer may be gone too."""
         try:
-            buffer = wire.error_message(wire.layout(tuple(channels), rows), key, text, self.device)
+            lay = wire.layout(tuple(channels), rows)
+            buffer = wire.error_message(lay, key, text, self.device, timeout)
             work = dist.isend(buffer, dst=peer, tag=message_tag(key), group=self._p2p)
         except Exception as exc:  # never mask the error being reported
             logger.warning("rank %d: could not tell rank %d: %s", self.rank, peer, exc)

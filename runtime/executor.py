@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pdcompile.errors import PipelineTimeoutError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
@@ -123,9 +124,10 @@ class DistributedPipeline(Pipeline):
             f"rank {self.rank} (stage {self.worker.stage}) stopped at {failed} in step "
             f"{self.steps - 1}: {type(exc).__name__}: {exc}"
         )
+        timeout = isinstance(exc, PipelineTimeoutError)  # peers raise the same class
         for a in rest[1:] if failed.kind == "send" else rest:
             if a.kind == "send" and a.microbatch in self.worker.data:
-                self.comm.send_error(a.peer, *self.worker.message(a), text)
+                self.comm.send_error(a.peer, *self.worker.message(a), text, timeout)
 
     def _loss(self, batch: Batch, first: int) -> float:
         total, weight = self._local_loss(batch, first)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pdcompile.errors import StageCommError
+from pdcompile.errors import PipelineTimeoutError, StageCommError
 from pdcompile.staged_program import Channel
 
 MAGIC = 0x70646332  # "pdc2"
@@ -93,12 +93,15 @@ def pack(
     return buffer, None
 
 
-def error_message(lay: Layout, key: tuple, text: str, device: torch.device) -> torch.Tensor:
-    """The message of `key` that carries `text` (status 1) instead of values; the receiver
-    raises `StageCommError(text)`."""
+def error_message(
+    lay: Layout, key: tuple, text: str, device: torch.device, timeout: bool = False
+) -> torch.Tensor:
+    """The message of `key` that carries `text` instead of values; the receiver raises
+    `StageCommError(text)` (status 1), or `PipelineTimeoutError(text)` when the sender relays a
+    timeout or a dead peer (status 2), so every rank of a broken pipeline raises the same class."""
     buffer = torch.empty(lay.size, dtype=torch.uint8, device=device)
     data = text.encode()[: lay.size - 8 * PREAMBLE]
-    _preamble(buffer, key, status=1, length=len(data))
+    _preamble(buffer, key, status=2 if timeout else 1, length=len(data))
     buffer[8 * PREAMBLE : 8 * PREAMBLE + len(data)] = _bytes(data, device)
     return buffer
 
@@ -115,7 +118,7 @@ def unpack(buffer: torch.Tensor, lay: Layout, key: tuple) -> list[Any]:
     if status:
         data = bytes(buffer[8 * PREAMBLE : 8 * PREAMBLE + length].cpu().tolist())
         text = data.decode(errors="replace")  # the sender may have cut a character in two
-        raise StageCommError(text)
+        raise (PipelineTimeoutError if status == 2 else StageCommError)(text)
     values = []
     for slot in lay.slots:
         part = buffer[slot.offset : slot.offset + slot.nbytes]

@@ -116,18 +116,19 @@ def _die(rank: int, world_size: int, init_file: str) -> str:
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=10)
     model, x, y, loss_fn = CASES["mlp"]()
     pipeline = DistributedPipeline(
-        program_for(model, x, [1, 1]), rank=rank, schedule="1f1b", num_microbatches=4,
+        program_for(model, x, [1, 1, 1]), rank=rank, schedule="1f1b", num_microbatches=4,
         loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"], device=device, timeout_s=10,
     )  # fmt: skip
     pipeline.train_step((x,), y)
-    if rank == 1:
+    if rank == 2:
         os._exit(1)  # a worker dies mid-run
     pipeline.train_step((x,), y)
     return "finished"
 
 
 def test_a_dead_rank_stops_the_others_with_a_timeout_error() -> None:
-    outcomes = run_ranks(_die, 2, timeout_s=120, allow_failures=True)
-    survivor = outcomes[0]
-    assert survivor.error == PipelineTimeoutError.__name__, survivor
-    assert "rank 1" in survivor.message, survivor.message
+    # rank 1 sees rank 2 die; rank 0 hears of it from rank 1, as the same class
+    outcomes = run_ranks(_die, 3, timeout_s=120, allow_failures=True)
+    for survivor in outcomes[:2]:
+        assert survivor.error == PipelineTimeoutError.__name__, survivor
+        assert "rank 2" in survivor.message, survivor.message
