@@ -118,7 +118,9 @@ def unpack(buffer: torch.Tensor, lay: Layout, key: tuple) -> list[Any]:
     if status:
         data = bytes(buffer[8 * PREAMBLE : 8 * PREAMBLE + length].cpu().tolist())
         text = data.decode(errors="replace")  # the sender may have cut a character in two
-        raise (PipelineTimeoutError if status == 2 else StageCommError)(text)
+        if status == 2:
+            raise PipelineTimeoutError(text)
+        raise StageCommError(text)
     values = []
     for slot in lay.slots:
         part = buffer[slot.offset : slot.offset + slot.nbytes]
