@@ -26,32 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
+from cases import CASES
 from rich.console import Console
 from rich.table import Table
 
 import pdcompile
-from pdcompile import zoo
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 
 MICROBATCHES = 8
-
-
-def mlp_case():
-    torch.manual_seed(0)
-    model = zoo.MLP(d_in=256, d_hidden=1024, d_out=10, p=0.0).train()
-    return model, torch.randn(64, 256), torch.randint(0, 10, (64,)), F.cross_entropy
-
-
-def gpt_case():
-    torch.manual_seed(0)
-    model = zoo.GPT(zoo.GPTConfig(n_layer=4, n_embd=128, dropout=0.0)).train()
-    x, y = torch.randint(0, 128, (16, 32)), torch.randint(0, 128, (16, 32))
-    return model, x, y, lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())
-
-
-CASES = {"mlp": mlp_case, "gpt": gpt_case}
 
 
 def two_stage_program(model: nn.Module, x: torch.Tensor) -> pdcompile.StagedProgram:

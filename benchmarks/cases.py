@@ -1,0 +1,28 @@
+"""The models the runtime and simulator benchmarks share: (model, inputs, targets, loss_fn).
+
+The MLP 256-1024x3-10 with a batch of 64, and the GPT-style decoder (4 layers, width 128) with
+16 sequences of 32 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdcompile import zoo
+
+
+def mlp_case():
+    torch.manual_seed(0)
+    model = zoo.MLP(d_in=256, d_hidden=1024, d_out=10, p=0.0).train()
+    return model, torch.randn(64, 256), torch.randint(0, 10, (64,)), F.cross_entropy
+
+
+def gpt_case():
+    torch.manual_seed(0)
+    model = zoo.GPT(zoo.GPTConfig(n_layer=4, n_embd=128, dropout=0.0)).train()
+    x, y = torch.randint(0, 128, (16, 32)), torch.randint(0, 128, (16, 32))
+    return model, x, y, lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+
+CASES = {"mlp": mlp_case, "gpt": gpt_case}
