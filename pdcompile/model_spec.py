@@ -6,12 +6,15 @@ The factory takes no argument and returns `(model, example_inputs)` or
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch.nn as nn
@@ -28,28 +31,44 @@ class ModelSpec:
     example_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _load_module(location: str, spec: str) -> Any:
+def import_user_module(location: str, what: str) -> ModuleType:
+    """Import a user's module, a dotted name or a path to a .py file (this runs its code);
+    `what` names it in errors, e.g. "model spec 'm.py:f'". A file is imported once per path.
+
+    Raises:
+        SpecError: the module or file is missing, or raised while importing (named with the
+            exception).
+    """
     if location.endswith(".py") or os.sep in location or "/" in location:
         path = os.path.abspath(location)
         if not os.path.isfile(path):
-            raise SpecError(f"model spec {spec!r}: no such file {location!r}")
-        name = f"_pdcompile_spec_{abs(hash(path))}"
+            raise SpecError(f"{what}: no such file {location!r}")
+        digest = hashlib.sha1(path.encode()).hexdigest()[:8]
+        name = f"_pdcompile_user_{Path(path).stem}_{digest}"
+        if name in sys.modules:
+            return sys.modules[name]
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:
-            raise SpecError(f"model spec {spec!r}: {location!r} is not a Python file")
+            raise SpecError(f"{what}: {location!r} is not a Python file")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
         except Exception as e:
-            raise SpecError(f"model spec {spec!r}: importing {location!r} raised {e!r}") from e
+            del sys.modules[name]
+            raise SpecError(f"{what}: importing {location!r} raised {e!r}") from e
         return module
     try:
         return importlib.import_module(location)
     except ModuleNotFoundError as e:
-        raise SpecError(f"model spec {spec!r}: no module named {e.name!r}") from e
+        if e.name and (location == e.name or location.startswith(f"{e.name}.")):
+            raise SpecError(
+                f"{what}: no module named {e.name!r} on sys.path; give the module's dotted "
+                "name as imported by Python, or a path to its .py file"
+            ) from e
+        raise SpecError(f"{what}: importing it raised {e!r}") from e
     except Exception as e:
-        raise SpecError(f"model spec {spec!r}: importing {location!r} raised {e!r}") from e
+        raise SpecError(f"{what}: importing it raised {e!r}") from e
 
 
 def load_model_spec(spec: str) -> ModelSpec:
@@ -64,7 +83,7 @@ def load_model_spec(spec: str) -> ModelSpec:
         raise SpecError(
             f"model spec {spec!r} must look like 'package.module:factory' or 'path/file.py:factory'"
         )
-    module = _load_module(location, spec)
+    module = import_user_module(location, f"model spec {spec!r}")
     factory = getattr(module, attr, None)
     if factory is None:
         functions = sorted(

@@ -16,15 +16,11 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import json
 import math
 import multiprocessing
 import random
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -225,36 +221,9 @@ def load_plugin(spec: str) -> ModuleType:
     Raises:
         SpecError: the module is missing or raised while importing (named with the exception).
     """
-    if spec.endswith(".py") or "/" in spec or "\\" in spec:
-        path = Path(spec).resolve()
-        if not path.is_file():
-            raise SpecError(f"plugin {spec!r}: no such file {str(path)!r}")
-        digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-        name = f"_pdcompile_plugin_{path.stem}_{digest}"
-        if name in sys.modules:
-            return sys.modules[name]
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise SpecError(f"plugin {spec!r}: {str(path)!r} is not a Python file")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise SpecError(f"plugin {spec!r}: importing {str(path)!r} raised {e!r}") from e
-        return module
-    try:
-        return importlib.import_module(spec)
-    except ModuleNotFoundError as e:
-        if e.name and (spec == e.name or spec.startswith(f"{e.name}.")):
-            raise SpecError(
-                f"plugin {spec!r}: no module named {e.name!r} on sys.path; give the module's "
-                "dotted name as imported by Python, or a path to its .py file"
-            ) from e
-        raise SpecError(f"plugin {spec!r}: importing it raised {e!r}") from e
-    except Exception as e:
-        raise SpecError(f"plugin {spec!r}: importing it raised {e!r}") from e
+    from pdcompile.model_spec import import_user_module  # imports torch.nn
+
+    return import_user_module(spec, f"plugin {spec!r}")
 
 
 # -- running ---------------------------------------------------------------------------------
