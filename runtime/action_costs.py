@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pdcompile.cluster import Cluster
 from pdcompile.plans import Plan
 
+LOSS_BYTES = 32 + 16  # what a loss message's sender writes: the wire preamble and two float64
+
 
 @dataclass(frozen=True)
 class StageCosts:
@@ -93,8 +95,3 @@ def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Clus
 def send_s(cluster: Cluster, nbytes: float) -> float:
     """The sender's time to pack a message of `nbytes` and post it."""
     return cluster.runtime.message_s + cluster.runtime.moved_s(2 * nbytes, cached=True)
-
-
-def loss_s(plan: Plan, cluster: Cluster) -> float:
-    """The all-reduce of the loss that ends every `train_step` (a barrier of all ranks)."""
-    return allreduce_s(0, [r for s in plan.stages for r in s.ranks], cluster, 0)

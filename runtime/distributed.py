@@ -4,9 +4,10 @@ A message (the values of the channels for one `Key`) is one non-blocking point-t
 operation of one byte buffer (`runtime/wire.py`), under a tag derived from the key. Both ends
 know its layout from the channels and the microbatch's rows, so receives are posted early
 (`expect`) and the sender checks the values against their channels. Sends never wait for the
-receiver. On gloo the tags keep messages apart; NCCL ignores tags and
-matches the operations between two ranks in order, which holds by construction: both walk one
-validated schedule. Every wait has a timeout; a timeout or a failure of the backend (a dead peer)
+receiver; their handles are kept until the executor knows the receive is posted (`settle`) or
+`flush` waits for them all. On gloo the tags keep messages apart; NCCL ignores tags and matches
+the operations between two ranks in order, which holds by construction: both walk one validated
+schedule. Every wait has a timeout; a timeout or a failure of the backend (a dead peer)
 becomes a `PipelineTimeoutError` naming this rank, the peer ranks and what it waited on. The wire
 format, the tags and the timeouts are described in docs/runtime.md ("Communication").
 """
@@ -21,7 +22,7 @@ import time
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +38,6 @@ __all__ = ["DistributedComm", "init_process_group", "message_tag"]
 
 logger = logging.getLogger(__name__)
 
-_REAP_TIMEOUT = timedelta(days=1)
 _LOOPBACK = "127.0.0.1"
 _DEFAULT_PORT = 29500  # torch's
 _STREAMS = {"act": 0, "grad": 1}
@@ -157,14 +157,11 @@ class DistributedComm:
             if members not in self._groups:
                 handle = dist.new_group(list(members), timeout=self._timeout)
                 self._groups[members] = handle if rank in members else None
-        # (work, tensor, peer, what) of sends not known to be complete, oldest first. gloo marks
-        # a send complete only inside `wait`, so there a thread waits on them in order;
-        # elsewhere (NCCL) `is_completed` is polled at each send.
-        self._sends: deque[tuple[Any, torch.Tensor, int, str]] = deque()
-        self._threaded = dist.get_backend() == "gloo"
-        self._reaper: threading.Thread | None = None
-        self._changed = threading.Condition()
-        self._send_error: PipelineTimeoutError | None = None
+        # (work, tensor, peer, what, key) of sends not known to be complete, oldest first. gloo
+        # completes a send only once its receive is posted, and says so only to a `wait`: the
+        # executor waits on those it knows posted (`settle`); NCCL's are polled at each send.
+        self._sends: deque[tuple[Any, torch.Tensor, int, str, Key]] = deque()
+        self._gloo = dist.get_backend() == "gloo"
         # buffers of failed waits: the backend may still write into them, so they stay alive
         self._abandoned: list[tuple[Any, torch.Tensor]] = []
         # receives posted early (`expect`), by (peer, key)
@@ -176,13 +173,14 @@ class DistributedComm:
         self._watchdog: threading.Thread | None = None
 
     def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
-        """Post the receive of a message now, so that its sender never waits (gloo).
+        """Post the receive of a message now, so that its sender's send completes as soon as
+        the bytes have moved (gloo).
 
         On NCCL receives are posted when `recv` is called: the point-to-point operations of a
         pair of ranks share a stream, and a receive posted early would hold up the sends behind
         it.
         """
-        if not self._threaded or (peer, key) in self._posted:
+        if not self._gloo or (peer, key) in self._posted:
             return
         self._posted[(peer, key)] = self._post(peer, key, channels, rows)
 
@@ -199,15 +197,9 @@ class DistributedComm:
         buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
         work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag, group=self._p2p)
-        with self._changed:
-            self._raise_send_error()
-            self._sends.append((work, buffer, peer, what))
-            self._changed.notify_all()
-            if self._threaded and self._reaper is None:
-                self._reaper = threading.Thread(target=self._reap, name="sends", daemon=True)
-                self._reaper.start()
-        while not self._threaded and self._sends and self._sends[0][0].is_completed():
-            self._wait(*self._sends.popleft())  # raises if it failed
+        self._sends.append((work, buffer, peer, what, key))
+        while not self._gloo and self._sends and self._sends[0][0].is_completed():
+            self._wait(*self._sends.popleft()[:4])  # raises if it failed
         logger.debug("rank %d: %s to rank %d", self.rank, what, peer)
         if error is not None:
             raise error
@@ -305,49 +297,25 @@ class DistributedComm:
         """How many posted sends (parts of messages) are not known to be complete."""
         return len(self._sends)
 
+    def settle(self, posted: Callable[[int, Key], bool]) -> None:
+        """Wait for the sends whose receives have been posted (`posted(peer, key)`: the peer
+        has reached them in its schedule), releasing their buffers; the others stay pending. The
+        waits are short: a posted receive completes its send as soon as the bytes have moved."""
+        pending = self._sends
+        self._sends = deque()
+        try:
+            while pending:
+                send = pending.popleft()
+                if posted(send[2], send[4]):
+                    self._wait(*send[:4])
+                else:
+                    self._sends.append(send)
+        finally:
+            self._sends.extend(pending)  # after a failure, the rest stay pending
+
     def flush(self) -> None:
         """Wait until every message sent so far has been received (`timeout_s` per send)."""
-        if not self._threaded:
-            while self._sends:
-                self._wait(*self._sends.popleft())
-            return
-        with self._changed:
-            while self._sends and self._send_error is None:
-                if not self._changed.wait(self.timeout_s):  # no send completed for timeout_s
-                    _, _, peer, what = self._sends[0]
-                    reason = TimeoutError("the peer did not receive it")
-                    raise self._failure(peer, what, reason, self.timeout_s)
-            self._raise_send_error()
-
-    def _reap(self) -> None:
-        """The thread that waits on sends in order (gloo); it ends when none is left for 1 s.
-
-        Its waits are long: a gloo wait that times out closes the connection, and a message may
-        legitimately wait for its receiver across `train_step` calls (`pipedream`). A dead peer
-        still fails them at once; `flush` applies `timeout_s`.
-        """
-        while True:
-            with self._changed:
-                if not self._changed.wait_for(lambda: self._sends, timeout=1.0):
-                    self._reaper = None
-                    return
-                send = self._sends[0]
-            error = None
-            try:
-                self._wait(*send, timeout=_REAP_TIMEOUT)
-            except Exception as exc:  # any: the thread must not die with sends queued
-                work, _, peer, what = send
-                error = (
-                    exc if isinstance(exc, PipelineTimeoutError) else self._failure(peer, what, exc)
-                )
-            with self._changed:
-                self._sends.popleft()
-                self._send_error = self._send_error or error
-                self._changed.notify_all()
-
-    def _raise_send_error(self) -> None:
-        if self._send_error is not None:
-            raise self._send_error
+        self.settle(lambda peer, key: True)
 
     def _start(self, op: Any, tensor: torch.Tensor, peer: Any, what: str, **kwargs: Any) -> Any:
         try:
@@ -355,28 +323,18 @@ class DistributedComm:
         except RuntimeError as exc:
             raise self._failure(peer, what, exc) from exc
 
-    def _wait(
-        self,
-        work: Any,
-        tensor: torch.Tensor,
-        peer: Any,
-        what: str,
-        timeout: timedelta | None = None,
-    ) -> None:
+    def _wait(self, work: Any, tensor: torch.Tensor, peer: Any, what: str) -> None:
         start = time.monotonic()
-        watched = timeout is None  # the sends' thread waits long on purpose
-        if watched:
-            self._waiting = (what, peer, start)
-            self._start_watchdog()
+        self._waiting = (what, peer, start)
+        self._start_watchdog()
         try:
-            if work.wait(timeout=timeout or self._timeout) is False:
+            if work.wait(timeout=self._timeout) is False:
                 raise RuntimeError("the operation was aborted")
         except RuntimeError as exc:  # timeouts and dead peers (DistBackendError, ...) alike
             self._abandoned.append((work, tensor))
             raise self._failure(peer, what, exc, time.monotonic() - start) from exc
         finally:
-            if watched:
-                self._waiting = None
+            self._waiting = None
 
     def _start_watchdog(self) -> None:
         if self._watchdog is None:

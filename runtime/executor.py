@@ -3,10 +3,14 @@ torch.distributed (gloo on CPUs, NCCL on GPUs), started by `torchrun` or by test
 
 Each rank builds the same validated schedule from the program and walks its own actions in
 order: a receive waits (with a timeout) for its message, a send never waits, an all-reduce
-waits for its group. Every rank passes the same batch to `train_step`; stage 0 uses the inputs,
-the last stage the targets, and every rank gets the loss back. A rank whose action fails sends
-the error's text in place of each message it still owed in the step, so the ranks waiting for
-them raise at once (`StageCommError` naming it) instead of waiting for their timeout.
+waits for its group. At the end of a call, the rank waits for its sends whose receives the peers
+have posted by then (short waits that release their buffers); the others stay in flight.
+Every rank passes the same batch to `train_step`; stage 0 uses the inputs, the last stage the
+targets, and every rank gets the loss back: each last-stage rank sends its share to the others
+(messages, not an all-reduce: no rank waits for a slower one to finish its step). A rank whose
+action fails sends the error's text in place of each message it still owed in the step, so the
+ranks waiting for them raise at once (`StageCommError` naming it) instead of waiting for their
+timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from pdcompile.errors import PipelineTimeoutError
 from pdcompile.runtime.actions import Action
+from pdcompile.runtime.comm import Key
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
 from pdcompile.runtime.schedules import check_nonfinite
@@ -28,7 +33,9 @@ from pdcompile.runtime.worker import (
     SchedulerFactory,
     StageWorker,
 )
-from pdcompile.staged_program import StagedProgram
+from pdcompile.staged_program import Channel, StagedProgram
+
+LOSS = [Channel(-1, -1, "loss", shape=(2,), dtype="float64")]  # (weighted sum, weights)
 
 
 class DistributedPipeline(Pipeline):
@@ -64,11 +71,16 @@ class DistributedPipeline(Pipeline):
         nonfinite: str = "raise",
     ) -> None:
         check_nonfinite(schedule, nonfinite)
-        layout = program_schedule(program, schedule, num_microbatches, clip_grad_norm is not None)
+        clip, skip = clip_grad_norm is not None, nonfinite == "skip"
+        layout = program_schedule(program, schedule, num_microbatches, clip, skip)
         groups = {a.group for actions in layout.actions.values() for a in actions if a.group}
+        comm = DistributedComm(rank, sorted(groups), timeout_s=timeout_s, device=device)
+        # the losses travel in a group of their own: NCCL matches a pair's messages in order
+        self.loss_comm = DistributedComm(rank, [], timeout_s=timeout_s, device=device)
+        self.loss_ranks = program.plan.stages[-1].ranks
         self.world = tuple(sorted(layout.actions))
-        comm = DistributedComm(rank, sorted(groups | {self.world}), timeout_s=timeout_s,
-                               device=device)  # fmt: skip
+        self.stage_of = {r: layout.stage_of_rank(r)[0] for r in self.world}
+        self._receives: tuple[Any, dict[int, dict[Key, int]]] = (None, {})  # of the stream
         stage, _ = layout.stage_of_rank(rank)
         module = program.stages[stage].to(device)
         worker = StageWorker(
@@ -89,10 +101,10 @@ class DistributedPipeline(Pipeline):
         move = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v  # noqa: E731
         args = [move(a) for a in args]
         kwargs = {k: move(v) for k, v in (kwargs or {}).items()}
-        loss = super().train_step(args, move(targets), kwargs)
-        if not self.streaming:
-            self.comm.flush()  # every message of a synchronous step has been received
-        return loss
+        for source in self.loss_ranks:  # posted early: the sources never wait for this rank
+            if source != self.rank:
+                self.loss_comm.expect(source, self._loss_key(self.steps, self.rank), LOSS, 0)
+        return super().train_step(args, move(targets), kwargs)
 
     def _execute(
         self,
@@ -115,6 +127,25 @@ class DistributedPipeline(Pipeline):
         except Exception as exc:
             self._abort(mine[position[self.rank] : end], exc)
             raise
+        if stop is None:  # the peers post every receive of these actions
+            self.comm.flush()
+        else:
+            receives = self._receive_positions(actions)
+            self.comm.settle(lambda peer, key: receives[peer][key] < stop[peer])
+
+    def _receive_positions(
+        self, actions: dict[int, tuple[Action, ...]]
+    ) -> dict[int, dict[Key, int]]:
+        """Per peer, where in its actions it receives each message from this rank (computed
+        once per stream)."""
+        if self._receives[0] is not actions:
+            mine = lambda a: a.kind == "recv" and a.peer == self.rank  # noqa: E731
+            table = {
+                peer: {a.key: i for i, a in enumerate(acts) if mine(a)}
+                for peer, acts in actions.items()
+            }
+            self._receives = (actions, table)
+        return self._receives[1]
 
     def _abort(self, rest: Sequence[Action], exc: Exception) -> None:
         """Send the error's text in place of every message still owed in `rest` (from the
@@ -128,9 +159,31 @@ class DistributedPipeline(Pipeline):
         for a in rest[1:] if failed.kind == "send" else rest:
             if a.kind == "send" and a.microbatch in self.worker.data:
                 self.comm.send_error(a.peer, *self.worker.message(a), text, timeout)
+        if self.rank in self.loss_ranks:  # nor will this step's loss come
+            for peer in self.world:
+                if peer != self.rank:
+                    key = self._loss_key(self.steps - 1, peer)
+                    self.loss_comm.send_error(peer, key, LOSS, 0, text, timeout)
 
     def _loss(self, batch: Batch, first: int) -> float:
+        """Every last-stage rank sends its (weighted sum, weights) to every other rank."""
         total, weight = self._local_loss(batch, first)
-        both = torch.tensor([total, weight], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce([both], self.world, ("loss", self.steps))
+        mine = torch.tensor([total, weight], dtype=torch.float64, device=self.device)
+        step = self.steps - 1
+        if self.rank in self.loss_ranks:
+            for peer in self.world:
+                if peer != self.rank:
+                    self.loss_comm.send(peer, self._loss_key(step, peer), [mine], LOSS, 0)
+        parts = [mine] + [
+            self.loss_comm.recv(source, self._loss_key(step, self.rank), LOSS, 0)[0]
+            for source in self.loss_ranks
+            if source != self.rank
+        ]
+        self.loss_comm.settle(lambda peer, key: key[1] < step)  # received by now
+        both = torch.stack(parts).sum(0)
         return float(both[0] / both[1])
+
+    def _loss_key(self, step: int, receiver: int) -> Key:
+        """The key of a step's loss from the last stage to `receiver` (each source rank
+        sends its own: gloo tells them apart by the sender)."""
+        return ("loss", step, self.program.num_stages - 1, self.stage_of[receiver])

@@ -6,7 +6,8 @@ its `send` at the bandwidth of the link it uses (shared fairly with the transfer
 the same time) plus the level's latency, a `recv` waits for its message, collectives wait for
 their whole group, and the runtime's own work (packing messages, accumulating gradients, weight
 copies, optimizer steps: `action_costs`) takes what the cluster's `RuntimeCosts` say. Every
-`train_step` ends with the loss all-reduce that synchronises the ranks; under the streaming
+`train_step` ends with the last stage's ranks sending the loss to every other rank, which waits
+for it before its next call; under the streaming
 schedules (`pipedream`, `2bw`) it walks the endless stream in calls of `num_microbatches`
 microbatches, as `DistributedPipeline.train_step` does. docs/simulator.md has the model.
 
@@ -27,7 +28,7 @@ from typing import Any
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.plans import Plan, check_schedule
-from pdcompile.runtime.action_costs import loss_s, send_s, stage_costs, tie_costs
+from pdcompile.runtime.action_costs import LOSS_BYTES, send_s, stage_costs, tie_costs
 from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.schedules import STREAMING, build_schedule
 from pdcompile.runtime.simulated_weights import SimulatedWeights
@@ -104,14 +105,14 @@ def simulate(
     if kind not in STREAMING:
         engine = _Engine(plan, build_schedule(kind, ranks, edges, m, ties))
         engine.run_call(math.inf)
-        return engine.result(0.0, engine.release)
+        return engine.result(dict.fromkeys(engine.release, 0.0), engine.release)
     replicas = [s.replicas for s in plan.stages]
     calls = streaming_calls(kind, replicas, m)
     deepest = max(_warmup(kind, replicas, s, m) for s in range(len(replicas)))
     lookahead = math.lcm(*replicas) * (deepest + 1) * max(replicas)  # as Pipeline._lookahead
     steps = calls + -(-lookahead // m)
     engine = _Engine(plan, build_schedule(kind, ranks, edges, m, ties, num_steps=steps))
-    start = 0.0
+    start = engine.release
     for call in range(1, calls + 1):
         start = engine.release
         engine.run_call(call * m)
@@ -208,7 +209,7 @@ class _Engine:
         self.ties = tie_costs(plan, cluster)
         self.send_s = {pair: send_s(cluster, size) for pair, size in self.bytes.items()}
         self.recv_s = cluster.runtime.message_s
-        self.closing = loss_s(plan, cluster)
+        self.loss_send_s = send_s(cluster, LOSS_BYTES)
         # devices per group of the level below each level (1 below the innermost)
         self.below = [
             math.prod(lv.count for lv in cluster.levels[:k]) for k in range(len(cluster.levels))
@@ -224,7 +225,7 @@ class _Engine:
         self.waiting: dict[tuple, tuple[int, float]] = {}  # message -> (rank, since)
         self.gathering: dict[tuple, list[tuple[int, float]]] = {}  # collective -> arrivals
         self.events: list[Event] = []
-        self.release = 0.0  # when the last call's closing all-reduce let the ranks go
+        self.release = dict.fromkeys(self.actions, 0.0)  # when each rank starts the next call
         self.bound = math.inf
         # memory: weights, activations in flight, weight copies
         by_stage = {s.index: s for s in plan.stages}
@@ -244,14 +245,14 @@ class _Engine:
         heapq.heappush(self.heap, (time, self.sequence, code, what, version))
 
     def run_call(self, bound: float) -> None:
-        """Run every rank from the last release until nothing can move; then the closing
-        all-reduce of the loss (a barrier) sets the next release."""
+        """Run every rank from its release until nothing can move; then the loss messages
+        set the next releases."""
         self.bound = bound
         self.waiting.clear()
         self.gathering.clear()
         before = dict(self.position)
         for rank in self.actions:
-            self._push(self.release, RESUME, rank)
+            self._push(self.release[rank], RESUME, rank)
         while self.heap:
             time, _, code, what, version = heapq.heappop(self.heap)
             if code == RESUME:
@@ -266,7 +267,22 @@ class _Engine:
             self._stuck("deadlock")
         if bound < math.inf and self.position == before:
             self._stuck(f"no rank can move towards minibatch {bound}")
-        self.release = max(self.clock.values()) + self.closing
+        self.release = self._loss_messages()
+
+    def _loss_messages(self) -> dict[int, float]:
+        """When each rank starts the next call: the last stage's ranks post the loss to every
+        other rank, which waits for it (`DistributedPipeline._loss`)."""
+        sources = self.plan.stages[-1].ranks
+        posted = {s: self.clock[s] + (len(self.actions) - 1) * self.loss_send_s for s in sources}
+        release = {}
+        for rank in self.actions:
+            t = posted.get(rank, self.clock[rank])
+            for s in sources:
+                if s != rank:
+                    self._link(s, rank)
+                    t = max(t, posted[s] + self.latency[(s, rank)]) + self.recv_s
+            release[rank] = t
+        return release
 
     def _stuck(self, why: str) -> None:
         stuck = {r: p for r, p in self.position.items() if p < len(self.actions[r])}
@@ -433,12 +449,14 @@ class _Engine:
 
     # -- results ----------------------------------------------------------------------------
 
-    def result(self, start: float, end: float) -> Simulation:
-        """The simulation, with time per step and bubbles measured over [start, end]."""
-        span = end - start
+    def result(self, start: dict[int, float], end: dict[int, float]) -> Simulation:
+        """The simulation: the time per step is the longest call [start, end] of a rank (the
+        ranks' calls overlap), and each rank's bubble the share of that time its own call
+        spends outside compute."""
+        span = max(end[r] - start[r] for r in self.actions)
         busy = dict.fromkeys(self.actions, 0.0)
         for e in self.events:
-            if e.kind in COMPUTE and e.start >= start:
+            if e.kind in COMPUTE and e.start >= start[e.rank]:
                 busy[e.rank] += e.end - e.start
         count = max(self.actions) + 1
         bubble = [1.0 - busy[r] / span if span > 0 and r in busy else 0.0 for r in range(count)]
