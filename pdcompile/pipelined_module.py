@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import time
 from collections import deque
@@ -247,7 +246,7 @@ class PipelinedModule:
             for host, mark, _ in everyone:
                 offset.setdefault(host, mark0 - mark)
             events = [
-                dataclasses.replace(e, start=e.start + offset[host], end=e.end + offset[host])
+                e._replace(start=e.start + offset[host], end=e.end + offset[host])
                 for host, _, theirs in everyone
                 for e in theirs
             ]

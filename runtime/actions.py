@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdcompile.errors import ScheduleError
 
 
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank.
+class Action(NamedTuple):
+    """One step of one rank (a named tuple: schedules of large pipelines hold millions).
 
     `microbatch` is -1 for per-step actions (`allreduce`, `step` of `1f1b` and `gpipe`) and
     the round for the per-round updates of the streaming schedules (`pipedream`: k // replicas;
