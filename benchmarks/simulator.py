@@ -162,7 +162,7 @@ def _measure(make, rank, device, steps: int, rounds: int) -> dict:
         pipeline.train_step((x,), y)
         everyone: list = [None, None]
         dist.all_gather_object(everyone, pipeline.worker.timeline)
-        events[kind] = [vars(e) for part in everyone for e in part]
+        events[kind] = [e._asdict() for part in everyone for e in part]
         pipeline.worker.timeline = None
         pipeline.flush()
     return {"seconds": seconds, "events": events}
@@ -253,11 +253,13 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
 
 def calibration_table(c: Calibration) -> Table:
     table = Table(title="calibrated between the two ranks (runtime/calibration.py)")
-    for column in ("latency", "bandwidth", "send", "recv", "memory bandwidth", "per tensor"):
+    for column in ("latency", "bandwidth", "send", "recv", "memory bandwidth", "per tensor",
+                   "all-reduce (fixed)"):  # fmt: skip
         table.add_column(column, justify="right")
     table.add_row(f"{c.latency * 1e6:.0f} us", f"{c.bandwidth / 1e9:.2f} GB/s",
                   f"{c.send_s * 1e6:.0f} us", f"{c.recv_s * 1e6:.0f} us",
-                  f"{c.memory_bandwidth / 1e9:.1f} GB/s", f"{c.tensor_s * 1e6:.2f} us")  # fmt: skip
+                  f"{c.memory_bandwidth / 1e9:.1f} GB/s", f"{c.tensor_s * 1e6:.2f} us",
+                  f"{c.collective_s * 1e6:.0f} us")  # fmt: skip
     return table
 
 

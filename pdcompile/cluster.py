@@ -97,6 +97,8 @@ class RuntimeCosts:
     cloned to the live weights, activations packed into a message. `tensor_s`: fixed seconds
     per tensor an action copies, updates or swaps in. `message_s`: fixed seconds a rank spends
     on each message it sends or receives (packing, posting, waiting, unpacking).
+    `collective_s`: fixed seconds of an all-reduce besides its latencies (the backend's
+    rounds of synchronisation: gloo's take ~0.4 ms on a 2-core host).
     The defaults cost nothing; docs/simulator.md has the formulas and how they are measured.
     """
 
@@ -104,6 +106,7 @@ class RuntimeCosts:
     tensor_s: float = 0.0
     message_s: float = 0.0
     cache_bandwidth: float | None = None
+    collective_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("memory_bandwidth", "cache_bandwidth"):
@@ -112,7 +115,7 @@ class RuntimeCosts:
                 raise PartitionError(
                     f"{name} must be a positive number of bytes/s or None, got {bandwidth!r}"
                 )
-        for name in ("tensor_s", "message_s"):
+        for name in ("tensor_s", "message_s", "collective_s"):
             value = getattr(self, name)
             if not (_number(value) and value >= 0):
                 raise PartitionError(f"{name} must be a number of seconds >= 0, got {value!r}")

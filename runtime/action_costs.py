@@ -87,7 +87,7 @@ def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Clus
     if r < 2:
         return 0.0
     first, last = min(ranks), max(ranks)
-    network = 2 * (r - 1) * cluster.latency(first, last)
+    network = 2 * (r - 1) * cluster.latency(first, last) + cluster.runtime.collective_s
     network += 2 * (r - 1) / r * nbytes / cluster.bandwidth(first, last)
     return network + cluster.runtime.moved_s(4 * nbytes, tensors)
 

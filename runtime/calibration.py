@@ -9,6 +9,8 @@ runtime's own `DistributedComm` and the same kind of tensors and optimizer the p
 - latency: half a tiny message's round trip less those host costs;
 - bandwidth: the extra one-way time of a `PROBE_BYTES` message over a tiny one, less packing
   the extra bytes at the cache bandwidth;
+- a collective's fixed cost: an all-reduce of two numbers over ranks 0 and 1 (the runtime's
+  `all_reduce`), less its two latencies;
 - memory bandwidth: bytes read and written per second by a clone of `PROBE_BYTES` right after
   `EVICT_BYTES` were written (the caches hold other data, as the weights after a step's compute);
 - cache bandwidth: the same clone repeated at once (its data in cache, as freshly computed
@@ -53,12 +55,14 @@ class Calibration:
     memory_bandwidth: float
     cache_bandwidth: float
     tensor_s: float
+    collective_s: float = 0.0
 
     @property
     def runtime(self) -> RuntimeCosts:
         """The runtime's costs; `message_s` is the mean of a send's and a receive's."""
         message = (self.send_s + self.recv_s) / 2
-        return RuntimeCosts(self.memory_bandwidth, self.tensor_s, message, self.cache_bandwidth)
+        return RuntimeCosts(self.memory_bandwidth, self.tensor_s, message, self.cache_bandwidth,
+                            self.collective_s)  # fmt: skip
 
     def cluster(self, num_devices: int) -> Cluster:
         return Cluster([(num_devices, self.bandwidth, self.latency)], runtime=self.runtime)
@@ -73,7 +77,8 @@ def calibrate(
     timeout_s: float = 60.0,
 ) -> Calibration:
     """Measure on ranks 0 and 1 (every rank calls it); returns rank 0's figures on every rank."""
-    comm = DistributedComm(rank, [], timeout_s=timeout_s, device=device)
+    pair = (0, 1)
+    comm = DistributedComm(rank, [pair], timeout_s=timeout_s, device=device)
     host = torch.tensor(_host(device, optimizer, repeats), dtype=torch.float64, device=device)
     dist.broadcast(host, 0)
     memory, cache, tensor_s = host.tolist()
@@ -82,7 +87,25 @@ def calibrate(
     latency = max(one_way - send - recv, 0.0)
     extra = large - one_way - 2 * (PROBE_BYTES - 4) / cache  # less packing the extra bytes
     bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large
-    return Calibration(latency, bandwidth, send, recv, memory, cache, tensor_s)
+    collective = max(_all_reduce(comm, rank, pair, repeats) - 2 * latency, 0.0)
+    return Calibration(latency, bandwidth, send, recv, memory, cache, tensor_s, collective)
+
+
+def _all_reduce(comm: DistributedComm, rank: int, pair: tuple[int, int], repeats: int) -> float:
+    """Median seconds of an all-reduce of two float64 over `pair`, started together; on every
+    rank."""
+    both = torch.zeros(2, dtype=torch.float64, device=comm.device)
+    seconds = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank in pair:
+            comm.all_reduce([both], pair, ("calibration", i))
+        seconds.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(seconds[2:])], dtype=torch.float64,
+                          device=comm.device)  # fmt: skip
+    dist.broadcast(median, 0)
+    return float(median[0])
 
 
 def _message(comm: DistributedComm, rank: int, rows: int, repeats: int) -> tuple[float, ...]:

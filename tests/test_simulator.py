@@ -309,11 +309,12 @@ def test_gradients_copies_and_steps_of_one_stage(kind, extra):
 
 
 def test_replica_allreduce_is_a_ring_with_latency_and_flattening():
-    grad, bandwidth, alpha = 500, 1000.0, 0.05
-    cluster = Cluster([(3, bandwidth, alpha)], runtime=RuntimeCosts(1000.0, 0.01))
+    grad, bandwidth, alpha, fixed = 500, 1000.0, 0.05, 0.3
+    runtime = RuntimeCosts(1000.0, 0.01, collective_s=fixed)
+    cluster = Cluster([(3, bandwidth, alpha)], runtime=runtime)
     plan = equal_plan([2, 1], cluster=cluster, size=0, grad_bytes=grad, tensors=TENSORS)
     reduce = [e for e in simulate(plan, num_microbatches=4).timeline if e.kind == "allreduce"]
-    ring = 2 * alpha + 2 * (1 / 2) * grad / bandwidth + 4 * grad / 1000.0 + TENSORS * 0.01
+    ring = 2 * alpha + fixed + 2 * (1 / 2) * grad / bandwidth + 4 * grad / 1000.0 + TENSORS * 0.01
     assert sorted(e.rank for e in reduce) == [0, 1]
     assert [e.end for e in reduce] == pytest.approx([max(e.start for e in reduce) + ring] * 2)
 
@@ -448,6 +449,7 @@ def test_calibration_measures_the_link_and_the_runtime_on_two_ranks():
     assert Cluster.from_json(cluster.to_json()) == cluster
     assert cluster.runtime.message_s == pytest.approx((first.send_s + first.recv_s) / 2)
     assert cluster.runtime.cache_bandwidth == first.cache_bandwidth > 0
+    assert cluster.runtime.collective_s == first.collective_s >= 0
 
 
 def test_what_the_compute_just_produced_moves_at_the_cache_bandwidth():
