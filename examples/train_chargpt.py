@@ -3,7 +3,9 @@ three ways on the same ranks.
 
     torchrun --standalone --nproc_per_node 2 examples/train_chargpt.py [--updates 300]
 
-Methods, at the same per-update batch size and learning rate (AdamW):
+Methods, with the same per-update batch size and optimiser: AdamW with betas (0, 0.95) (no
+momentum: momentum and a one-update-stale gradient together oscillate, see docs/compile.md), lr
+1e-3 warmed up over 100 updates, then cosine-decayed to a tenth by the last update:
 - `pipedream`: pdcompile.compile(..., schedule="pipedream"), one stage per rank, an update per
   microbatch (weight stashing, asynchronous);
 - `1f1b`: pdcompile.compile(..., schedule="1f1b"), synchronous;
@@ -16,14 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
 
 import pdcompile
 from pdcompile import zoo
@@ -33,6 +38,8 @@ CONTEXT = 64
 UPDATE_BATCH = 32  # sequences per optimizer update, for every method
 MICROBATCHES = 4
 EVERY = 1024  # sequences between validations
+BETAS = (0.0, 0.95)
+WARMUP = 100  # updates
 
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -58,6 +65,18 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def lr_schedule(updates: int) -> Callable[[torch.optim.Optimizer], LambdaLR]:
+    """Linear warm-up over WARMUP updates, then cosine decay to a tenth at `updates`."""
+
+    def factor(step: int) -> float:
+        if step < WARMUP:
+            return (step + 1) / WARMUP
+        done = min(1.0, (step - WARMUP) / max(1, updates - WARMUP))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
+
+    return lambda optimizer: LambdaLR(optimizer, factor)
+
+
 def run(method: str, updates: int, rank: int, world_size: int, lr: float) -> dict:
     train, val, vocab = corpus()
     vx, vy = windows(val, 128, torch.Generator().manual_seed(1))
@@ -65,10 +84,13 @@ def run(method: str, updates: int, rank: int, world_size: int, lr: float) -> dic
     cfg = zoo.GPTConfig(vocab_size=vocab, block_size=CONTEXT, n_layer=4, n_head=4, n_embd=128,
                         dropout=0.0)  # fmt: skip
     model = zoo.GPT(cfg).train()
-    adamw = lambda params: torch.optim.AdamW(params, lr=lr)  # noqa: E731
+    adamw = lambda params: torch.optim.AdamW(params, lr=lr, betas=BETAS)  # noqa: E731
+    total = -(-updates * UPDATE_BATCH // EVERY) * EVERY  # sequences: whole validation intervals
+    schedule = lr_schedule(total // UPDATE_BATCH)
     if method == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = adamw(list(ddp.parameters()))
+        scheduler = schedule(opt)
         rows, share = UPDATE_BATCH, UPDATE_BATCH // world_size
 
         def step(bx, by):
@@ -77,6 +99,7 @@ def run(method: str, updates: int, rank: int, world_size: int, lr: float) -> dic
             opt.zero_grad()
             loss.backward()
             opt.step()
+            scheduler.step()
 
         def validation() -> float:
             with torch.no_grad():
@@ -84,7 +107,7 @@ def run(method: str, updates: int, rank: int, world_size: int, lr: float) -> dic
     else:
         pipe = pdcompile.compile(
             model, (vx[:UPDATE_BATCH],), loss_fn=lm_loss, optimizer=adamw, schedule=method,
-            num_microbatches=MICROBATCHES, solver="uniform", profile=False,
+            num_microbatches=MICROBATCHES, solver="uniform", profile=False, lr_scheduler=schedule,
         )  # fmt: skip
         rows = UPDATE_BATCH * (MICROBATCHES if method == "pipedream" else 1)
 
@@ -99,7 +122,6 @@ def run(method: str, updates: int, rank: int, world_size: int, lr: float) -> dic
 
     generator = torch.Generator().manual_seed(2)
     curve, seen, busy = [], 0, 0.0
-    total = -(-updates * UPDATE_BATCH // EVERY) * EVERY  # whole validation intervals
     while seen < total:
         bx, by = windows(train, rows, generator)
         start = time.perf_counter()
@@ -117,7 +139,7 @@ def run(method: str, updates: int, rank: int, world_size: int, lr: float) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--methods", default="pipedream,1f1b,ddp")
     parser.add_argument("--out", default="chargpt_results.json")
     args = parser.parse_args()
