@@ -26,3 +26,8 @@ def gpt_case():
 
 
 CASES = {"mlp": mlp_case, "gpt": gpt_case}
+
+# glibc's malloc keeping freed memory (allocations up to 32 MiB from a heap never trimmed): with
+# its defaults, whether a step's gradients land on pages just given back to the system (a page
+# fault per 4 KiB) changes from process to process (docs/runtime.md, docs/simulator.md)
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"

@@ -1,12 +1,14 @@
 """Runtime benchmark: pdcompile's `1f1b` against torch.distributed.pipelining's `Schedule1F1B`.
 
-    python benchmarks/runtime.py [--steps 10] [--rounds 5] [--json out.json]
+    python benchmarks/runtime.py [--steps 10] [--rounds 5] [--json out.json] [--default-malloc]
 
 Two gloo ranks with one thread each run the same 2-stage split (pdcompile's stage modules; torch
 runs them through thin adapters taking and returning positional tensors) with 8 microbatches,
 alternating the two runtimes round by round in the same processes. Per runtime: the median over
 rounds of wall time and CPU time per step (rank 0's CPU plus rank 1's), and the median over
-rounds of the ratio of the two runtimes in the same round. Then `pipedream` runs for
+rounds of the ratio of the two runtimes in the same round, and the minor page faults per step.
+The ranks run with glibc's malloc keeping freed memory (`cases.KEEP_FREED_MEMORY`;
+`--default-malloc` runs without), as both runtimes share the processes. Then `pipedream` runs for
 the same steps with its action timeline recorded: steady-state throughput (minibatches per second
 over the second half) against the ideal 1 / max over stages of a stage's forward + backward time
 per minibatch, from the same timeline.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -26,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-from cases import CASES
+from cases import CASES, KEEP_FREED_MEMORY
 from rich.console import Console
 from rich.table import Table
 
@@ -65,13 +68,16 @@ class _Last(nn.Module):
         return self.stage(**dict(zip(self.names, values, strict=True)))
 
 
-def _step_times(run, steps: int) -> tuple[float, float]:
+def _step_times(run, steps: int) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and minor page faults per step."""
     dist.barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         run()
     dist.barrier()
-    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps, faults / steps
 
 
 def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
@@ -118,7 +124,7 @@ def _compare(make, rank: int, device: torch.device, steps: int, rounds: int) -> 
 
     our_step()  # warm up both
     torch_step()
-    times: dict[str, list[tuple[float, float]]] = {"pdcompile": [], "torch": []}
+    times: dict[str, list[tuple[float, float, float]]] = {"pdcompile": [], "torch": []}
     for _ in range(rounds):
         times["pdcompile"].append(_step_times(our_step, steps))
         times["torch"].append(_step_times(torch_step, steps))
@@ -150,7 +156,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--default-malloc", action="store_true")
     args = parser.parse_args()
+    if not args.default_malloc:  # the ranks' processes read it when they start
+        os.environ.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
@@ -158,9 +167,11 @@ def main() -> None:
         with open(out) as f:
             per_rank = json.load(f)
     console = Console()
-    table = Table(title="2 gloo ranks, 1 thread each, 2 stages, 8 microbatches (medians)")
+    malloc = "default malloc" if args.default_malloc else "malloc keeping freed memory"
+    table = Table(title=f"2 gloo ranks, 1 thread each, 2 stages, 8 microbatches, {malloc} "
+                        "(medians)")  # fmt: skip
     columns = ("model", "runtime", "wall / step", "CPU / step (both ranks)",
-               "paired ratio to torch (time, CPU)")  # fmt: skip
+               "page faults / step", "paired ratio to torch (time, CPU)")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     summary = {}
@@ -170,17 +181,20 @@ def main() -> None:
             first, second = (per_rank[r][name]["times"][runtime] for r in range(2))
             walls = [t[0] for t in first]
             cpus = [a[1] + b[1] for a, b in zip(first, second, strict=True)]
+            faults = [a[2] + b[2] for a, b in zip(first, second, strict=True)]
             per_round[runtime] = (walls, cpus)
-            medians[runtime] = (statistics.median(walls), statistics.median(cpus))
+            medians[runtime] = (statistics.median(walls), statistics.median(cpus),
+                                statistics.median(faults))  # fmt: skip
         # each round ran both runtimes back to back: the median of per-round ratios is the
         # comparison least disturbed by a noisy machine
         ratios = [
             statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
             for ours, theirs in zip(per_round["pdcompile"], per_round["torch"], strict=True)
         ]
-        for runtime, (wall, cpu) in medians.items():
+        for runtime, (wall, cpu, faults) in medians.items():
             paired = f"{ratios[0]:.2f}x, {ratios[1]:.2f}x" if runtime == "pdcompile" else "1"
-            table.add_row(name, runtime, f"{wall * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms", paired)
+            table.add_row(name, runtime, f"{wall * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms",
+                          f"{faults:.0f}", paired)  # fmt: skip
         stages = [per_rank[r][name]["pipedream"] for r in range(2)]
         ideal = 1 / max(s["compute_per_minibatch"] for s in stages)
         achieved = min(s["throughput"] for s in stages)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from cases import CASES
+from cases import CASES, KEEP_FREED_MEMORY
 from rich.console import Console
 from rich.table import Table
 
@@ -51,7 +51,6 @@ from pdcompile.runtime.timeline import Event, to_chrome_trace
 
 MICROBATCHES = 8
 # glibc: allocations up to 32 MiB from the heap, which is never trimmed (no page faults on reuse)
-KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 KINDS = ("F", "B", "send", "recv", "allreduce", "step", "push")  # compared action by action
 
 
