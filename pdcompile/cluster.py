@@ -96,7 +96,8 @@ class RuntimeCosts:
     memory bandwidth) moves what the compute just produced: gradients added to those held or
     cloned to the live weights, activations packed into a message. `tensor_s`: fixed seconds
     per tensor an action copies, updates or swaps in. `message_s`: fixed seconds a rank spends
-    on each message it sends or receives (packing, posting, waiting, unpacking).
+    on each message it receives (waiting, unpacking) and, unless `send_s` is given, sends
+    (packing, posting).
     `collective_s`: fixed seconds of an all-reduce besides its latencies (the backend's
     rounds of synchronisation: gloo's take ~0.4 ms on a 2-core host).
     The defaults cost nothing; docs/simulator.md has the formulas and how they are measured.
@@ -107,6 +108,7 @@ class RuntimeCosts:
     message_s: float = 0.0
     cache_bandwidth: float | None = None
     collective_s: float = 0.0
+    send_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("memory_bandwidth", "cache_bandwidth"):
@@ -115,10 +117,17 @@ class RuntimeCosts:
                 raise PartitionError(
                     f"{name} must be a positive number of bytes/s or None, got {bandwidth!r}"
                 )
-        for name in ("tensor_s", "message_s", "collective_s"):
+        for name in ("tensor_s", "message_s", "collective_s", "send_s"):
             value = getattr(self, name)
+            if name == "send_s" and value is None:
+                continue
             if not (_number(value) and value >= 0):
                 raise PartitionError(f"{name} must be a number of seconds >= 0, got {value!r}")
+
+    @property
+    def sent_s(self) -> float:
+        """Fixed seconds of a send: `send_s`, else `message_s`."""
+        return self.message_s if self.send_s is None else self.send_s
 
     def moved_s(self, nbytes: float, tensors: int = 0, *, cached: bool = False) -> float:
         """Seconds to read and write `nbytes` in all over `tensors` tensors (`cached`: data the

@@ -7,7 +7,8 @@ fixed `tensor_s` t per tensor touched; a fixed `message_s` per message) and each
 alpha, for a stage with P parameter bytes, G gradient bytes, W = P + G + optimizer bytes in n
 tensors (a tied tensor's copies included, each counted at its gradient's size):
 
-    send          message_s + 2 * bytes / C           (packed into one buffer, then posted)
+    send          send_s + 2 * bytes / C              (packed into one buffer, then posted;
+                                                       send_s defaults to message_s)
     recv          message_s, after the message arrives (unpacked as views of the buffer)
     transfer      alpha + bytes / bandwidth           (the bytes share the link; docs/simulator.md)
     copy          2 * P / B + n * t                   (a weight version kept: `push`; `2bw`'s
@@ -94,4 +95,4 @@ def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Clus
 
 def send_s(cluster: Cluster, nbytes: float) -> float:
     """The sender's time to pack a message of `nbytes` and post it."""
-    return cluster.runtime.message_s + cluster.runtime.moved_s(2 * nbytes, cached=True)
+    return cluster.runtime.sent_s + cluster.runtime.moved_s(2 * nbytes, cached=True)

@@ -59,10 +59,9 @@ class Calibration:
 
     @property
     def runtime(self) -> RuntimeCosts:
-        """The runtime's costs; `message_s` is the mean of a send's and a receive's."""
-        message = (self.send_s + self.recv_s) / 2
-        return RuntimeCosts(self.memory_bandwidth, self.tensor_s, message, self.cache_bandwidth,
-                            self.collective_s)  # fmt: skip
+        """The runtime's costs: a receive's `message_s`, a send's `send_s`."""
+        return RuntimeCosts(self.memory_bandwidth, self.tensor_s, self.recv_s,
+                            self.cache_bandwidth, self.collective_s, self.send_s)  # fmt: skip
 
     def cluster(self, num_devices: int) -> Cluster:
         return Cluster([(num_devices, self.bandwidth, self.latency)], runtime=self.runtime)

@@ -291,6 +291,18 @@ def test_sends_receives_and_steps_cost_what_the_formulas_say():
     assert durations[(0, "step")] == durations[(1, "step")] == pytest.approx(STEP)
 
 
+def test_a_send_can_cost_other_than_a_receive():
+    size, runtime = 100, RuntimeCosts(memory_bandwidth=1000.0, message_s=0.1, send_s=0.25)
+    plan = equal_plan([1, 1], cluster=Cluster([(2, FAST)], runtime=runtime), size=size)
+    sim = simulate(plan, schedule="1f1b", num_microbatches=1)
+    durations = {(e.rank, e.kind): e.duration for e in sim.timeline}
+    assert durations[(0, "send")] == pytest.approx(0.25 + 2 * size / 1000.0)
+    arrival = next(e for e in sim.timeline if e.kind == "recv" and e.rank == 1)
+    assert arrival.end == pytest.approx(F + durations[(0, "send")] + 0.1)
+    with pytest.raises(PartitionError, match="send_s"):
+        RuntimeCosts(send_s=-1.0)
+
+
 @pytest.mark.parametrize(
     ("kind", "extra"),
     [
@@ -447,7 +459,7 @@ def test_calibration_measures_the_link_and_the_runtime_on_two_ranks():
     assert first.send_s > 0 and first.recv_s > 0 and first.tensor_s > 0
     cluster = first.cluster(2)
     assert Cluster.from_json(cluster.to_json()) == cluster
-    assert cluster.runtime.message_s == pytest.approx((first.send_s + first.recv_s) / 2)
+    assert (cluster.runtime.message_s, cluster.runtime.sent_s) == (first.recv_s, first.send_s)
     assert cluster.runtime.cache_bandwidth == first.cache_bandwidth > 0
     assert cluster.runtime.collective_s == first.collective_s >= 0
 
