@@ -6,6 +6,8 @@ The MLP 256-1024x3-10 with a batch of 64, and the GPT-style decoder (4 layers, w
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -31,3 +33,10 @@ CASES = {"mlp": mlp_case, "gpt": gpt_case}
 # its defaults, whether a step's gradients land on pages just given back to the system (a page
 # fault per 4 KiB) changes from process to process (docs/runtime.md, docs/simulator.md)
 KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+
+
+def keep_freed_memory(default_malloc: bool) -> None:
+    """Unless `default_malloc`, the ranks' processes (which read it when they start) run with
+    `KEEP_FREED_MEMORY`."""
+    if not default_malloc:
+        os.environ.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-from cases import CASES, KEEP_FREED_MEMORY
+from cases import CASES, keep_freed_memory
 from rich.console import Console
 from rich.table import Table
 
@@ -158,8 +158,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--default-malloc", action="store_true")
     args = parser.parse_args()
-    if not args.default_malloc:  # the ranks' processes read it when they start
-        os.environ.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)
+    keep_freed_memory(args.default_malloc)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from cases import CASES, KEEP_FREED_MEMORY
+from cases import CASES, keep_freed_memory
 from rich.console import Console
 from rich.table import Table
 
@@ -194,8 +194,7 @@ def main() -> None:
 
 
 def predicted_against_measured(args: argparse.Namespace, console: Console) -> dict:
-    if not args.default_malloc:  # the ranks' processes read it when they start
-        os.environ.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)
+    keep_freed_memory(args.default_malloc)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
