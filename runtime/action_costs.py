@@ -17,13 +17,15 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
                                                        weights and state)
     F on a weight + n * t: the weights swapped in for the call (`torch.func.functional_call`;
     copy          `pipedream`, `2bw`)
+    F after a B   + P / B: the backward's gradients pushed the weights out of the caches, so the
+                  forward reads them from memory again (1F1B's forwards, not GPipe's)
     gradients     a backward adds 3 * G / C + n * t to the gradients its weights hold (autograd
                   keeps the first ones as they are: free); moving a copy's gradients to the live
                   weights costs the same when they hold some, else n * t
-    all-reduce    2 (r - 1) alpha + 2 (r - 1) / r * G / bandwidth + 4 * G / B + n * t over r ranks
-                  (flattened into one buffer, reduced, copied back)
-    loss          every `train_step` ends with an all-reduce of the loss over all ranks: a
-                  barrier of 2 (r - 1) alpha (its 16 bytes neglected)
+    all-reduce    2 (r - 1) alpha + c + 2 (r - 1) / r * G / bandwidth + 4 * G / B + n * t over
+                  r ranks (flattened into one buffer, reduced, copied back; c = collective_s)
+    loss          every `train_step` ends with the last stage's ranks sending the loss to every
+                  other rank: a send of LOSS_BYTES each, a receive on the others
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class StageCosts:
     accumulate_s: float
     collect_s: float
     allreduce_s: float
+    reload_s: float = 0.0
 
 
 def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
@@ -69,6 +72,7 @@ def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
             accumulate_s=runtime.moved_s(3 * grads, n, cached=True),
             collect_s=runtime.moved_s(0, n),
             allreduce_s=allreduce_s(s.grad_bytes, s.ranks, cluster, n),
+            reload_s=runtime.moved_s(s.param_bytes),
         )
     return costs
 

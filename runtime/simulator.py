@@ -219,6 +219,7 @@ class _Engine:
         self.latency: dict[tuple[int, int], float] = {}  # rank pair -> seconds per message
         self.position = dict.fromkeys(self.actions, 0)
         self.clock = dict.fromkeys(self.actions, 0.0)  # when each rank last stopped
+        self.last_compute: dict[int, str] = {}  # "F" or "B": what each rank computed last
         self.heap: list[tuple[float, int, int, Any, int]] = []
         self.sequence = 0
         self.arrived: dict[tuple, float] = {}
@@ -311,6 +312,9 @@ class _Engine:
                 end = now + self.seconds[(stage, kind)]
                 weights = self.weights[rank]
                 end += weights.forward() if kind == "F" else weights.backward(a.microbatch)
+                if kind == "F" and self.last_compute.get(rank) == "B":
+                    end += self.costs[stage].reload_s  # the backward pushed the weights out
+                self.last_compute[rank] = kind
                 self._record(rank, a, now, end)
                 if kind == "F":  # activations are kept from a forward to the end of its backward
                     self._use(rank, now, self.kept[rank])

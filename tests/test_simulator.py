@@ -251,6 +251,7 @@ COPY = 2 * PARAM / 1000.0 + TENSORS * 0.01  # a weight copy: 2 P / B + n t
 STEP = (2 * WEIGHT - PARAM) / 1000.0 + TENSORS * 0.01  # (2 W - G) / B + n t
 ADD = 3 * PARAM / 1000.0 + TENSORS * 0.01  # gradients added to those held: 3 G / C + n t
 SWAP = MOVE = TENSORS * 0.01  # a forward on a copy swaps its tensors in; its gradients move
+RELOAD = PARAM / 1000.0  # a forward after a backward reads the weights from memory again: P / B
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -306,11 +307,13 @@ def test_a_send_can_cost_other_than_a_receive():
 @pytest.mark.parametrize(
     ("kind", "extra"),
     [
-        ("gpipe", 3 * ADD + STEP),  # the first backward's gradients are autograd's own
-        ("1f1b", 3 * ADD + STEP),
-        # the step's weights kept for the next one, gradients moved to the live weights
-        ("2bw", 4 * SWAP + 3 * ADD + MOVE + COPY + STEP),
-        ("pipedream", 4 * (COPY + SWAP + MOVE + STEP)),  # per minibatch: a version of its own
+        # the first backward's gradients are autograd's own; GPipe's forwards follow forwards
+        ("gpipe", 3 * ADD + STEP),
+        ("1f1b", 3 * ADD + STEP + 3 * RELOAD),  # F0 B0 F1 B1 ...: 3 forwards after a backward
+        # the step's weights kept for the next one, gradients moved to the live weights; the
+        # call's first forward follows the last call's backward
+        ("2bw", 4 * SWAP + 3 * ADD + MOVE + COPY + STEP + 4 * RELOAD),
+        ("pipedream", 4 * (COPY + SWAP + MOVE + STEP + RELOAD)),  # per minibatch: its version
     ],
 )
 def test_gradients_copies_and_steps_of_one_stage(kind, extra):
