@@ -4,9 +4,10 @@ latency and bandwidth and the runtime's own costs (`RuntimeCosts`), on ranks 0 a
 Every rank of an initialised process group calls `calibrate`; ranks 0 and 1 measure, with the
 runtime's own `DistributedComm` and the same kind of tensors and optimizer the pipeline uses:
 
-- a message's host costs: how long `send` (packing, posting) and `recv` of a message that has
-  already arrived (waiting on it, unpacking) take, for a tiny message;
-- latency: half a tiny message's round trip less those host costs;
+- a message's host costs: how long `send` (packing, posting) takes right after 2 ms of compute
+  on both ranks, as every send of a pipeline follows a forward or a backward, and `recv` of a
+  message that has already arrived (waiting on it, unpacking), for a tiny message;
+- latency: half a tiny message's round trip less the host costs of an idle send and receive;
 - bandwidth: the extra one-way time of a `PROBE_BYTES` message over a tiny one, less packing
   the extra bytes at the cache bandwidth;
 - a collective's fixed cost: an all-reduce of two numbers over ranks 0 and 1 (the runtime's
@@ -81,9 +82,9 @@ def calibrate(
     host = torch.tensor(_host(device, optimizer, repeats), dtype=torch.float64, device=device)
     dist.broadcast(host, 0)
     memory, cache, tensor_s = host.tolist()
-    one_way, send, recv = _message(comm, rank, 1, repeats)
-    large, _, _ = _message(comm, rank, PROBE_BYTES // 4, repeats)
-    latency = max(one_way - send - recv, 0.0)
+    one_way, idle_send, send, recv = _message(comm, rank, 1, repeats)
+    large, _, _, _ = _message(comm, rank, PROBE_BYTES // 4, repeats)
+    latency = max(one_way - idle_send - recv, 0.0)
     extra = large - one_way - 2 * (PROBE_BYTES - 4) / cache  # less packing the extra bytes
     bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large
     collective = max(_all_reduce(comm, rank, pair, repeats) - 2 * latency, 0.0)
@@ -108,12 +109,12 @@ def _all_reduce(comm: DistributedComm, rank: int, pair: tuple[int, int], repeats
 
 
 def _message(comm: DistributedComm, rank: int, rows: int, repeats: int) -> tuple[float, ...]:
-    """(one-way seconds, the sender's time in `send`, the receiver's in `recv` once the message
-    is there) of a message of `rows` float32 values from rank 0 to rank 1 (and back), on every
-    rank."""
+    """(one-way seconds, the sender's time in `send` idle and right after compute, the
+    receiver's in `recv` once the message is there) of a message of `rows` float32 values from
+    rank 0 to rank 1 (and back), on every rank."""
     active, peer = rank in (0, 1), 1 - rank
     payload = [torch.zeros(rows, device=comm.device)]
-    trips, sends, recvs = [], [], []
+    trips, sends, busy_sends, recvs = [], [], [], []
     for i in range(repeats + 2):  # two untimed rounds first
         ping, pong, waited = ("act", i, 0, 1), ("grad", i, 0, 1), ("wait", i, 0, 1)
         if active:
@@ -142,8 +143,22 @@ def _message(comm: DistributedComm, rank: int, rows: int, repeats: int) -> tuple
             comm.recv(peer, waited, [_PROBE], rows)
             recvs.append(time.perf_counter() - start)
         comm.flush()
+        busy = ("busy", i, 0, 1)  # a send right after compute, as in a pipeline
+        if rank == 1:
+            comm.expect(peer, busy, [_PROBE], rows)
+        dist.barrier()
+        if active:
+            _compute(comm.device, 0.002)
+        if rank == 0:
+            start = time.perf_counter()
+            comm.send(peer, busy, payload, [_PROBE], rows)
+            busy_sends.append(time.perf_counter() - start)
+        elif rank == 1:
+            comm.recv(peer, busy, [_PROBE], rows)
+        comm.flush()
     figures = [statistics.median(trips[2:]) / 2 if trips else 0.0,
                statistics.median(sends[2:]) if sends else 0.0,
+               statistics.median(busy_sends[2:]) if busy_sends else 0.0,
                statistics.median(recvs[2:]) if recvs else 0.0]  # fmt: skip
     both = torch.tensor(figures, dtype=torch.float64, device=comm.device)
     dist.all_reduce(both)  # each figure was measured on one rank, the others give 0
@@ -181,6 +196,14 @@ def _host(
     copy = 2 * PROBE_BYTES
     tensor_s = max(statistics.mean(per_tensor), 0.0) / TENSORS
     return [copy / statistics.median(cold[2:]), copy / statistics.median(hot[2:]), tensor_s]
+
+
+def _compute(device: torch.device, seconds: float) -> None:
+    """Matrix products for about `seconds`, as a stage's forward or backward."""
+    a = torch.ones(256, 256, device=device)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        _seconds(device, lambda: a @ a)
 
 
 def _median(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
