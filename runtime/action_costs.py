@@ -48,7 +48,7 @@ class StageCosts:
     accumulate_s: float
     collect_s: float
     allreduce_s: float
-    reload_s: float = 0.0
+    reload_s: float
 
 
 def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:

@@ -80,6 +80,7 @@ class DistributedPipeline(Pipeline):
         self.loss_ranks = program.plan.stages[-1].ranks
         self.world = tuple(sorted(layout.actions))
         self.stage_of = {r: layout.stage_of_rank(r)[0] for r in self.world}
+        self.owed_loss: int | None = None  # the step whose loss this rank still sends
         self._receives: tuple[Any, dict[int, dict[Key, int]]] = (None, {})  # of the stream
         stage, _ = layout.stage_of_rank(rank)
         module = program.stages[stage].to(device)
@@ -104,6 +105,8 @@ class DistributedPipeline(Pipeline):
         for source in self.loss_ranks:  # posted early: the sources never wait for this rank
             if source != self.rank:
                 self.loss_comm.expect(source, self._loss_key(self.steps, self.rank), LOSS, 0)
+        if self.rank in self.loss_ranks:
+            self.owed_loss = self.steps
         return super().train_step(args, move(targets), kwargs)
 
     def _execute(
@@ -159,21 +162,23 @@ class DistributedPipeline(Pipeline):
         for a in rest[1:] if failed.kind == "send" else rest:
             if a.kind == "send" and a.microbatch in self.worker.data:
                 self.comm.send_error(a.peer, *self.worker.message(a), text, timeout)
-        if self.rank in self.loss_ranks:  # nor will this step's loss come
+        if self.owed_loss is not None:  # nor will this step's loss come
             for peer in self.world:
                 if peer != self.rank:
-                    key = self._loss_key(self.steps - 1, peer)
+                    key = self._loss_key(self.owed_loss, peer)
                     self.loss_comm.send_error(peer, key, LOSS, 0, text, timeout)
+            self.owed_loss = None
 
     def _loss(self, batch: Batch, first: int) -> float:
         """Every last-stage rank sends its (weighted sum, weights) to every other rank."""
         total, weight = self._local_loss(batch, first)
         mine = torch.tensor([total, weight], dtype=torch.float64, device=self.device)
         step = self.steps - 1
-        if self.rank in self.loss_ranks:
+        if self.owed_loss is not None:
             for peer in self.world:
                 if peer != self.rank:
                     self.loss_comm.send(peer, self._loss_key(step, peer), [mine], LOSS, 0)
+            self.owed_loss = None
         parts = [mine] + [
             self.loss_comm.recv(source, self._loss_key(step, self.rank), LOSS, 0)[0]
             for source in self.loss_ranks
