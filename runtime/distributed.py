@@ -148,9 +148,13 @@ class DistributedComm:
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s)
-        # messages travel in a group of their own: another pipeline in the same job (or an
-        # earlier one with minibatches still in flight) never matches them
-        self._p2p = dist.new_group(list(range(dist.get_world_size())), timeout=self._timeout)
+        # messages travel in groups of their own: another pipeline in the same job (or an
+        # earlier one with minibatches still in flight) never matches them. One group carries
+        # the messages to higher ranks, one those to lower ranks: on gloo a pair of ranks then
+        # talks over two connections, and a send never waits for the lock of a connection busy
+        # reading the peer's message coming the other way.
+        world = list(range(dist.get_world_size()))
+        self._p2p = [dist.new_group(world, timeout=self._timeout) for _ in range(2)]
         self._groups: dict[tuple[int, ...], Any] = {}  # None: a group without this rank
         for group in groups:
             members = tuple(sorted(group))
@@ -196,7 +200,8 @@ class DistributedComm:
         lay = wire.layout(tuple(channels), rows)
         buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
-        work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag, group=self._p2p)
+        group = self._p2p[peer > self.rank]
+        work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag, group=group)
         self._sends.append((work, buffer, peer, what, key))
         while not self._gloo and self._sends and self._sends[0][0].is_completed():
             self._wait(*self._sends.popleft()[:4])  # raises if it failed
@@ -219,7 +224,8 @@ class DistributedComm:
         try:
             lay = wire.layout(tuple(channels), rows)
             buffer = wire.error_message(lay, key, text, self.device, timeout)
-            work = dist.isend(buffer, dst=peer, tag=message_tag(key), group=self._p2p)
+            group = self._p2p[peer > self.rank]
+            work = dist.isend(buffer, dst=peer, tag=message_tag(key), group=group)
         except Exception as exc:  # never mask the error being reported
             logger.warning("rank %d: could not tell rank %d: %s", self.rank, peer, exc)
             return
@@ -247,7 +253,8 @@ class DistributedComm:
         buffer = torch.empty(lay.size, dtype=torch.uint8, device=self.device)
         what = f"receiving {describe_key(key)}"
         tag = message_tag(key)
-        work = self._start(dist.irecv, buffer, peer, what, src=peer, tag=tag, group=self._p2p)
+        group = self._p2p[self.rank > peer]
+        work = self._start(dist.irecv, buffer, peer, what, src=peer, tag=tag, group=group)
         return work, buffer, lay, what
 
     def all_reduce(
