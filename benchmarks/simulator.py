@@ -8,14 +8,16 @@
    the same 2 stages, on 2 gloo ranks with one thread each, 8 microbatches, under `1f1b`,
    `gpipe`, `pipedream` and `2bw`. The ranks first calibrate (`runtime/calibration.py`: link
    latency and bandwidth, the runtime's per-message and per-tensor costs, memory bandwidth);
-   then both profile the model (one thread each, at the microbatch size; rank 0's profile is
-   used), and the simulator predicts the time per step on the calibrated cluster. The ranks run
+   then, in each of `--rounds` rounds, both profile the model (one thread each, at the
+   microbatch size, at once, as both compute in the run) and time `--steps` train steps per
+   schedule, the schedules alternating. The simulator predicts each round's time per step on
+   the calibrated cluster from that round's profiles (stage s priced by rank s's: the two cores
+   do not run at one speed), and the table gives the medians over rounds and the median of the
+   paired ratios: this machine's speed drifts by tens of percent within minutes. The ranks run
    with glibc's malloc keeping freed memory (`KEEP_FREED_MEMORY`; `--default-malloc` runs
    without): otherwise whether a backward's gradients land on pages the allocator just gave
    back to the system, at a page fault per 4 KiB, changes its time by up to 2x, in the profile
-   and in the run alike (docs/simulator.md). After an untimed round, the ranks time `--steps`
-   train steps per schedule, the schedules alternating within each of `--rounds` rounds; the
-   table gives the median over rounds. A second prediction takes the stages' forward and
+   and in the run alike (docs/simulator.md). A second prediction takes the stages' forward and
    backward times from one measured step's timeline instead of the profile, which separates the
    profile's error from the simulator's; a third table compares every kind of action's median
    duration, simulated and measured. `--trace-dir` writes that step's timeline and the
@@ -122,10 +124,7 @@ def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, o
     calibration = calibrate(rank, device, optimizer)
     results: dict = {"calibration": dataclasses.asdict(calibration), "cases": {}}
     for name, make in CASES.items():
-        model, x, _, _ = make()
-        costs = profile(model, x)  # both ranks at once, as both compute in the run
-        results["cases"][name] = {"costs": costs.to_json(),
-                                  **_measure(make, rank, device, steps, rounds)}  # fmt: skip
+        results["cases"][name] = _measure(make, rank, device, steps, rounds)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
@@ -133,7 +132,10 @@ def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, o
 
 
 def _measure(make, rank, device, steps: int, rounds: int) -> dict:
-    """Seconds per train step for every schedule (per round), and one step's events."""
+    """Per round, the model's profile and the seconds per train step of every schedule; one
+    step's events per schedule. Each round profiles again: this machine's speed drifts by tens
+    of percent within minutes, so each round's runs are predicted from a profile taken just
+    before them."""
     model, x, y, loss_fn = make()
     pipelines = {
         kind: DistributedPipeline(
@@ -146,7 +148,12 @@ def _measure(make, rank, device, steps: int, rounds: int) -> dict:
         for _ in range(steps):
             pipeline.train_step((x,), y)
     seconds: dict[str, list[float]] = {kind: [] for kind in SCHEDULES}
+    profiles = []
     for r in range(rounds):
+        dist.barrier()
+        both: list = [None, None]  # both ranks at once, as in the run; rank s runs stage s
+        dist.all_gather_object(both, profile(model, x).to_json())
+        profiles.append(both)
         order = SCHEDULES[r % len(SCHEDULES) :] + SCHEDULES[: r % len(SCHEDULES)]
         for kind in order:
             dist.barrier()
@@ -164,7 +171,7 @@ def _measure(make, rank, device, steps: int, rounds: int) -> dict:
         events[kind] = [e._asdict() for part in everyone for e in part]
         pipeline.worker.timeline = None
         pipeline.flush()
-    return {"seconds": seconds, "events": events}
+    return {"seconds": seconds, "events": events, "profiles": profiles}
 
 
 def main() -> None:
@@ -213,28 +220,33 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
     rows = {}
     for name, make in CASES.items():
         model, x, _, _ = make()
-        costs = CostGraph.from_json(measured["cases"][name]["costs"])
-        plan = pdcompile.evaluate(two_stage_program(model, x).plan, costs, cluster=cluster)
+        program_plan = two_stage_program(model, x).plan
+        case = measured["cases"][name]
+        plans = [stages_on_their_ranks(program_plan, both, cluster) for both in case["profiles"]]
         for kind in SCHEDULES:
-            sim = pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
-            events = [Event(**e) for e in measured["cases"][name]["events"][kind]]
+            sims = [pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
+                    for plan in plans]  # fmt: skip
+            sim = sims[-1]  # the last round's, for the timeline comparisons
+            events = [Event(**e) for e in case["events"][kind]]
             replay = pdcompile.simulate(
-                with_measured_compute(plan, sim, events), schedule=kind,
+                with_measured_compute(plans[-1], sim, events), schedule=kind,
                 num_microbatches=MICROBATCHES,
             )  # fmt: skip
-            runs = measured["cases"][name]["seconds"][kind]
+            runs = case["seconds"][kind]
             median = statistics.median(runs)
+            # each round predicted from its own profile: the median of the paired ratios
+            ratio = statistics.median(p.time_per_step / t for p, t in zip(sims, runs, strict=True))
+            predicted = statistics.median(p.time_per_step for p in sims)
             per_action = {k: (_median(sim.timeline, k), _median(events, k)) for k in KINDS}
             rows[f"{name}/{kind}"] = {
-                "simulated": sim.time_per_step, "measured": median,
-                "ratio": sim.time_per_step / median,
+                "simulated": predicted, "measured": median, "ratio": ratio,
+                "simulated_per_round": [p.time_per_step for p in sims],
                 "simulated_on_measured_compute": replay.time_per_step,
                 "ratio_on_measured_compute": replay.time_per_step / median,
                 "rounds": runs, "bubble": sim.bubble_fraction, "actions": per_action,
             }  # fmt: skip
-            table.add_row(name, kind, f"{sim.time_per_step * 1e3:.1f} ms",
-                          f"{median * 1e3:.1f} ms", f"{sim.time_per_step / median:.2f}",
-                          f"{replay.time_per_step * 1e3:.1f} ms",
+            table.add_row(name, kind, f"{predicted * 1e3:.1f} ms", f"{median * 1e3:.1f} ms",
+                          f"{ratio:.2f}", f"{replay.time_per_step * 1e3:.1f} ms",
                           f"{replay.time_per_step / median:.2f}",
                           " ".join(f"{t * 1e3:.0f}" for t in runs))  # fmt: skip
             actions.add_row(name, kind, *(
@@ -247,6 +259,13 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
     console.print(actions)
     malloc = os.environ.get("GLIBC_TUNABLES", "default")
     return {"calibration": measured["calibration"], "malloc": malloc, "rows": rows}
+
+
+def stages_on_their_ranks(plan: Plan, profiles: list[dict], cluster: Cluster) -> Plan:
+    """`plan` priced with stage s's times from the profile rank s took (the ranks' cores do not
+    run at the same speed here: one is about 20% slower)."""
+    priced = [pdcompile.evaluate(plan, CostGraph.from_json(p), cluster=cluster) for p in profiles]
+    return priced[0].with_(stages=tuple(priced[s].stages[s] for s in range(plan.num_stages)))
 
 
 def calibration_table(c: Calibration) -> Table:
