@@ -15,7 +15,7 @@ timeout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,7 +81,6 @@ class DistributedPipeline(Pipeline):
         self.world = tuple(sorted(layout.actions))
         self.stage_of = {r: layout.stage_of_rank(r)[0] for r in self.world}
         self.owed_loss: int | None = None  # the step whose loss this rank still sends
-        self._receives: tuple[Any, dict[int, dict[Key, int]]] = (None, {})  # of the stream
         stage, _ = layout.stage_of_rank(rank)
         module = program.stages[stage].to(device)
         worker = StageWorker(
@@ -111,13 +110,19 @@ class DistributedPipeline(Pipeline):
 
     def _execute(
         self,
-        actions: dict[int, tuple[Action, ...]],
+        actions: Mapping[int, Sequence[Action]],
         position: dict[int, int],
         stop: dict[int, int] | None,
     ) -> None:
         mine = actions.get(self.rank, ())
         end = len(mine) if stop is None else stop[self.rank]
         position.setdefault(self.rank, 0)
+        if stop is not None:  # the messages from this rank the peers receive in this call
+            received = {
+                peer: {a.key for a in acts[position[peer] : stop[peer]] if a.kind == "recv"
+                       and a.peer == self.rank}
+                for peer, acts in actions.items() if peer != self.rank
+            }  # fmt: skip
         for a in mine[position[self.rank] : end]:  # receives posted early: no sender waits
             if a.kind == "recv":
                 self.worker.expect(a)
@@ -132,23 +137,8 @@ class DistributedPipeline(Pipeline):
             raise
         if stop is None:  # the peers post every receive of these actions
             self.comm.flush()
-        else:
-            receives = self._receive_positions(actions)
-            self.comm.settle(lambda peer, key: receives[peer][key] < stop[peer])
-
-    def _receive_positions(
-        self, actions: dict[int, tuple[Action, ...]]
-    ) -> dict[int, dict[Key, int]]:
-        """Per peer, where in its actions it receives each message from this rank (computed
-        once per stream)."""
-        if self._receives[0] is not actions:
-            mine = lambda a: a.kind == "recv" and a.peer == self.rank  # noqa: E731
-            table = {
-                peer: {a.key: i for i, a in enumerate(acts) if mine(a)}
-                for peer, acts in actions.items()
-            }
-            self._receives = (actions, table)
-        return self._receives[1]
+        else:  # a send left pending by an earlier call has its receive in this one, or later
+            self.comm.settle(lambda peer, key: key in received[peer])
 
     def _abort(self, rest: Sequence[Action], exc: Exception) -> None:
         """Send the error's text in place of every message still owed in `rest` (from the

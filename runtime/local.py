@@ -9,8 +9,7 @@ debugging and as the reference the distributed executor is compared with.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -81,7 +80,7 @@ class LocalPipeline(Pipeline):
 
     def _execute(
         self,
-        actions: dict[int, tuple[Action, ...]],
+        actions: Mapping[int, Sequence[Action]],
         position: dict[int, int],
         stop: dict[int, int] | None,
     ) -> None:
@@ -99,7 +98,7 @@ class LocalPipeline(Pipeline):
 
 def _run(
     workers: dict[int, StageWorker],
-    actions: dict[int, tuple[Action, ...]],
+    actions: Mapping[int, Sequence[Action]],
     position: dict[int, int],
     stop: dict[int, int] | None,
 ) -> None:
@@ -133,8 +132,8 @@ def _run(
             raise ScheduleError(f"local executor stalled; ranks wait at {waiting}")
 
 
-def _at(actions: Sequence[Any], position: int, collective: Any) -> bool:
-    """Whether a rank stands at (its part of) the same all-reduce."""
-    if position >= len(actions) or not actions[position].is_collective:
-        return False
-    return actions[position].collective == collective.collective
+def _at(actions: Sequence[Action], position: int, collective: Action) -> bool:
+    """Whether a rank stands at (its part of) the same all-reduce (`position` before its
+    stop)."""
+    action = actions[position]
+    return action.is_collective and action.collective == collective.collective

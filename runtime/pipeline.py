@@ -3,25 +3,28 @@ endless stream.
 
 A synchronous step runs every rank's schedule to its end. Under the streaming schedules
 (`pipedream`, `2bw`) microbatches stay in flight across `train_step` calls: the ranks walk one
-endless stream of actions (the schedule of a pipeline that never drains), and each call runs
-every rank up to its first forward of a microbatch it has not been given yet; `flush()`
-completes the rest, and the next call fills the pipeline again. Subclasses say how a rank's
+endless stream of actions (the schedule of a pipeline that never drains, unfolded as it is
+walked: `runtime/stream.py`), and each call runs every rank up to its first forward of a
+microbatch it has not been given yet; `flush()` completes the rest, and the next call fills the
+pipeline again. Subclasses say how a rank's
 actions run (`_execute`) and how the loss reaches every rank (`_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from pdcompile.errors import BatchError
 from pdcompile.runtime.actions import Action, Schedule
-from pdcompile.runtime.schedules import STREAMING, build_schedule, forward_schedule
+from pdcompile.runtime.schedules import STREAMING, build_schedule, forward_schedule, rank_orders
+from pdcompile.runtime.stream import RankStream
 from pdcompile.runtime.validate import validate_schedule
 from pdcompile.runtime.versions import two_bw_warmup, warmup
 from pdcompile.runtime.worker import Batch, StageWorker, split_batch
@@ -81,7 +84,13 @@ class Pipeline:
         # streaming: actions every rank has done since the stream (re)started (each call, every
         # rank runs to its cut, so this process knows where the other ranks are too)
         self.position = dict.fromkeys(self.schedule.actions, 0)
-        self._cached: Schedule | None = None
+        self.streams: dict[int, RankStream] = {}
+        if self.streaming:
+            # the stream unfolds with the code that built this schedule, validated over enough
+            # steps to reach the steady state that repeats from then on
+            steps = -(-self._lookahead() // num_microbatches) + 1
+            program_schedule(program, schedule, num_microbatches, self.clip, num_steps=steps)
+            self._new_stream()
         self._forward: Schedule | None = None  # evaluation
         for worker in workers.values():
             worker.begin_stream()
@@ -100,10 +109,11 @@ class Pipeline:
         self.steps += 1
         if self.streaming:
             self.started += self.num_microbatches
-            stream = self._stream(self.started + self._lookahead())
-            stop = cuts(stream, self.started, self.position)
-            self._execute(stream.actions, self.position, stop)
+            stop = cuts(self.streams, self.started, self.position)
+            self._execute(self.streams, self.position, stop)
             self.position.update(stop)
+            for rank, stream in self.streams.items():
+                stream.release(self.position[rank])
         else:
             actions = self.schedule.actions
             self._execute(actions, dict.fromkeys(self.workers, 0), None)
@@ -135,13 +145,11 @@ class Pipeline:
         others)."""
         if not self.streaming or not self.started:
             return
-        steps = self.started // self.num_microbatches
-        drain = program_schedule(
-            self.program, self.kind, self.num_microbatches, self.clip, num_steps=steps
-        )  # the end of the stream
-        self._execute(drain.actions, self.position, None)
+        drain = {r: s.drain(self.position[r], self.started) for r, s in self.streams.items()}
+        self._execute(drain, dict.fromkeys(drain, 0), None)
         self.started = 0
         self.position = dict.fromkeys(self.schedule.actions, 0)
+        self._new_stream()
         for worker in self.workers.values():
             worker.begin_stream()
 
@@ -156,7 +164,7 @@ class Pipeline:
 
     def _execute(
         self,
-        actions: dict[int, tuple[Action, ...]],
+        actions: Mapping[int, Sequence[Action]],
         position: dict[int, int],
         stop: dict[int, int] | None,
     ) -> None:
@@ -185,19 +193,17 @@ class Pipeline:
                     weight += share
         return total, weight
 
-    def _stream(self, minibatches: int) -> Schedule:
-        """A schedule of at least `minibatches` (whose prefix is the endless stream's), built
-        and validated again only when it runs out: then for twice as many steps."""
-        if self._cached is None or self._cached.num_microbatches < minibatches:
-            steps = -(-minibatches // self.num_microbatches)
-            self._cached = program_schedule(
-                self.program, self.kind, self.num_microbatches, self.clip, num_steps=2 * steps
-            )
-        return self._cached
+    def _new_stream(self) -> None:
+        orders = rank_orders(
+            self.kind, [stage.ranks for stage in self.program.plan.stages],
+            program_edges(self.program), self.num_microbatches,
+            [tie.stages for tie in self.program.ties], self.clip,
+        )  # fmt: skip
+        self.streams = {rank: RankStream(order) for rank, order in orders.items()}
 
     def _lookahead(self) -> int:
-        """Microbatches past the given ones that every replica's warm-up fits in (so that the
-        stream's prefix is that of an endless pipeline), a multiple of every replica count."""
+        """Microbatches that every replica's warm-up fits in, a multiple of every replica
+        count: after them the stream repeats."""
         replicas = self.schedule.replicas
         m = self.num_microbatches
         deepest = max(
@@ -255,42 +261,38 @@ def check_batch(
             )
 
 
-def cuts(stream: Schedule, bound: int, position: dict[int, int]) -> dict[int, int]:
-    """Where each rank stops in an endless `stream` when minibatches < `bound` are given: at
-    its first action that needs a later minibatch, or earlier at an all-reduce some member of
-    its group cannot reach before its own stop (a tied tensor's copies update together).
-    Every rank has done the actions before `position`."""
+def cuts(streams: Mapping[int, RankStream], bound: int, position: dict[int, int]) -> dict[int, int]:
+    """Where each rank stops in its endless stream when minibatches < `bound` are given: at its
+    first action that needs a later minibatch, or earlier at an all-reduce some member of its
+    group cannot reach before its own stop (a tied tensor's copies update together). Every
+    rank has done the actions before `position`."""
     start = position
-    stop = {
-        rank: _first_needing(actions, bound, start[rank])
-        for rank, actions in stream.actions.items()
-    }
+    stop = {rank: _first_needing(stream, bound, start[rank]) for rank, stream in streams.items()}
     changed = True
     while changed:
         changed = False
-        for rank, actions in stream.actions.items():
-            for i in range(start[rank], stop[rank]):
-                a = actions[i]
+        for rank, stream in streams.items():
+            for i, a in enumerate(stream[start[rank] : stop[rank]], start[rank]):
                 if a.is_collective and not all(
-                    _reaches(stream.actions[m], start[m], stop[m], a) for m in a.group
+                    _reaches(streams[m], start[m], stop[m], a) for m in a.group
                 ):
                     stop[rank], changed = i, True
                     break
     return stop
 
 
-def _first_needing(actions: Sequence[Action], bound: int, start: int) -> int:
-    for i in range(start, len(actions)):
-        a = actions[i]
+def _first_needing(stream: RankStream, bound: int, start: int) -> int:
+    for i in itertools.count(start):
+        a = stream[i]
         forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
         if forward and a.microbatch >= bound:
             return i
-    return len(actions)
+    raise AssertionError("unreachable: a stream is endless")
 
 
-def _reaches(actions: Sequence[Action], start: int, stop: int, collective: Action) -> bool:
+def _reaches(stream: RankStream, start: int, stop: int, collective: Action) -> bool:
     return any(
-        a.is_collective and a.collective == collective.collective for a in actions[start:stop]
+        a.is_collective and a.collective == collective.collective for a in stream[start:stop]
     )
 
 

@@ -14,7 +14,8 @@ drains between them; the synchronous ones update once at the end of their one st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import SCHEDULES
@@ -39,17 +40,27 @@ def check_nonfinite(kind: str, nonfinite: str) -> None:
         )
 
 
+def compute_item(kind: str, warmup_forwards: int, mine: Sequence[int], t: int) -> tuple[str, int]:
+    """Item t (of 2 * len(mine)) of one replica's forwards and backwards for its microbatches
+    `mine`: `gpipe` all forwards, then all backwards; the others w warm-up forwards, then a
+    forward and a backward alternately, then the remaining backwards. Computed, not listed:
+    `mine` may be a range of endless length (a stream)."""
+    n = len(mine)
+    if kind == "gpipe":
+        return ("F", mine[t]) if t < n else ("B", mine[t - n])
+    w = min(warmup_forwards, n)
+    if t < w:
+        return "F", mine[t]
+    t -= w
+    pairs = n - w  # backwards with a forward before them
+    if t < 2 * pairs:
+        return ("F", mine[t // 2 + w]) if t % 2 == 0 else ("B", mine[t // 2])
+    return "B", mine[pairs + t - 2 * pairs]
+
+
 def compute_order(kind: str, warmup_forwards: int, mine: Sequence[int]) -> list[tuple[str, int]]:
     """One replica's forwards and backwards, in order, for its microbatches `mine`."""
-    if kind == "gpipe":
-        return [("F", k) for k in mine] + [("B", k) for k in mine]
-    w = min(warmup_forwards, len(mine))
-    order = [("F", k) for k in mine[:w]]
-    for i, k in enumerate(mine):
-        if w + i < len(mine):
-            order.append(("F", mine[w + i]))
-        order.append(("B", k))
-    return order
+    return [compute_item(kind, warmup_forwards, mine, t) for t in range(2 * len(mine))]
 
 
 def build_schedule(
@@ -85,6 +96,29 @@ def build_schedule(
         ScheduleError: unknown kind, bad stage pairs, too few microbatches for `2bw`,
             `skip_nonfinite` with an asynchronous schedule, several steps of a synchronous one.
     """
+    if num_steps < 1 or (num_steps > 1 and kind not in STREAMING):
+        raise ScheduleError(
+            f"{kind} cannot build {num_steps} steps as one schedule: only the streaming "
+            f"schedules ({', '.join(STREAMING)}) run several steps without draining; build one"
+        )
+    orders = rank_orders(kind, ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
+    total = num_microbatches * num_steps
+    first = next(iter(orders.values())).schedule
+    actions = {rank: order.actions(total) for rank, order in orders.items()}
+    return Schedule(kind, total, first.replicas, first.ranks, actions)
+
+
+def rank_orders(
+    kind: str,
+    ranks: Sequence[Sequence[int]],
+    edges: Edges,
+    num_microbatches: int,
+    ties: Sequence[Sequence[int]] = (),
+    clip: bool = False,
+    skip_nonfinite: bool = False,
+) -> dict[int, RankOrder]:
+    """Per rank, how its actions unfold for any number of microbatches (`build_schedule`'s
+    arguments; the streams of `runtime/stream.py` unfold them without end)."""
     if kind not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
     check_nonfinite(kind, "skip" if skip_nonfinite else "raise")
@@ -93,11 +127,6 @@ def build_schedule(
     stages = len(ranks)
     if num_microbatches < 1:
         raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if num_steps < 1 or (num_steps > 1 and kind not in STREAMING):
-        raise ScheduleError(
-            f"{kind} cannot build {num_steps} steps as one schedule: only the streaming "
-            f"schedules ({', '.join(STREAMING)}) run several steps without draining; build one"
-        )
     if kind == "2bw" and num_microbatches < stages:
         raise ScheduleError(
             f"2bw needs at least as many microbatches as stages ({stages}), got "
@@ -132,10 +161,9 @@ def build_schedule(
             "pipedream clips gradients per stage, so the copies of a tied tensor would be scaled "
             "by different norms and drift apart; train without clip_grad_norm or without ties"
         )
-    total = num_microbatches * num_steps
-    schedule = Schedule(kind, total, replicas, ranks)
+    schedule = Schedule(kind, num_microbatches, replicas, ranks)
     world = () if kind == "pipedream" else tuple(sorted(r for rs in ranks for r in rs))
-    actions = {}
+    orders = {}
     for s, stage_ranks in enumerate(ranks):
         if kind == "2bw":
             w, round_size = two_bw_warmup(replicas, s, num_microbatches), num_microbatches
@@ -146,56 +174,80 @@ def build_schedule(
             for i, tie in enumerate(ties)
             if s in tie
         ]
+        update = _update(
+            s, ranks[s], my_ties, world if clip else None, world if skip_nonfinite else None
+        )
         for i, rank in enumerate(stage_ranks):
-            mine = list(range(i, total, replicas[s]))
-            update = _update(
-                s, ranks[s], my_ties, world if clip else None, world if skip_nonfinite else None
-            )
-            actions[rank] = tuple(_expand(schedule, edges, s, w, mine, update, round_size))
-    return Schedule(kind, total, replicas, ranks, actions)
+            orders[rank] = RankOrder(schedule, edges, s, i, w, update, round_size)
+    return orders
 
 
-def _expand(
-    schedule: Schedule,
-    edges: Edges,
-    stage: int,
-    w: int,
-    mine: list[int],
-    update: Callable[[int], list[Action]],
-    round_size: int,
-) -> list[Action]:
-    """One replica's compute order with its communication, stashing and updates. A streaming
-    replica makes update u right after its last backward of round u (microbatches
-    u * round_size to (u + 1) * round_size - 1 of its stage; it holds some of every round)."""
-    into = sorted(src for src, dst in edges if dst == stage)
-    out = sorted(dst for src, dst in edges if src == stage)
-    streaming = schedule.kind in STREAMING
-    group = schedule.ranks[stage]
-    actions: list[Action] = []
-    for phase, k in compute_order(schedule.kind, w, mine):
-        if phase == "F":
-            for src in into:
-                actions.append(_comm("recv", stage, k, schedule.rank_of(src, k), src, "act"))
-            if streaming:
-                actions.append(Action("push", stage, k))
-            actions.append(Action("F", stage, k))
-            for dst in out:
-                actions.append(_comm("send", stage, k, schedule.rank_of(dst, k), dst, "act"))
-            continue
-        for dst in out:
-            if edges[(stage, dst)]:
-                actions.append(_comm("recv", stage, k, schedule.rank_of(dst, k), dst, "grad"))
+@dataclass(frozen=True)
+class RankOrder:
+    """One replica's actions, unfolded item by item: an item is one forward or backward with
+    its communication, stashing and, after a round's last backward, the update (a streaming
+    replica makes update u right after its last backward of round u: microbatches
+    u * round_size to (u + 1) * round_size - 1 of its stage; it holds some of every round).
+    A synchronous replica updates once, after its last item."""
+
+    schedule: Schedule  # kind, ranks and replicas (its actions unused)
+    edges: Edges
+    stage: int
+    replica: int
+    warmup: int
+    update: Callable[[int], list[Action]]
+    round_size: int
+
+    def mine(self, total: int) -> range:
+        """This replica's microbatches among `total` (round-robin)."""
+        return range(self.replica, total, self.schedule.replicas[self.stage])
+
+    def actions(self, total: int) -> tuple[Action, ...]:
+        """Every action for `total` microbatches."""
+        return tuple(a for _, group in self.items(total) for a in group)
+
+    def items(self, total: int, start: int = 0) -> Iterator[tuple[int, list[Action]]]:
+        """(item index, its actions) from item `start` on, for `total` microbatches (endless
+        when `total` is: items are computed one at a time)."""
+        mine = self.mine(total)
+        for t in range(start, 2 * len(mine)):
+            phase, k = compute_item(self.schedule.kind, self.warmup, mine, t)
+            yield t, self._forward(k) if phase == "F" else self._backward(k)
+        if self.schedule.kind not in STREAMING and start <= 2 * len(mine):
+            yield 2 * len(mine), self.update(-1)
+
+    def _forward(self, k: int) -> list[Action]:
+        stage, schedule = self.stage, self.schedule
+        actions = [
+            _comm("recv", stage, k, schedule.rank_of(src, k), src, "act")
+            for src in sorted(src for src, dst in self.edges if dst == stage)
+        ]  # fmt: skip
+        if schedule.kind in STREAMING:
+            actions.append(Action("push", stage, k))
+        actions.append(Action("F", stage, k))
+        actions += [
+            _comm("send", stage, k, schedule.rank_of(dst, k), dst, "act")
+            for dst in sorted(dst for src, dst in self.edges if src == stage)
+        ]  # fmt: skip
+        return actions
+
+    def _backward(self, k: int) -> list[Action]:
+        stage, schedule = self.stage, self.schedule
+        actions = [
+            _comm("recv", stage, k, schedule.rank_of(dst, k), dst, "grad")
+            for dst in sorted(d for (s, d), grads in self.edges.items() if s == stage and grads)
+        ]  # fmt: skip
         actions.append(Action("B", stage, k))
-        for src in into:
-            if edges[(src, stage)]:
-                actions.append(_comm("send", stage, k, schedule.rank_of(src, k), src, "grad"))
-        if streaming:
+        actions += [
+            _comm("send", stage, k, schedule.rank_of(src, k), src, "grad")
+            for src in sorted(s for (s, d), grads in self.edges.items() if d == stage and grads)
+        ]  # fmt: skip
+        if schedule.kind in STREAMING:
             actions.append(Action("pop", stage, k))
-            if (k + len(group)) // round_size > k // round_size:  # its last of the round
-                actions += update(k // round_size)
-    if not streaming:
-        actions += update(-1)
-    return actions
+            group = schedule.replicas[stage]
+            if (k + group) // self.round_size > k // self.round_size:  # its last of the round
+                actions += self.update(k // self.round_size)
+        return actions
 
 
 def _update(

@@ -217,6 +217,25 @@ def test_pipedream_equals_the_version_replay_on_a_different_batch_every_step() -
     assert_matches(pipeline, {n: p for stage in stages for n, p in stage.named_parameters()})
 
 
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_a_long_stream_holds_a_bounded_number_of_actions(schedule) -> None:
+    """Streaming 200 steps without a flush: every rank keeps a few steps' worth of actions (the
+    stream is released as walked), and the flush after them completes every minibatch."""
+    model, x, y, loss_fn = mlp_case()
+    pipeline = LocalPipeline(
+        program_for(model, x, [2, 1]), schedule=schedule, num_microbatches=2, loss_fn=loss_fn,
+        optimizer=SGD,
+    )  # fmt: skip
+    one_step = max(len(actions) for actions in pipeline.schedule.actions.values())
+    most = 0
+    for _ in range(200):
+        pipeline.train_step((x,), y)
+        most = max(most, *(stream.kept for stream in pipeline.streams.values()))
+    assert most <= 3 * one_step
+    pipeline.flush()
+    assert all(not worker.flight for worker in pipeline.workers.values())
+
+
 def test_a_batch_too_small_for_the_microbatches_is_refused() -> None:
     model, x, y, loss_fn = mlp_case()
     pipeline = LocalPipeline(
