@@ -8,11 +8,11 @@
    the same 2 stages, on 2 gloo ranks with one thread each, 8 microbatches, under `1f1b`,
    `gpipe`, `pipedream` and `2bw`. The ranks first calibrate (`runtime/calibration.py`: link
    latency and bandwidth, the runtime's per-message and per-tensor costs, memory bandwidth);
-   then, in each of `--rounds` rounds, both profile the model (one thread each, at the
-   microbatch size, at once, as both compute in the run) and time `--steps` train steps per
-   schedule, the schedules alternating. The simulator predicts each round's time per step on
-   the calibrated cluster from that round's profiles (stage s priced by rank s's: the two cores
-   do not run at one speed), and the table gives the medians over rounds and the median of the
+   then, in each of `--rounds` rounds, for each schedule in turn, both profile the model (one
+   thread each, at the microbatch size, at once, as both compute in the run) and time `--steps`
+   train steps. The simulator predicts each run's time per step on the calibrated cluster from
+   the profiles taken just before it (stage s priced by rank s's: the two cores do not run at
+   one speed), and the table gives the medians over rounds and the median of the
    paired ratios: this machine's speed drifts by tens of percent within minutes. The ranks run
    with glibc's malloc keeping freed memory (`KEEP_FREED_MEMORY`; `--default-malloc` runs
    without): otherwise whether a backward's gradients land on pages the allocator just gave
@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -118,24 +119,55 @@ def profile(model, x) -> CostGraph:
                              progress=False)  # fmt: skip
 
 
+def profile_under_load(model, x, y, loss_fn, rank: int, flag: Path) -> list[dict]:
+    """Each rank's profile (JSON), taken in turn while the other rank trains its stage in a loop
+    (forward and backward on the microbatch), as it does in the run: the two cores share the
+    machine's caches, memory and, under a hypervisor, maybe more. The profiling rank ends the
+    loop by creating the file `flag`."""
+    program = two_stage_program(model, x)
+    micro = x[: x.shape[0] // MICROBATCHES]
+    stage = copy.deepcopy(program.stages[rank])  # its gradients must not reach the model's
+    inputs = {k: v.detach() for k, v in program.stages[0](micro).items()}
+    both: list = [None, None]
+    for turn in (0, 1):
+        dist.barrier()
+        if rank == turn:
+            mine = profile(model, x).to_json()
+            flag.touch()
+        else:
+            while not flag.exists():
+                if rank == 0:
+                    outputs = [v for v in stage(micro).values() if v.requires_grad]
+                else:
+                    args = {k: v.requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
+                    outputs = [loss_fn(stage(**args), y[: len(micro)])]
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        dist.barrier()
+        if rank == turn:
+            flag.unlink()
+    dist.all_gather_object(both, mine)
+    return both
+
+
 def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
     torch.set_num_threads(1)
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=300)
     calibration = calibrate(rank, device, optimizer)
     results: dict = {"calibration": dataclasses.asdict(calibration), "cases": {}}
     for name, make in CASES.items():
-        results["cases"][name] = _measure(make, rank, device, steps, rounds)
+        flag = Path(init_file).with_name("profiled")
+        results["cases"][name] = _measure(make, rank, device, steps, rounds, flag)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _measure(make, rank, device, steps: int, rounds: int) -> dict:
+def _measure(make, rank, device, steps: int, rounds: int, flag: Path) -> dict:
     """Per round, the model's profile and the seconds per train step of every schedule; one
-    step's events per schedule. Each round profiles again: this machine's speed drifts by tens
-    of percent within minutes, so each round's runs are predicted from a profile taken just
-    before them."""
+    step's events per schedule. Each schedule's steps of a round follow a profile of their own:
+    this machine's speed drifts by tens of percent within minutes, so each run is predicted from
+    a profile taken just before it."""
     model, x, y, loss_fn = make()
     pipelines = {
         kind: DistributedPipeline(
@@ -148,14 +180,11 @@ def _measure(make, rank, device, steps: int, rounds: int) -> dict:
         for _ in range(steps):
             pipeline.train_step((x,), y)
     seconds: dict[str, list[float]] = {kind: [] for kind in SCHEDULES}
-    profiles = []
+    profiles: dict[str, list[list[dict]]] = {kind: [] for kind in SCHEDULES}
     for r in range(rounds):
-        dist.barrier()
-        both: list = [None, None]  # both ranks at once, as in the run; rank s runs stage s
-        dist.all_gather_object(both, profile(model, x).to_json())
-        profiles.append(both)
         order = SCHEDULES[r % len(SCHEDULES) :] + SCHEDULES[: r % len(SCHEDULES)]
         for kind in order:
+            profiles[kind].append(profile_under_load(model, x, y, loss_fn, rank, flag))
             dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):
@@ -222,8 +251,9 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
         model, x, _, _ = make()
         program_plan = two_stage_program(model, x).plan
         case = measured["cases"][name]
-        plans = [stages_on_their_ranks(program_plan, both, cluster) for both in case["profiles"]]
         for kind in SCHEDULES:
+            plans = [stages_on_their_ranks(program_plan, both, cluster)
+                     for both in case["profiles"][kind]]  # fmt: skip
             sims = [pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
                     for plan in plans]  # fmt: skip
             sim = sims[-1]  # the last round's, for the timeline comparisons

@@ -15,7 +15,7 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
                                                        `step`; `simulated_weights` says when)
     step          (2 * W - G) / B + n * t             (read weights, gradients and state; write
                                                        weights and state)
-    F on a weight + n * t: the weights swapped in for the call (`torch.func.functional_call`;
+    F on a weight + n * t: the weights swapped in for the call (`runtime/weight_slots.py`;
     copy          `pipedream`, `2bw`)
     F after a B   + P / B: the backward's gradients pushed the weights out of the caches, so the
                   forward reads them from memory again (1F1B's forwards, not GPipe's)

@@ -17,8 +17,8 @@ runtime's own `DistributedComm` and the same kind of tensors and optimizer the p
 - cache bandwidth: the same clone repeated at once (its data in cache, as freshly computed
   gradients and activations);
 - per-tensor overhead: the mean per tensor of the runtime's three per-tensor operations over
-  `TENSORS` tiny parameters: the optimizer's step, a weight copy, a `functional_call` (less the
-  plain call).
+  `TENSORS` tiny parameters: the optimizer's step, a weight copy, a call on the copy
+  (`WeightSlots`, less the plain call).
 
 Results are medians over `repeats`; every rank gets rank 0's.
 """
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.func import functional_call
 
 from pdcompile.cluster import Cluster, RuntimeCosts
 from pdcompile.runtime.distributed import DistributedComm
+from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.staged_program import Channel
 
 PROBE_BYTES = 4 * 2**20
@@ -186,11 +186,12 @@ def _host(
         p.grad = torch.ones_like(p)
     x = torch.ones(1, 1, device=device)
     copies = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    slots = WeightSlots(modules)
     per_tensor = [
         _median(device, optimizer(list(params.values())).step, repeats),
         _median(device, lambda: {n: p.detach().clone().requires_grad_() for n, p in params.items()},
                 repeats),
-        _median(device, lambda: functional_call(modules, copies, (x,)), repeats)
+        _median(device, lambda: slots(copies, (x,), {}), repeats)
         - _median(device, lambda: modules(x), repeats),
     ]  # fmt: skip
     copy = 2 * PROBE_BYTES

@@ -3,7 +3,7 @@
 The worker owns a replica of one stage module, its optimizer and the state of the microbatches
 in flight (inputs received, outputs sent, gradients coming back). Under the streaming schedules
 (`pipedream`, `2bw`) it stashes weight versions: the forward of a microbatch runs on a detached
-copy of the weights of its version (`torch.func.functional_call`), shared by every microbatch
+copy of the weights of its version (`runtime/weight_slots.py`), shared by every microbatch
 that uses the same version, and the backward runs through that same copy, where autograd
 accumulates its gradients; they move to the live weights, which the optimizer updates, when the
 version is dropped or an update begins. A version is dropped when no microbatch in flight uses
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call
 
 from pdcompile.errors import BatchError, LossError, PartitionError, ScheduleError
 from pdcompile.ir import iter_tensors
@@ -32,6 +31,7 @@ from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.schedules import STREAMING
 from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.versions import two_bw_version, vertical_version
+from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.staged_program import Channel, StagedProgram
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class StageWorker:
         self.last = stage == program.num_stages - 1
         self.loss_fn = loss_fn
         self.params = dict(module.named_parameters())
+        self.slots = WeightSlots(module)  # runs it on a weight version's copies
         self.optimizer = _make_optimizer(optimizer, self.params, program, stage)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.clip_grad_norm = clip_grad_norm
@@ -355,7 +356,7 @@ class StageWorker:
     def _call(self, state: _InFlight, args: tuple, kwargs: dict[str, Any]) -> Any:
         weights = self._weights(state)
         if weights is not None:
-            return functional_call(self.module, weights, args, kwargs)
+            return self.slots(weights, args, kwargs)
         return self.module(*args, **kwargs)
 
     def _B(self, a: Action) -> None:
@@ -367,7 +368,7 @@ class StageWorker:
             weights = _copy(self.params)
             mb = self.data[k]
             args, kwargs = (mb.args, mb.kwargs) if self.stage == 0 else ((), state.inputs)
-            state.outputs = functional_call(self.module, weights, args, kwargs)
+            state.outputs = self.slots(weights, args, kwargs)
             if self.last:
                 state.loss = self.loss_fn(state.outputs, mb.target) * mb.weight
         if self.last:
