@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 _LOOPBACK = "127.0.0.1"
 _DEFAULT_PORT = 29500  # torch's
 _STREAMS = {"act": 0, "grad": 1}
+EXCHANGE_MAX = 4  # on gloo, groups up to this size all-reduce by exchanging whole tensors
 
 
 def init_process_group(
@@ -283,21 +284,41 @@ class DistributedComm:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         what = f"all-reducing {key}"
         with torch.no_grad():
-            flats = [
-                torch.cat([t.reshape(-1) for t in ts]).to(self.device) for ts in by_dtype.values()
-            ]
-            works = [
-                self._start(dist.all_reduce, flat, members, what, group=handle, async_op=True)
-                for flat in flats
-            ]
-            for work, flat, parts in zip(works, flats, by_dtype.values(), strict=True):
-                self._wait(work, flat, members, what)
+            for parts in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in parts]).to(self.device)
+                if self._gloo and len(members) <= EXCHANGE_MAX:
+                    flat = self._exchange(flat, members, handle, what)
+                else:
+                    work = self._start(dist.all_reduce, flat, members, what, group=handle,
+                                       async_op=True)  # fmt: skip
+                    self._wait(work, flat, members, what)
                 if average:
                     flat /= len(members)
                 offset = 0
                 for part in parts:
                     part.copy_(flat[offset : offset + part.numel()].view_as(part))
                     offset += part.numel()
+
+    def _exchange(
+        self, flat: torch.Tensor, members: tuple[int, ...], group: Any, what: str
+    ) -> torch.Tensor:
+        """The sum of `flat` over `members`: each member sends its tensor to every other and
+        adds them all in rank order, so every member gets the same bits. On gloo this is one
+        message each way, where its all-reduce of a 64 KiB tensor between two ranks takes 1.3-1.8
+        ms here (several ring steps, each waking the peer), against 0.2-0.3 ms."""
+        peers = [m for m in members if m != self.rank]
+        theirs = {m: torch.empty_like(flat) for m in peers}
+        works = [(self._start(dist.irecv, theirs[m], members, what, src=m, group=group), theirs[m])
+                 for m in peers]  # fmt: skip
+        works += [(self._start(dist.isend, flat, members, what, dst=m, group=group), flat)
+                  for m in peers]  # fmt: skip
+        for work, tensor in works:
+            self._wait(work, tensor, members, what)
+        parts = [flat if m == self.rank else theirs[m] for m in members]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
 
     @property
     def pending_sends(self) -> int:

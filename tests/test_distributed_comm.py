@@ -223,6 +223,9 @@ def _three_ranks(rank: int, world_size: int, init_file: str) -> dict:
     mean = [torch.full((2,), float(rank)), torch.full((1,), 2.0 * rank, dtype=torch.float64)]
     comm.all_reduce(mean, (2, 0, 1), ("replicas", 0, 1, (0, 1, 2)), average=True)
     out["mean"] = mean
+    rounding = [torch.tensor([(1e8, 1.0, -1e8)[rank]])]  # float32: the order of the sum shows
+    comm.all_reduce(rounding, (0, 1, 2), ("tie", 1, -1, (0, 1, 2)))
+    out["rounding"] = rounding[0]
     alone = [torch.full((2,), 3.0 + rank)]
     comm.all_reduce(alone, (rank,), ("replicas", rank, -1, (rank,)))
     out["alone"] = alone
@@ -249,6 +252,8 @@ def test_all_reduce_sums_or_averages_over_each_group() -> None:
         assert torch.equal(out["mean"][0], torch.full((2,), 1.0))
         assert torch.equal(out["mean"][1], torch.full((1,), 2.0, dtype=torch.float64))
         assert torch.equal(out["alone"][0], torch.full((2,), 3.0 + rank))
+        # every rank adds the parts in rank order: the same bits everywhere
+        assert torch.equal(out["rounding"], torch.tensor([1e8]) + 1.0 - 1e8)
         assert "not one of the groups" in out["undeclared"]
 
 
