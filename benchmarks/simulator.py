@@ -6,14 +6,15 @@
 1. Scale: 64 stages x 512 microbatches under every schedule (best of 3 wall times).
 2. Predicted against measured: the MLP and the GPT-style decoder of benchmarks/runtime.py, cut in
    the same 2 stages, on 2 gloo ranks with one thread each, 8 microbatches, under `1f1b`,
-   `gpipe`, `pipedream` and `2bw`. The ranks first calibrate (`runtime/calibration.py`: link
-   latency and bandwidth, the runtime's per-message and per-tensor costs, memory bandwidth);
-   then, in each of `--rounds` rounds, for each schedule in turn, both profile the model (one
-   thread each, at the microbatch size, at once, as both compute in the run) and time `--steps`
-   train steps. The simulator predicts each run's time per step on the calibrated cluster from
-   the profiles taken just before it (stage s priced by rank s's: the two cores do not run at
-   one speed), and the table gives the medians over rounds and the median of the
-   paired ratios: this machine's speed drifts by tens of percent within minutes. The ranks run
+   `gpipe`, `pipedream` and `2bw`. In each of `--rounds` rounds the ranks calibrate
+   (`runtime/calibration.py`: link latency and bandwidth, the runtime's per-message and
+   per-tensor costs, memory bandwidth), then, for each schedule in turn, each rank profiles the
+   model (one thread, at the microbatch size) while the other trains its stage in a loop, as in
+   the run, and both time `--steps` train steps. The simulator predicts each run's time per
+   step from the calibration and profiles taken just before it (stage s priced by rank s's
+   profile: the two cores do not run at one speed), and the table gives the medians over rounds
+   and the median of the paired ratios: this machine's speed drifts by tens of percent within
+   minutes. The ranks run
    with glibc's malloc keeping freed memory (`KEEP_FREED_MEMORY`; `--default-malloc` runs
    without): otherwise whether a backward's gradients land on pages the allocator just gave
    back to the system, at a page fault per 4 KiB, changes its time by up to 2x, in the profile
@@ -152,8 +153,7 @@ def profile_under_load(model, x, y, loss_fn, rank: int, flag: Path) -> list[dict
 def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
     torch.set_num_threads(1)
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=300)
-    calibration = calibrate(rank, device, optimizer)
-    results: dict = {"calibration": dataclasses.asdict(calibration), "cases": {}}
+    results: dict = {"cases": {}}
     for name, make in CASES.items():
         flag = Path(init_file).with_name("profiled")
         results["cases"][name] = _measure(make, rank, device, steps, rounds, flag)
@@ -181,7 +181,9 @@ def _measure(make, rank, device, steps: int, rounds: int, flag: Path) -> dict:
             pipeline.train_step((x,), y)
     seconds: dict[str, list[float]] = {kind: [] for kind in SCHEDULES}
     profiles: dict[str, list[list[dict]]] = {kind: [] for kind in SCHEDULES}
+    calibrations = []
     for r in range(rounds):
+        calibrations.append(dataclasses.asdict(calibrate(rank, device, optimizer)))
         order = SCHEDULES[r % len(SCHEDULES) :] + SCHEDULES[: r % len(SCHEDULES)]
         for kind in order:
             profiles[kind].append(profile_under_load(model, x, y, loss_fn, rank, flag))
@@ -200,7 +202,8 @@ def _measure(make, rank, device, steps: int, rounds: int, flag: Path) -> dict:
         events[kind] = [e._asdict() for part in everyone for e in part]
         pipeline.worker.timeline = None
         pipeline.flush()
-    return {"seconds": seconds, "events": events, "profiles": profiles}
+    return {"seconds": seconds, "events": events, "profiles": profiles,
+            "calibrations": calibrations}  # fmt: skip
 
 
 def main() -> None:
@@ -236,9 +239,6 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
         mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
                  nprocs=2, join=True)  # fmt: skip
         measured = json.loads(Path(out).read_text())
-    calibration = Calibration(**measured["calibration"])
-    console.print(calibration_table(calibration))
-    cluster = calibration.cluster(2)
     table = Table(title=f"time per step, 2 gloo ranks, 1 thread each, {MICROBATCHES} microbatches")
     for column in ("model", "schedule", "simulated", "measured", "ratio",
                    "sim. on measured F/B", "ratio", "rounds (ms)"):  # fmt: skip
@@ -251,9 +251,12 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
         model, x, _, _ = make()
         program_plan = two_stage_program(model, x).plan
         case = measured["cases"][name]
+        calibrations = [Calibration(**c) for c in case["calibrations"]]
+        console.print(calibration_table(name, calibrations))
+        clusters = [c.cluster(2) for c in calibrations]
         for kind in SCHEDULES:
-            plans = [stages_on_their_ranks(program_plan, both, cluster)
-                     for both in case["profiles"][kind]]  # fmt: skip
+            rounds = zip(case["profiles"][kind], clusters, strict=True)
+            plans = [stages_on_their_ranks(program_plan, both, c) for both, c in rounds]
             sims = [pdcompile.simulate(plan, schedule=kind, num_microbatches=MICROBATCHES)
                     for plan in plans]  # fmt: skip
             sim = sims[-1]  # the last round's, for the timeline comparisons
@@ -288,7 +291,8 @@ def predicted_against_measured(args: argparse.Namespace, console: Console) -> di
     console.print(table)
     console.print(actions)
     malloc = os.environ.get("GLIBC_TUNABLES", "default")
-    return {"calibration": measured["calibration"], "malloc": malloc, "rows": rows}
+    calibrations = {name: case["calibrations"] for name, case in measured["cases"].items()}
+    return {"calibrations": calibrations, "malloc": malloc, "rows": rows}
 
 
 def stages_on_their_ranks(plan: Plan, profiles: list[dict], cluster: Cluster) -> Plan:
@@ -298,15 +302,17 @@ def stages_on_their_ranks(plan: Plan, profiles: list[dict], cluster: Cluster) ->
     return priced[0].with_(stages=tuple(priced[s].stages[s] for s in range(plan.num_stages)))
 
 
-def calibration_table(c: Calibration) -> Table:
-    table = Table(title="calibrated between the two ranks (runtime/calibration.py)")
+def calibration_table(name: str, rounds: list[Calibration]) -> Table:
+    table = Table(title=f"calibrated between the two ranks in each round of the {name} "
+                        "(runtime/calibration.py)")  # fmt: skip
     for column in ("latency", "bandwidth", "send", "recv", "memory bandwidth", "per tensor",
                    "all-reduce (fixed)"):  # fmt: skip
         table.add_column(column, justify="right")
-    table.add_row(f"{c.latency * 1e6:.0f} us", f"{c.bandwidth / 1e9:.2f} GB/s",
-                  f"{c.send_s * 1e6:.0f} us", f"{c.recv_s * 1e6:.0f} us",
-                  f"{c.memory_bandwidth / 1e9:.1f} GB/s", f"{c.tensor_s * 1e6:.2f} us",
-                  f"{c.collective_s * 1e6:.0f} us")  # fmt: skip
+    for c in rounds:
+        table.add_row(f"{c.latency * 1e6:.0f} us", f"{c.bandwidth / 1e9:.2f} GB/s",
+                      f"{c.send_s * 1e6:.0f} us", f"{c.recv_s * 1e6:.0f} us",
+                      f"{c.memory_bandwidth / 1e9:.1f} GB/s", f"{c.tensor_s * 1e6:.2f} us",
+                      f"{c.collective_s * 1e6:.0f} us")  # fmt: skip
     return table
 
 
