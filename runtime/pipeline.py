@@ -282,12 +282,14 @@ def cuts(streams: Mapping[int, RankStream], bound: int, position: dict[int, int]
 
 
 def _first_needing(stream: RankStream, bound: int, start: int) -> int:
-    for i in itertools.count(start):
-        a = stream[i]
-        forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
-        if forward and a.microbatch >= bound:
-            return i
-    raise AssertionError("unreachable: a stream is endless")
+    """The index of the first action from `start` on that needs a minibatch >= `bound` (there
+    is one: the stream is endless)."""
+    return next(i for i in itertools.count(start) if _needs(stream[i], bound))
+
+
+def _needs(a: Action, bound: int) -> bool:
+    forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
+    return forward and a.microbatch >= bound
 
 
 def _reaches(stream: RankStream, start: int, stop: int, collective: Action) -> bool:

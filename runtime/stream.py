@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections import deque
 
+from pdcompile.errors import ScheduleError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.schedules import RankOrder
 
@@ -37,7 +38,7 @@ class RankStream:
         """An action, or those of a slice `[start:stop]` (both given: the stream is endless)."""
         if isinstance(index, slice):
             if index.stop is None or index.step is not None:
-                raise IndexError("slice an endless stream with a start and a stop only")
+                raise ScheduleError("slice an endless stream with a start and a stop only")
             start, stop = index.start or 0, index.stop
             if stop <= start:
                 return []
@@ -71,7 +72,7 @@ class RankStream:
 
     def _at(self, index: int) -> int:
         if index < self._base:
-            raise IndexError(f"stream index {index} was released (kept from {self._base})")
+            raise ScheduleError(f"stream index {index} was released (kept from {self._base})")
         return index - self._base
 
     def _unfold(self, index: int) -> None:
