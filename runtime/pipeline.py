@@ -6,8 +6,8 @@ A synchronous step runs every rank's schedule to its end. Under the streaming sc
 endless stream of actions (the schedule of a pipeline that never drains, unfolded as it is
 walked: `runtime/stream.py`), and each call runs every rank up to its first forward of a
 microbatch it has not been given yet; `flush()` completes the rest, and the next call fills the
-pipeline again. Subclasses say how a rank's
-actions run (`_execute`) and how the loss reaches every rank (`_loss`).
+pipeline again. Subclasses say how a rank's actions run (`_execute`) and how the loss reaches
+every rank (`_loss`).
 """
 
 from __future__ import annotations

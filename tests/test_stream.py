@@ -10,17 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcompile.errors import ScheduleError
+from pdcompile.plans import consecutive_ranks
 from pdcompile.runtime.pipeline import cuts
 from pdcompile.runtime.schedules import build_schedule, rank_orders
 from pdcompile.runtime.stream import RankStream
-
-
-def layout(replicas: list[int]) -> list[tuple[int, ...]]:
-    ranks, first = [], 0
-    for r in replicas:
-        ranks.append(tuple(range(first, first + r)))
-        first += r
-    return ranks
 
 
 @st.composite
@@ -36,7 +29,7 @@ def streaming_pipelines(draw):
     m = least * draw(st.integers(1, 3))
     ties = [(0, stages - 1)] if stages > 1 and kind == "2bw" and draw(st.booleans()) else []
     clip = kind == "2bw" and draw(st.booleans())
-    return kind, layout(replicas), edges, m, ties, clip
+    return kind, consecutive_ranks(replicas), edges, m, ties, clip
 
 
 def streams(kind, ranks, edges, m, ties, clip) -> dict[int, RankStream]:
@@ -67,7 +60,7 @@ def test_walked_stream_and_its_drain_are_the_built_schedule(pipeline, steps) -> 
 def test_a_long_stream_keeps_a_bounded_number_of_actions() -> None:
     """500 calls of a 4-stage `pipedream` pipeline with a replicated stage: each rank holds a
     few items of actions, and the drain still ends the stream as the built schedule does."""
-    ranks, edges, m = layout([1, 2, 1, 1]), {(s, s + 1): True for s in range(3)}, 4
+    ranks, edges, m = consecutive_ranks([1, 2, 1, 1]), {(s, s + 1): True for s in range(3)}, 4
     stream = streams("pipedream", ranks, edges, m, [], False)
     position = dict.fromkeys(stream, 0)
     most = 0
