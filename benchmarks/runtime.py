@@ -11,7 +11,8 @@ The ranks run with glibc's malloc keeping freed memory (`cases.KEEP_FREED_MEMORY
 `--default-malloc` runs without), as both runtimes share the processes. Then `pipedream` runs for
 the same steps with its action timeline recorded: steady-state throughput (minibatches per second
 over the second half) against the ideal 1 / max over stages of a stage's forward + backward time
-per minibatch, from the same timeline.
+per minibatch, from the same timeline, and each rank's milliseconds per minibatch by kind of
+action.
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def _compare(make, rank: int, device: torch.device, steps: int, rounds: int) -> 
 
 
 def _pipedream(model, x, y, loss_fn, rank, device, steps) -> dict:
-    """Steady-state minibatches per second and the stage's compute per minibatch."""
+    """Steady-state minibatches per second, the stage's compute per minibatch, and the
+    milliseconds per minibatch of each kind of action (waits included: a `recv` or `allreduce`
+    lasts until its peer is there)."""
     pipeline = DistributedPipeline(
         two_stage_program(model, x), rank=rank, schedule="pipedream",
         num_microbatches=MICROBATCHES, loss_fn=loss_fn,
@@ -148,7 +151,14 @@ def _pipedream(model, x, y, loss_fn, rank, device, steps) -> dict:
     minibatches = sum(1 for e in compute if e.kind == "B")
     span = events[-1].end - events[half].start
     busy = sum(e.duration for e in compute)
-    return {"throughput": minibatches / span, "compute_per_minibatch": busy / minibatches}
+    per_kind: dict[str, float] = {}
+    for e in events[half:]:
+        per_kind[e.kind] = per_kind.get(e.kind, 0.0) + e.duration
+    return {
+        "throughput": minibatches / span,
+        "compute_per_minibatch": busy / minibatches,
+        "ms_per_minibatch": {k: v / minibatches * 1e3 for k, v in per_kind.items()},
+    }
 
 
 def main() -> None:
@@ -209,6 +219,12 @@ def main() -> None:
             f"ideal {s['pipedream_ideal']:.1f} (slowest stage's F+B), "
             f"{s['pipedream_fraction']:.0%} of ideal"
         )
+        for rank in range(2):
+            kinds = per_rank[rank][name]["pipedream"]["ms_per_minibatch"]
+            console.print(
+                f"  rank {rank} ms per minibatch: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -305,8 +305,8 @@ class DistributedComm:
     ) -> torch.Tensor:
         """The sum of `flat` over `members`: each member sends its tensor to every other and
         adds them all in rank order, so every member gets the same bits. On gloo this is one
-        message each way: 0.2-0.3 ms for a 64 KiB tensor between two ranks here, where gloo's
-        all-reduce took 1.3-1.8 ms (docs/runtime.md)."""
+        message each way: 0.27-0.30 ms for a 64 KiB tensor between two ranks here, where gloo's
+        all-reduce took 0.40-1.65 ms (`benchmarks/allreduce.py`)."""
         peers = [m for m in members if m != self.rank]
         theirs = {m: torch.empty_like(flat) for m in peers}
         works = [(self._start(dist.irecv, theirs[m], members, what, src=m, group=group), theirs[m])
