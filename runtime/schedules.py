@@ -177,9 +177,26 @@ def rank_orders(
         update = _update(
             s, ranks[s], my_ties, world if clip else None, world if skip_nonfinite else None
         )
+        peers = Peers(
+            into=tuple(sorted(src for src, dst in edges if dst == s)),
+            out=tuple(sorted(dst for src, dst in edges if src == s)),
+            grads_from=tuple(sorted(d for (a, d), grads in edges.items() if a == s and grads)),
+            grads_to=tuple(sorted(a for (a, d), grads in edges.items() if d == s and grads)),
+        )
         for i, rank in enumerate(stage_ranks):
-            orders[rank] = RankOrder(schedule, edges, s, i, w, update, round_size)
+            orders[rank] = RankOrder(schedule, peers, s, i, w, update, round_size)
     return orders
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The stages one stage exchanges messages with: activations come from `into` and go to
+    `out`; gradients come back from `grads_from` and go back to `grads_to`."""
+
+    into: tuple[int, ...]
+    out: tuple[int, ...]
+    grads_from: tuple[int, ...]
+    grads_to: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -191,7 +208,7 @@ class RankOrder:
     A synchronous replica updates once, after its last item."""
 
     schedule: Schedule  # kind, ranks and replicas (its actions unused)
-    edges: Edges
+    peers: Peers
     stage: int
     replica: int
     warmup: int
@@ -204,44 +221,46 @@ class RankOrder:
 
     def actions(self, total: int) -> tuple[Action, ...]:
         """Every action for `total` microbatches."""
-        return tuple(a for _, group in self.items(total) for a in group)
+        actions: list[Action] = []
+        for _, group in self.items(total):
+            actions += group
+        return tuple(actions)
 
     def items(self, total: int, start: int = 0) -> Iterator[tuple[int, list[Action]]]:
         """(item index, its actions) from item `start` on, for `total` microbatches (endless
         when `total` is: items are computed one at a time)."""
-        mine = self.mine(total)
+        mine, kind, w = self.mine(total), self.schedule.kind, self.warmup
+        forward, backward = self._forward, self._backward
         for t in range(start, 2 * len(mine)):
-            phase, k = compute_item(self.schedule.kind, self.warmup, mine, t)
-            yield t, self._forward(k) if phase == "F" else self._backward(k)
-        if self.schedule.kind not in STREAMING and start <= 2 * len(mine):
+            phase, k = compute_item(kind, w, mine, t)
+            yield t, forward(k) if phase == "F" else backward(k)
+        if kind not in STREAMING and start <= 2 * len(mine):
             yield 2 * len(mine), self.update(-1)
 
     def _forward(self, k: int) -> list[Action]:
         stage, schedule = self.stage, self.schedule
         actions = [
-            _comm("recv", stage, k, schedule.rank_of(src, k), src, "act")
-            for src in sorted(src for src, dst in self.edges if dst == stage)
-        ]  # fmt: skip
+            _comm("recv", stage, k, schedule.rank_of(src, k), src, "act") for src in self.peers.into
+        ]
         if schedule.kind in STREAMING:
             actions.append(Action("push", stage, k))
         actions.append(Action("F", stage, k))
         actions += [
-            _comm("send", stage, k, schedule.rank_of(dst, k), dst, "act")
-            for dst in sorted(dst for src, dst in self.edges if src == stage)
-        ]  # fmt: skip
+            _comm("send", stage, k, schedule.rank_of(dst, k), dst, "act") for dst in self.peers.out
+        ]
         return actions
 
     def _backward(self, k: int) -> list[Action]:
         stage, schedule = self.stage, self.schedule
         actions = [
             _comm("recv", stage, k, schedule.rank_of(dst, k), dst, "grad")
-            for dst in sorted(d for (s, d), grads in self.edges.items() if s == stage and grads)
-        ]  # fmt: skip
+            for dst in self.peers.grads_from
+        ]
         actions.append(Action("B", stage, k))
         actions += [
             _comm("send", stage, k, schedule.rank_of(src, k), src, "grad")
-            for src in sorted(s for (s, d), grads in self.edges.items() if d == stage and grads)
-        ]  # fmt: skip
+            for src in self.peers.grads_to
+        ]
         if schedule.kind in STREAMING:
             actions.append(Action("pop", stage, k))
             group = schedule.replicas[stage]
@@ -275,7 +294,7 @@ def _update(
 
 
 def _comm(kind: str, stage: int, k: int, peer: int, peer_stage: int, stream: str) -> Action:
-    return Action(kind, stage, k, peer=peer, peer_stage=peer_stage, stream=stream)
+    return Action(kind, stage, k, peer, peer_stage, stream)  # positional: the fastest
 
 
 def forward_schedule(
