@@ -15,10 +15,10 @@ from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.gantt import bubble_fraction
 from pdcompile.plans import Plan
 from pdcompile.runtime.executor import DistributedPipeline
+from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 from pdcompile.runtime.versions import version as pipedream_version
-from pdcompile.runtime.worker import batch_rows
 from pdcompile.text import human_bytes, human_seconds
 
 MEANING = {

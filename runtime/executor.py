@@ -24,10 +24,10 @@ from pdcompile.errors import PipelineTimeoutError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Key
 from pdcompile.runtime.distributed import DistributedComm
+from pdcompile.runtime.microbatches import Batch
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
 from pdcompile.runtime.schedules import check_nonfinite
 from pdcompile.runtime.worker import (
-    Batch,
     LossFn,
     OptimizerFactory,
     SchedulerFactory,

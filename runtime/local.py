@@ -17,10 +17,10 @@ import torch.nn as nn
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import LocalComm
+from pdcompile.runtime.microbatches import Batch
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
 from pdcompile.runtime.schedules import check_nonfinite
 from pdcompile.runtime.worker import (
-    Batch,
     LossFn,
     OptimizerFactory,
     SchedulerFactory,

@@ -23,11 +23,12 @@ import torch
 
 from pdcompile.errors import BatchError
 from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.runtime.microbatches import Batch, split_batch
 from pdcompile.runtime.schedules import STREAMING, build_schedule, forward_schedule, rank_orders
 from pdcompile.runtime.stream import RankStream
 from pdcompile.runtime.validate import validate_schedule
 from pdcompile.runtime.versions import two_bw_warmup, warmup
-from pdcompile.runtime.worker import Batch, StageWorker, split_batch
+from pdcompile.runtime.worker import StageWorker
 from pdcompile.staged_program import StagedProgram
 
 
