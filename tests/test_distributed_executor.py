@@ -58,10 +58,13 @@ def _train(rank: int, world_size: int, init_file: str, configs) -> list:
             optimizer=OPTIMIZERS[optimizer], device=device, timeout_s=60,
             **_clipping(clip),
         )  # fmt: skip
-        losses = [pipeline.train_step((x,), y) for _ in range(steps)]
+        losses, pending = [], 0  # sends not yet known received, after each call
+        for _ in range(steps):
+            losses.append(pipeline.train_step((x,), y))
+            pending = max(pending, pipeline.comm.pending_sends)
         pipeline.flush()
         params = {n: p.detach().clone() for n, p in pipeline.worker.module.named_parameters()}
-        results.append((params, losses))
+        results.append((params, losses, pending))
     dist.destroy_process_group()
     return results
 
@@ -103,7 +106,10 @@ def test_distributed_training_equals_the_references_and_the_local_executor(confi
     for i, config in enumerate(configs):
         reference, local, local_losses = _expected(*config)
         for rank in range(world_size):
-            params, losses = per_rank[rank][i]
+            params, losses, pending = per_rank[rank][i]
+            # a streaming call leaves pending only sends its peers receive in the next call
+            # (synchronous steps: none); were they never waited on, they would pile up
+            assert pending <= (config[4] if config[2] in ("pipedream", "2bw") else 0), config
             local_params = dict(local[rank].named_parameters())
             for name, p in params.items():
                 where = f"{config}, rank {rank}: {name}"
