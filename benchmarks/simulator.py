@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,15 +121,30 @@ def profile(model, x) -> CostGraph:
                              progress=False)  # fmt: skip
 
 
-def profile_under_load(model, x, y, loss_fn, rank: int, flag: Path) -> list[dict]:
-    """Each rank's profile (JSON), taken in turn while the other rank trains its stage in a loop
-    (forward and backward on the microbatch), as it does in the run: the two cores share the
-    machine's caches, memory and, under a hypervisor, maybe more. The profiling rank ends the
-    loop by creating the file `flag`."""
+def own_stage(model, x, y, loss_fn, rank: int) -> Callable[[], None]:
+    """A forward and backward of a private copy of this rank's stage on one microbatch (its
+    gradients never reach the model), as the rank trains it in the run."""
     program = two_stage_program(model, x)
-    micro = x[: x.shape[0] // MICROBATCHES]
-    stage = copy.deepcopy(program.stages[rank])  # its gradients must not reach the model's
+    micro, target = x[: x.shape[0] // MICROBATCHES], y[: x.shape[0] // MICROBATCHES]
+    stage = copy.deepcopy(program.stages[rank])
     inputs = {k: v.detach() for k, v in program.stages[0](micro).items()}
+
+    def train() -> None:
+        if rank == 0:
+            outputs = [v for v in stage(micro).values() if v.requires_grad]
+        else:
+            args = {k: v.requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
+            outputs = [loss_fn(stage(**args), target)]
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+    return train
+
+
+def profile_under_load(model, x, train: Callable[[], None], rank: int, flag: Path) -> list[dict]:
+    """Each rank's profile (JSON), taken in turn while the other rank trains its stage in a loop
+    (`train`, from `own_stage`), as it does in the run: the two cores share the machine's
+    caches, memory and, under a hypervisor, maybe more. The profiling rank ends the loop by
+    creating the file `flag`."""
     both: list = [None, None]
     for turn in (0, 1):
         dist.barrier()
@@ -137,12 +153,7 @@ def profile_under_load(model, x, y, loss_fn, rank: int, flag: Path) -> list[dict
             flag.touch()
         else:
             while not flag.exists():
-                if rank == 0:
-                    outputs = [v for v in stage(micro).values() if v.requires_grad]
-                else:
-                    args = {k: v.requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
-                    outputs = [loss_fn(stage(**args), y[: len(micro)])]
-                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                train()
         dist.barrier()
         if rank == turn:
             flag.unlink()
@@ -182,11 +193,12 @@ def _measure(make, rank, device, steps: int, rounds: int, flag: Path) -> dict:
     seconds: dict[str, list[float]] = {kind: [] for kind in SCHEDULES}
     profiles: dict[str, list[list[dict]]] = {kind: [] for kind in SCHEDULES}
     calibrations = []
+    train = own_stage(model, x, y, loss_fn, rank)
     for r in range(rounds):
         calibrations.append(dataclasses.asdict(calibrate(rank, device, optimizer)))
         order = SCHEDULES[r % len(SCHEDULES) :] + SCHEDULES[: r % len(SCHEDULES)]
         for kind in order:
-            profiles[kind].append(profile_under_load(model, x, y, loss_fn, rank, flag))
+            profiles[kind].append(profile_under_load(model, x, train, rank, flag))
             dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):
