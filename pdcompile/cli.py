@@ -296,21 +296,23 @@ def _solvers(args: argparse.Namespace) -> int:
 
 
 def _bench_solvers(args: argparse.Namespace) -> int:
-    from pdcompile import solver_bench as bench
+    from pdcompile.bench_instances import load_instances
+    from pdcompile.bench_report import results_json, results_table, summary_table
     from pdcompile.cluster import Cluster
+    from pdcompile.solver_bench import run_bench
 
-    instances = bench.load_instances(args.inputs, analytic=args.analytic)
+    instances = load_instances(args.inputs, analytic=args.analytic)
     clusters = [Cluster.parse(text, memory=args.memory) for text in args.cluster]
     names = [n.strip() for n in args.solvers.split(",") if n.strip()] if args.solvers else None
     settings = dict(schedule=args.schedule, num_microbatches=args.microbatches,
                     time_limit_s=args.time_limit or None, plugins=args.plugin)  # fmt: skip
-    results = bench.run_bench(instances, clusters, names, **settings)
-    _print_table(bench.results_table(results), None)
+    results = run_bench(instances, clusters, names, **settings)
+    _print_table(results_table(results), None)
     if len(instances) * len(clusters) > 1:
-        _print_table(bench.summary_table(results), None)
+        _print_table(summary_table(results), None)
     if args.json:
-        text = bench.results_json(results, instances, clusters=args.cluster, memory=args.memory,
-                                  **settings)  # fmt: skip
+        text = results_json(results, instances, clusters=args.cluster, memory=args.memory,
+                            **settings)  # fmt: skip
         _write(text, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

@@ -1,4 +1,5 @@
-"""`pdcompile.solver_bench` and `pdcompile bench-solvers`: instances, plugins, limits, reports."""
+"""`pdcompile bench-solvers` and its modules (`solver_bench`, `bench_instances`, `bench_report`):
+instances, plugins, limits, reports."""
 
 from __future__ import annotations
 
@@ -11,18 +12,10 @@ import pytest
 from rich.console import Console
 
 from pdcompile import Cluster, CostGraph, PartitionError, SpecError, evaluate, planning
+from pdcompile.bench_instances import load_instance, load_instances, synthetic_chain, synthetic_dag
+from pdcompile.bench_report import results_json, results_table, summary_table
 from pdcompile.cli import main
-from pdcompile.solver_bench import (
-    load_instance,
-    load_instances,
-    load_plugin,
-    results_json,
-    results_table,
-    run_bench,
-    summary_table,
-    synthetic_chain,
-    synthetic_dag,
-)
+from pdcompile.solver_bench import load_plugin, run_bench
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 FAST = ["dp", "uniform", "params", "blocks", "pipedream"]
