@@ -41,6 +41,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from pdcompile.errors import CheckpointError
 from pdcompile.runtime import manifest
+from pdcompile.runtime.checkpoint_entries import (
+    empty,
+    encode,
+    optimizer_items,
+    optimizer_reads,
+    restore_optimizer,
+)
 
 __all__ = ["load", "load_full_state_dict", "rng_state", "save", "set_rng_state"]
 
@@ -48,9 +55,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _FORMAT = "pdcompile/format"
-_NUMBERS = (bool, int, float)
-# param group entries kept from the loading optimizer: how it runs, not what it computes
-_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
 PathLike = str | os.PathLike
 
 
@@ -87,9 +91,9 @@ def save(
     path = os.path.abspath(os.fspath(directory))
     items: dict[str, torch.Tensor] = {_FORMAT: torch.tensor([FORMAT_VERSION, world_size])}
     items.update({f"model/{k}": v for k, v in model.state_dict(keep_vars=False).items()})
-    problems = [] if optimizer is None else _optimizer_items(model, optimizer, items)
+    problems = [] if optimizer is None else optimizer_items(model, optimizer, items)
     for key, value in extra.items():
-        problems += _encode(f"extra/{rank}/", str(key), value, items, f"extra[{key!r}]")
+        problems += encode(f"extra/{rank}/", str(key), value, items, f"extra[{key!r}]")
     if rank == 0:
         problems += _attempt(lambda: manifest.prepare(path), "preparing")
     keys, token = _agree(items, problems, path, process_group, uuid.uuid4().hex[:8])
@@ -173,18 +177,18 @@ def load(
             elif tensor.is_meta:
                 problems.append(
                     f"{name!r} is on the meta device in rank {rank}'s module: "
-                    "materialise it first (module.to_empty(device=...))"
+                    "materialise it first (module.toempty(device=...))"
                 )
             reads[f"model/{name}"] = tensor
         if optimizer is not None:
-            chosen = _optimizer_reads(model, optimizer, metadata, reads, problems)
-        reads.update({k: _empty(metadata, k) for k in entries if k.startswith(f"extra/{source}/")})
+            chosen = optimizer_reads(model, optimizer, metadata, reads, problems)
+        reads.update({k: empty(metadata, k) for k in entries if k.startswith(f"extra/{source}/")})
     _agree({}, problems, path, process_group)
     with _dcp(path, rank):
         dcp.load(reads, checkpoint_id=path, process_group=process_group, no_dist=_local())
     model.load_state_dict(module_state, strict=True)  # the modules' own load hooks run
     if optimizer is not None:
-        _restore_optimizer(optimizer, chosen, reads, path)
+        restore_optimizer(optimizer, chosen, reads, path)
     if source != rank:
         log.warning(
             "rank %d: %s was saved by %d ranks: returning saved rank 0's extra",
@@ -216,7 +220,7 @@ def load_full_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
     path = os.fspath(directory)
     _verify(path)
     metadata, _ = _open(path)
-    state = {k: _empty(metadata, k) for k in metadata.state_dict_metadata if k.startswith("model/")}
+    state = {k: empty(metadata, k) for k in metadata.state_dict_metadata if k.startswith("model/")}
     with _dcp(path, 0):
         dcp.load(state, checkpoint_id=path, no_dist=True)
     return {key.removeprefix("model/"): tensor for key, tensor in state.items()}
@@ -237,85 +241,6 @@ def set_rng_state(states: Mapping[str, Any]) -> None:
     cuda = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in states.items() if "rng/cuda/" in k)
     if cuda:
         torch.cuda.set_rng_state_all([state for _, state in cuda])
-
-
-def _optimizer_items(
-    model: nn.Module, optimizer: torch.optim.Optimizer, items: dict[str, torch.Tensor]
-) -> list[str]:
-    """Add the optimizer's state and hyperparameters under every name of each parameter."""
-    names, problems = _param_names(model), []
-    for group in optimizer.param_groups:
-        hyper = {k: _hyper(v) for k, v in group.items() if k not in _OPTIONS}
-        for param in group["params"]:
-            if id(param) not in names:
-                problems.append(
-                    f"the optimizer holds a {list(param.shape)} parameter that the "
-                    "module does not: build it from the module's parameters"
-                )
-            for name in names.get(id(param), []):
-                items.update(
-                    {f"optim/{name}/hyper/{k}": v for k, v in hyper.items() if v is not None}
-                )
-                for key, value in optimizer.state.get(param, {}).items():
-                    if value is not None:  # e.g. SGD's momentum_buffer before its first step
-                        what = f"optimizer state {key!r} of {name!r}"
-                        problems += _encode(f"optim/{name}/", key, value, items, what)
-    return problems
-
-
-def _optimizer_reads(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    metadata: Metadata,
-    reads: dict[str, torch.Tensor],
-    problems: list[str],
-) -> list[str | None]:
-    """Add the optimizer's entries to `reads`; per parameter (state_dict order), the name used."""
-    by_name: dict[str, list[str]] = {}
-    for key in metadata.state_dict_metadata:
-        if key.startswith("optim/"):
-            by_name.setdefault(key[len("optim/") :].rsplit("/", 2)[0], []).append(key)
-    names, chosen = _param_names(model), []
-    for param in (p for group in optimizer.param_groups for p in group["params"]):
-        aliases = names.get(id(param), [])
-        chosen.append(next((n for n in aliases if n in by_name), None))
-        if chosen[-1] is None:
-            problems.append(
-                f"no optimizer state for parameter {aliases or list(param.shape)}: "
-                "it was saved without an optimizer, or from another model"
-            )
-        reads.update({key: _empty(metadata, key) for key in by_name.get(chosen[-1] or "", [])})
-    return chosen
-
-
-def _restore_optimizer(
-    optimizer: torch.optim.Optimizer, chosen: list[str | None], reads: dict, path: str
-) -> None:
-    """Hand what `_optimizer_reads` read to `optimizer.load_state_dict` (its device rules)."""
-    by_name: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
-    for key, value in reads.items():
-        if key.startswith("optim/"):
-            name, kind, entry = key[len("optim/") :].rsplit("/", 2)
-            by_name.setdefault(name, []).append((kind, entry, value))
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    for group in optimizer.state_dict()["param_groups"]:
-        group, saved = dict(group), {}
-        for index in group["params"]:
-            for kind, entry, value in by_name.get(chosen[index] or "", []):
-                if kind != "hyper":
-                    state.setdefault(index, {})[entry] = value if kind == "tensor" else value.item()
-                elif entry in saved and not torch.equal(saved[entry][1], value):
-                    raise CheckpointError(
-                        f"checkpoint {path}: {saved[entry][0]!r} and {chosen[index]!r} were saved "
-                        f"with {entry} {saved[entry][1].tolist()} and {value.tolist()} but share "
-                        "a param group here: give them separate param groups"
-                    )
-                elif entry in group:
-                    saved[entry] = (chosen[index], value)
-        group.update({entry: _like(group[entry], value) for entry, (_, value) in saved.items()})
-        groups.append(group)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _agree(
@@ -405,7 +330,7 @@ def _open(path: str) -> tuple[Metadata, int]:
             f"checkpoint {path}: a torch.distributed.checkpoint directory but not a pdcompile "
             f"checkpoint (no {_FORMAT!r} entry): read it with torch.distributed.checkpoint.load"
         )
-    mark = {_FORMAT: _empty(metadata, _FORMAT)}
+    mark = {_FORMAT: empty(metadata, _FORMAT)}
     with _dcp(path, 0):
         dcp.load(mark, checkpoint_id=path, no_dist=True)
     version, world_size = mark[_FORMAT].tolist()
@@ -415,53 +340,6 @@ def _open(path: str) -> tuple[Metadata, int]:
             f"pdcompile's ({FORMAT_VERSION}): upgrade pdcompile"
         )
     return metadata, world_size
-
-
-def _encode(prefix: str, key: str, value: Any, items: dict, what: str) -> list[str]:
-    """Add a tensor or a Python number (as a tensor, remembered as one) to `items`."""
-    if isinstance(value, torch.Tensor):
-        items[f"{prefix}tensor/{key}"] = value.detach()
-    elif isinstance(value, _NUMBERS):
-        items[f"{prefix}scalar/{key}"] = _hyper(value)
-    else:
-        return [
-            f"{what} is a {type(value).__name__}; checkpoints hold tensors and Python bool, "
-            "int, float values: convert it to a tensor"
-        ]
-    return []
-
-
-def _hyper(value: Any) -> torch.Tensor | None:
-    """A number, tuple of numbers or tensor as a tensor (float64 keeps a float exact), or None."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, bool):
-        return torch.tensor(value)
-    if isinstance(value, int):
-        return torch.tensor(value, dtype=torch.int64)
-    numbers = isinstance(value, tuple | list) and all(isinstance(v, _NUMBERS) for v in value)
-    ok = isinstance(value, float) or (numbers and len(value) > 0)
-    return torch.tensor(value, dtype=torch.float64) if ok else None  # None, str: loader's own
-
-
-def _like(current: Any, value: torch.Tensor) -> Any:
-    """A saved hyperparameter as a tensor or sequence like the loader's value, else a number."""
-    if isinstance(current, torch.Tensor):
-        return value.to(dtype=current.dtype, device=current.device)
-    return type(current)(value.tolist()) if isinstance(current, tuple | list) else value.item()
-
-
-def _empty(metadata: Metadata, key: str) -> torch.Tensor:
-    entry = metadata.state_dict_metadata[key]
-    assert isinstance(entry, TensorStorageMetadata), key
-    return torch.empty(entry.size, dtype=entry.properties.dtype)
-
-
-def _param_names(model: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return names
 
 
 def _raise(problems: list[str], path: str) -> None:
