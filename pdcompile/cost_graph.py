@@ -10,123 +10,30 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
+from pdcompile.cost_attrs import (
+    FLOAT_ATTRS,
+    INT_ATTRS,
+    KINDS,
+    MEMORY_PARTS,
+    NODE_ATTRS,
+    SETTABLE,
+    check_attr,
+    check_batch_size,
+    check_edge_bytes,
+    check_meta,
+)
 from pdcompile.errors import CostError
 from pdcompile.text import human_bytes, human_seconds
 
 __all__ = ["FLOAT_ATTRS", "INT_ATTRS", "KINDS", "NODE_ATTRS", "CostGraph"]
 
-KINDS = ("input", "compute", "output")
-FLOAT_ATTRS = ("forward_s", "backward_s", "flops_forward", "flops_backward")
-INT_ATTRS = (
-    "param_bytes",
-    "grad_bytes",
-    "optimizer_bytes",
-    "activation_bytes",
-    "output_bytes",
-    "memory_bytes",
-)
-_MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
-NODE_ATTRS = (
-    "kind",
-    *FLOAT_ATTRS[:2],
-    *INT_ATTRS,
-    *FLOAT_ATTRS[2:],
-    "description",
-    "scope",
-    "members",
-    "activation_sizes",
-)
-_SETTABLE = tuple(a for a in NODE_ATTRS if a != "memory_bytes")
 FORMAT = "pdcompile.costgraph"
 VERSION = 1
-
-
-def _check_attr(node: str, name: str, value: Any) -> Any:
-    """The normalized value of one node attribute; CostError naming the node if it is wrong."""
-
-    def bad(expected: str) -> CostError:
-        return CostError(f"node {node!r}: attribute {name!r} must be {expected}, got {value!r}")
-
-    def number(x: Any) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and _finite(x)
-
-    if name in FLOAT_ATTRS:
-        if not number(value) or value < 0:
-            raise bad("a finite number >= 0 (seconds or flops)")
-        return float(value) + 0.0  # + 0.0 turns -0.0 into 0.0
-    if name in INT_ATTRS:
-        if not number(value) or value < 0 or not float(value).is_integer():
-            raise bad("a whole number of bytes >= 0")
-        return int(value)
-    if name == "kind":
-        if value not in KINDS:
-            raise bad(f"one of {', '.join(KINDS)}")
-        return value
-    if name in ("description", "scope"):
-        if not isinstance(value, str):
-            raise bad("a string")
-        return value
-    if name == "members":
-        if not isinstance(value, (list, tuple)) or not value:
-            raise bad("a non-empty tuple of node ids")
-        if not all(isinstance(m, str) and m for m in value):
-            raise bad("a tuple of non-empty strings")
-        return tuple(value)
-    if name == "activation_sizes":
-        if value is None:
-            return None
-        if not isinstance(value, (list, tuple)) or not all(number(x) and x >= 0 for x in value):
-            raise bad("None or a tuple of byte counts >= 0")
-        return tuple(int(x) if isinstance(x, numbers.Integral) else float(x) for x in value)
-    raise CostError(
-        f"node {node!r}: unknown attribute {name!r}; node attributes are {', '.join(_SETTABLE)}"
-    )
-
-
-def _checkhuman_bytes(u: str, v: str, value: Any) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not _finite(value)
-        or value < 0
-        or not float(value).is_integer()
-    ):
-        raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be a whole number >= 0, got {value!r}")
-    return int(value)
-
-
-def _check_batch_size(batch_size: Any) -> int | None:
-    if batch_size is None:
-        return None
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise CostError(f"batch_size must be None or an integer >= 1, got {batch_size!r}")
-    return batch_size
-
-
-def _finite(x: numbers.Real) -> bool:
-    """Finite as a float (an int too large for a float is not)."""
-    try:
-        return math.isfinite(x)
-    except OverflowError:
-        return False
-
-
-def check_meta(meta: Any) -> dict[str, Any]:
-    """A deep JSON-normalized copy of `meta` (tuples become lists): JSON round trips are exact."""
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise CostError(f"meta must be a dict, got {type(meta).__name__}")
-    try:
-        return json.loads(json.dumps(meta, allow_nan=False))
-    except (TypeError, ValueError, RecursionError) as e:
-        raise CostError(f"meta must be JSON-serializable (str keys, no NaN): {e}") from None
 
 
 class CostGraph:
@@ -157,7 +64,7 @@ class CostGraph:
         meta: dict[str, Any] | None = None,
     ) -> None:
         self.graph = nx.DiGraph()
-        self.batch_size = _check_batch_size(batch_size)
+        self.batch_size = check_batch_size(batch_size)
         self.meta = check_meta(meta)
         self._index: dict[str, int] = {}
         if graph is None:
@@ -209,8 +116,8 @@ class CostGraph:
         data.update(flops_forward=0.0, flops_backward=0.0, description="", scope="")
         data.update(members=(node_id,), activation_sizes=None)
         for name, value in attrs.items():
-            data[name] = _check_attr(node_id, name, value)
-        data["memory_bytes"] = sum(data[k] for k in _MEMORY_PARTS)
+            data[name] = check_attr(node_id, name, value)
+        data["memory_bytes"] = sum(data[k] for k in MEMORY_PARTS)
         self.graph.add_node(node_id, **{name: data[name] for name in NODE_ATTRS})
         self._index[node_id] = len(self._index)
 
@@ -232,7 +139,7 @@ class CostGraph:
                 f"edge {u!r} -> {v!r} goes backwards in the node order (node {v!r} was added "
                 f"before {u!r}); add nodes in a topological order (e.g. networkx.topological_sort)"
             )
-        self.graph.add_edge(u, v, bytes=_checkhuman_bytes(u, v, bytes))
+        self.graph.add_edge(u, v, bytes=check_edge_bytes(u, v, bytes))
 
     def copy(self) -> CostGraph:
         """An equal, independent CostGraph."""
@@ -270,13 +177,13 @@ class CostGraph:
                     f"{unknown}; build nodes with CostGraph.add_node"
                 )
             for name in NODE_ATTRS:
-                value = _check_attr(node, name, data[name])
+                value = check_attr(node, name, data[name])
                 if type(value) is not type(data[name]) or value != data[name]:
                     raise CostError(
                         f"node {node!r}: attribute {name!r} is {data[name]!r} of type "
                         f"{type(data[name]).__name__}; expected {type(value).__name__}"
                     )
-            derived = sum(data[k] for k in _MEMORY_PARTS)
+            derived = sum(data[k] for k in MEMORY_PARTS)
             if data["memory_bytes"] != derived:
                 raise CostError(
                     f"node {node!r}: memory_bytes is {data['memory_bytes']} but param + grad + "
@@ -288,7 +195,7 @@ class CostGraph:
         for u, v, data in self.graph.edges(data=True):
             if set(data) != {"bytes"}:
                 raise CostError(f"edge {u!r} -> {v!r}: expected only 'bytes', got {sorted(data)}")
-            _checkhuman_bytes(u, v, data["bytes"])
+            check_edge_bytes(u, v, data["bytes"])
             if type(data["bytes"]) is not int:
                 raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be an int")
             if pos[u] > pos[v]:
@@ -296,7 +203,7 @@ class CostGraph:
                     f"edge {u!r} -> {v!r} goes backwards in the node order; the insertion order "
                     "must be topological: rebuild with nodes in networkx.topological_sort order"
                 )
-        _check_batch_size(self.batch_size)
+        check_batch_size(self.batch_size)
         check_meta(self.meta)
 
     def scaled(self, batch_size: int) -> CostGraph:
@@ -314,7 +221,7 @@ class CostGraph:
                 "scaled(): this CostGraph has no batch_size (PipeDream files record none); "
                 "pass batch_size= to CostGraph.from_pipedream or set .batch_size first"
             )
-        new = _check_batch_size(batch_size)
+        new = check_batch_size(batch_size)
         if new is None:
             raise CostError("scaled(): batch_size must be an integer >= 1, got None")
         old, factor = self.batch_size, new / self.batch_size
@@ -324,7 +231,7 @@ class CostGraph:
 
         out = CostGraph(batch_size=new, meta=self.meta)
         for node, data in self.graph.nodes(data=True):
-            attrs = {name: data[name] for name in _SETTABLE}
+            attrs = {name: data[name] for name in SETTABLE}
             for name in FLOAT_ATTRS:
                 attrs[name] = data[name] * factor
             for name in ("activation_bytes", "output_bytes"):
@@ -529,8 +436,8 @@ def _add_json_node(graph: CostGraph, index: int, record: Any) -> None:
             f"node #{index} {node!r}: missing fields {missing}, unknown fields {unknown}; "
             "write the file with CostGraph.to_json"
         )
-    graph.add_node(node, **{a: record[a] for a in _SETTABLE})
-    memory = _check_attr(node, "memory_bytes", record["memory_bytes"])
+    graph.add_node(node, **{a: record[a] for a in SETTABLE})
+    memory = check_attr(node, "memory_bytes", record["memory_bytes"])
     if memory != graph.graph.nodes[node]["memory_bytes"]:
         raise CostError(
             f"node #{index} {node!r}: field 'memory_bytes' is {memory} but param + grad + "

@@ -14,7 +14,8 @@ from typing import Any
 
 import networkx as nx
 
-from pdcompile.cost_graph import CostGraph, check_meta, read_text
+from pdcompile.cost_attrs import check_meta
+from pdcompile.cost_graph import CostGraph, read_text
 from pdcompile.errors import CostError
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"

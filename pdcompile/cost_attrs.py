@@ -1,0 +1,117 @@
+"""The attributes a CostGraph's nodes and edges carry (`NODE_ATTRS`, edge `bytes`), and the checks
+that normalise them or raise a CostError naming the node or edge. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from typing import Any
+
+from pdcompile.errors import CostError
+
+KINDS = ("input", "compute", "output")
+FLOAT_ATTRS = ("forward_s", "backward_s", "flops_forward", "flops_backward")
+INT_ATTRS = (
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "output_bytes",
+    "memory_bytes",
+)
+MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+NODE_ATTRS = (
+    "kind",
+    *FLOAT_ATTRS[:2],
+    *INT_ATTRS,
+    *FLOAT_ATTRS[2:],
+    "description",
+    "scope",
+    "members",
+    "activation_sizes",
+)
+SETTABLE = tuple(a for a in NODE_ATTRS if a != "memory_bytes")
+
+
+def check_attr(node: str, name: str, value: Any) -> Any:
+    """The normalized value of one node attribute; CostError naming the node if it is wrong."""
+
+    def bad(expected: str) -> CostError:
+        return CostError(f"node {node!r}: attribute {name!r} must be {expected}, got {value!r}")
+
+    def number(x: Any) -> bool:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and _finite(x)
+
+    if name in FLOAT_ATTRS:
+        if not number(value) or value < 0:
+            raise bad("a finite number >= 0 (seconds or flops)")
+        return float(value) + 0.0  # + 0.0 turns -0.0 into 0.0
+    if name in INT_ATTRS:
+        if not number(value) or value < 0 or not float(value).is_integer():
+            raise bad("a whole number of bytes >= 0")
+        return int(value)
+    if name == "kind":
+        if value not in KINDS:
+            raise bad(f"one of {', '.join(KINDS)}")
+        return value
+    if name in ("description", "scope"):
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if name == "members":
+        if not isinstance(value, (list, tuple)) or not value:
+            raise bad("a non-empty tuple of node ids")
+        if not all(isinstance(m, str) and m for m in value):
+            raise bad("a tuple of non-empty strings")
+        return tuple(value)
+    if name == "activation_sizes":
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(number(x) and x >= 0 for x in value):
+            raise bad("None or a tuple of byte counts >= 0")
+        return tuple(int(x) if isinstance(x, numbers.Integral) else float(x) for x in value)
+    raise CostError(
+        f"node {node!r}: unknown attribute {name!r}; node attributes are {', '.join(SETTABLE)}"
+    )
+
+
+def check_edge_bytes(u: str, v: str, value: Any) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not _finite(value)
+        or value < 0
+        or not float(value).is_integer()
+    ):
+        raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+def check_batch_size(batch_size: Any) -> int | None:
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise CostError(f"batch_size must be None or an integer >= 1, got {batch_size!r}")
+    return batch_size
+
+
+def _finite(x: numbers.Real) -> bool:
+    """Finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def check_meta(meta: Any) -> dict[str, Any]:
+    """A deep JSON-normalized copy of `meta` (tuples become lists): JSON round trips are exact."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise CostError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CostError(f"meta must be JSON-serializable (str keys, no NaN): {e}") from None
