@@ -138,8 +138,12 @@ class PipelinedModule:
 
         worker = self._only_worker("save")
         self.flush()
-        extra: dict[str, Any] = {"steps": self.steps, "updates": worker.updates, **rng_state()}
-        extra.update({f"shadow/{n}": t.detach() for n, t in worker.previous.items()})
+        extra: dict[str, Any] = {
+            "steps": self.steps,
+            "updates": worker.versions.updates,
+            **rng_state(),
+        }
+        extra.update({f"shadow/{n}": t.detach() for n, t in worker.versions.previous.items()})
         if worker.scheduler is not None:
             extra["scheduler/last_epoch"] = worker.scheduler.last_epoch
         save(
@@ -158,11 +162,11 @@ class PipelinedModule:
         extra = load(directory, model=worker.module, optimizer=worker.optimizer)
         set_rng_state(extra)
         self.steps = int(extra.get("steps", self.steps))
-        worker.updates = int(extra.get("updates", worker.updates))
+        worker.versions.updates = int(extra.get("updates", worker.versions.updates))
         if worker.scheduler is not None and "scheduler/last_epoch" in extra:
             worker.scheduler.last_epoch = int(extra["scheduler/last_epoch"])
         self.pipeline.restart()
-        worker.restore_previous({k.removeprefix("shadow/"): t for k, t in extra.items()
+        worker.versions.restore_previous({k.removeprefix("shadow/"): t for k, t in extra.items()
                                  if k.startswith("shadow/")})  # fmt: skip
 
     def _only_worker(self, what: str) -> Any:

@@ -94,7 +94,7 @@ class Pipeline:
             self._new_stream()
         self._forward: Schedule | None = None  # evaluation
         for worker in workers.values():
-            worker.begin_stream()
+            worker.versions.begin_stream()
 
     def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
         """One step over the batch (every rank passes the same batch); returns the loss on every
@@ -152,16 +152,14 @@ class Pipeline:
         self.position = dict.fromkeys(self.schedule.actions, 0)
         self._new_stream()
         for worker in self.workers.values():
-            worker.begin_stream()
+            worker.versions.begin_stream()
 
     def restart(self) -> None:
         """After the weights changed from outside (a checkpoint loaded): weight versions start
-        again from the live weights (`2bw`'s previous weights: `StageWorker.restore_previous`)."""
+        again from the live weights (`2bw`'s previous ones: `WeightVersions.restore_previous`)."""
         self.flush()
         for worker in self.workers.values():
-            worker.versions.clear()
-            worker.users.clear()
-            worker.begin_stream()
+            worker.versions.restart()
 
     def _execute(
         self,

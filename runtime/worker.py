@@ -2,12 +2,8 @@
 
 The worker owns a replica of one stage module, its optimizer and the state of the microbatches
 in flight (inputs received, outputs sent, gradients coming back). Under the streaming schedules
-(`pipedream`, `2bw`) it stashes weight versions: the forward of a microbatch runs on a detached
-copy of the weights of its version (`runtime/weight_slots.py`), shared by every microbatch
-that uses the same version, and the backward runs through that same copy, where autograd
-accumulates its gradients; they move to the live weights, which the optimizer updates, when the
-version is dropped or an update begins. A version is dropped when no microbatch in flight uses
-it and none to come will (`2bw` keeps the weights before the last update).
+(`pipedream`, `2bw`) each microbatch's forward and backward run on its weight version
+(`runtime/weight_versions.py`) through the module's parameter slots (`runtime/weight_slots.py`).
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.microbatches import Batch, Microbatch
 from pdcompile.runtime.schedules import STREAMING
 from pdcompile.runtime.timeline import Event
-from pdcompile.runtime.versions import two_bw_version, vertical_version
 from pdcompile.runtime.weight_slots import WeightSlots
+from pdcompile.runtime.weight_versions import WeightVersions, copy_weights
 from pdcompile.staged_program import Channel, StagedProgram
 
 log = logging.getLogger(__name__)
@@ -102,13 +98,9 @@ class StageWorker:
         self.evaluating = False
         self.outputs: dict[int, Any] = {}  # evaluation: the last stage's output per microbatch
         self.norm_squares = torch.zeros(1, dtype=torch.float64)  # of the last global clip
-        self.kind = schedule_kind
-        self.num_microbatches = num_microbatches
         self.pipedream = schedule_kind == "pipedream"
         self.streaming = schedule_kind in STREAMING
         self.stash = stash
-        self.vertical = vertical_sync and self.pipedream
-        self.replicas = [s.replicas for s in program.plan.stages]
         self.inbound = {c.src_stage: [] for c in program.channels_to(stage)}
         for c in program.channels_to(stage):
             self.inbound[c.src_stage].append(c)
@@ -123,12 +115,11 @@ class StageWorker:
         copies = {n for tie in program.ties if tie.owner != stage for n in tie.names}
         self.counted = [p for n, p in self.params.items() if n not in copies]  # global norm
         self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
-        self.updates = 0
+        self.versions = WeightVersions(
+            self.params, schedule_kind, num_microbatches, vertical=vertical_sync and self.pipedream,
+            replicas=[s.replicas for s in program.plan.stages], stage=stage,
+        )  # fmt: skip
         self.flight: dict[int, _InFlight] = {}
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # updates -> weights (streaming)
-        self.users: dict[int, int] = {}  # updates -> microbatches in flight on that version
-        self.newest = 0  # the version the latest push picked
-        self.stream_base = 0  # updates when the stream (re)started
         self.losses: dict[int, float] = {}
         self.data: dict[int, Microbatch] = {}
         self.timeline: list[Event] | None = None
@@ -189,69 +180,11 @@ class StageWorker:
 
     def _push(self, a: Action) -> None:
         state = self.flight.setdefault(a.microbatch, _InFlight())
-        u = self.updates
-        if self.vertical:
-            u = self.stream_base + vertical_version(self.replicas, self.stage, a.microbatch)
-        elif self.kind == "2bw":
-            u = two_bw_version(self.num_microbatches, a.microbatch, self.stream_base)
-        if u not in self.versions:
-            assert u == self.updates, f"version {u} of stage {self.stage} was not kept"
-            self.versions[u] = _copy(self.params)
-        state.version, self.newest = u, u
-        self.users[u] = self.users.get(u, 0) + 1
-        self._drop_old()
+        state.version = self.versions.push(a.microbatch)
 
     def _pop(self, a: Action) -> None:
         self.data.pop(a.microbatch)
-        self.users[self.flight.pop(a.microbatch).version] -= 1
-        self._drop_old()
-
-    def _drop_old(self) -> None:
-        """Forget versions no microbatch in flight uses and no later one will."""
-        for u in [u for u in self.versions if u < self.newest and not self.users.get(u)]:
-            self._collect(self.versions.pop(u))
-            self.users.pop(u, None)
-
-    def _collect(self, *copies: dict[str, torch.Tensor]) -> None:
-        """Move the gradients backwards left on weight copies (default: every stashed version)
-        to the live weights. Every backward run since the last update belongs to the next one,
-        so this may happen at any time before it."""
-        for weights in copies or tuple(self.versions.values()):
-            for name, copy in weights.items():
-                if copy.grad is not None:
-                    live = self.params[name]
-                    live.grad = copy.grad if live.grad is None else live.grad + copy.grad
-                    copy.grad = None
-
-    def begin_stream(self) -> None:
-        """A stream (re)starts: microbatch numbers count from 0 again. `2bw` keeps the weights
-        before the last update: the next step computes on them."""
-        self.stream_base = self.newest = self.updates
-        previous = self.previous
-        self.versions = {u: w for u, w in self.versions.items() if self.users.get(u)}
-        if previous:
-            self.newest = self.updates - 1
-            self.versions[self.newest] = previous
-        if self.vertical:
-            self.versions[self.updates] = _copy(self.params)
-
-    @property
-    def previous(self) -> dict[str, torch.Tensor]:
-        """`2bw`: the weights before the last update, which the next step computes on ({}
-        before the first update and under the other schedules)."""
-        return self.versions.get(self.updates - 1, {}) if self.kind == "2bw" else {}
-
-    def restore_previous(self, weights: dict[str, torch.Tensor]) -> None:
-        """`2bw` after a checkpoint load: the weights before the last update (names missing
-        from `weights` take the live ones)."""
-        if self.kind != "2bw" or not self.updates:
-            return
-        live = _copy(self.params)
-        self.versions[self.updates - 1] = {
-            n: weights[n].detach().clone().requires_grad_(t.requires_grad) if n in weights else t
-            for n, t in live.items()
-        }
-        self.newest = self.updates - 1
+        self.versions.pop(self.flight.pop(a.microbatch).version)
 
     def _F(self, a: Action) -> None:
         k = a.microbatch
@@ -326,7 +259,7 @@ class StageWorker:
 
     def _weights(self, state: _InFlight) -> dict[str, torch.Tensor] | None:
         """The weight copy a microbatch runs on (None: the live weights)."""
-        return self.versions[state.version] if self.streaming else None
+        return self.versions.copies[state.version] if self.streaming else None
 
     def _call(self, state: _InFlight, args: tuple, kwargs: dict[str, Any]) -> Any:
         weights = self._weights(state)
@@ -340,7 +273,7 @@ class StageWorker:
         weights = self._weights(state)
         if self.pipedream and not self.stash:
             # no stashing: the backward sees the newest weights (forward again on them)
-            weights = _copy(self.params)
+            weights = copy_weights(self.params)
             mb = self.data[k]
             args, kwargs = (mb.args, mb.kwargs) if self.stage == 0 else ((), state.inputs)
             state.outputs = self.slots(weights, args, kwargs)
@@ -353,11 +286,11 @@ class StageWorker:
             grads = [g.to(t.dtype) for t, (_, g) in zip(tensors, state.grads, strict=True)]
             torch.autograd.backward(tensors, grads)
         if self.pipedream and not self.stash:
-            self._collect(weights)  # a copy of its own: its gradients go now
+            self.versions.collect(weights)  # a copy of its own: its gradients go now
         state.outputs, state.grads, state.loss = None, [], None
 
     def _allreduce(self, a: Action) -> None:
-        self._collect()
+        self.versions.collect()
         if a.tie >= 0:
             names = self.tied[a.tie]
             tensors = [_ensure_grad(self.params[n]) for n in names[:1]]
@@ -378,7 +311,7 @@ class StageWorker:
         every rank (`a.group`: each tensor counted once, on first replicas and tie owners;
         applied by `finish` once the all-reduce is complete) or over this stage (no group,
         `pipedream`)."""
-        self._collect()
+        self.versions.collect()
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         if not a.group:
             self._scale(float(sum(g.double().pow(2).sum() for g in grads)))
@@ -414,7 +347,7 @@ class StageWorker:
                     p.grad.mul_(coefficient)
 
     def _step(self, a: Action) -> None:
-        self._collect()
+        self.versions.collect()
         if self.skip:  # a non-finite loss: no update, the buffers as before the step
             self.skip, self.skipped = False, self.skipped + 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -425,18 +358,12 @@ class StageWorker:
             self.flight.clear()
             self.data.clear()
             return
-        if self.kind == "2bw":  # the next step computes on the weights before this update
-            self.newest = self.updates
-            self._drop_old()  # the version this step computed on: its microbatches are done
-            if self.updates not in self.versions:
-                self.versions[self.updates] = _copy(self.params)
+        self.versions.before_update()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        self.updates += 1
-        if self.vertical:
-            self.versions[self.updates] = _copy(self.params)
+        self.versions.after_update()
         if not self.streaming:
             self.flight.clear()  # a synchronous step ends with every microbatch done
             self.data.clear()
@@ -481,11 +408,6 @@ def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__} of {len(value)}"
     return "None" if value is None else type(value).__name__
-
-
-def _copy(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-    """Detached copies of weights, as leaves a forward can run on and a backward fill."""
-    return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
 
 
 def _as_channel(value: Any, channel: Channel) -> Any:

@@ -66,7 +66,7 @@ def test_skip_in_one_process_drops_the_step_and_trains_on_like_the_reference() -
     _check_skipped(losses, states, model, x, y, loss_fn)
     assert pipe.skipped_steps == 1
     for worker in pipe.pipeline.workers.values():  # three updates, three scheduler steps
-        assert worker.updates == 3 and worker.scheduler.last_epoch == 3
+        assert worker.versions.updates == 3 and worker.scheduler.last_epoch == 3
 
 
 def test_raise_in_one_process_names_the_step_stage_and_microbatch() -> None:

@@ -145,8 +145,8 @@ def _watch_versions(pipeline: LocalPipeline) -> dict[int, tuple[int, int]]:
 
         def watched(action, run=worker.run, worker=worker, rank=rank) -> None:
             run(action)
-            alive = len(set(worker.versions) | {worker.updates})
-            most[rank] = tuple(map(max, most[rank], (alive, len(worker.versions))))
+            alive = len(set(worker.versions.copies) | {worker.versions.updates})
+            most[rank] = tuple(map(max, most[rank], (alive, len(worker.versions.copies))))
 
         worker.run = watched
     return most

@@ -496,7 +496,7 @@ def test_simulated_weight_copies_are_the_workers(kind):
 
         def counted(action, rank=rank, worker=worker, run=run):
             run(action)
-            held[rank] = max(held[rank], len(worker.versions))
+            held[rank] = max(held[rank], len(worker.versions.copies))
 
         worker.run = counted
     for _ in range(streaming_calls(kind, [1, 1, 1], 4)):
