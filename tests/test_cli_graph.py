@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -183,6 +184,14 @@ def test_console_script_runs_outside_the_repository(tmp_path: Path) -> None:
 
 
 def test_cli_capture_methods_are_the_api_methods() -> None:
-    from pdcompile import cli, tracing
+    from pdcompile import cli_parser, tracing
 
-    assert cli.METHODS == tracing.METHODS
+    assert cli_parser.METHODS == tracing.METHODS
+
+
+def test_every_command_of_the_parser_has_a_handler() -> None:
+    from pdcompile import cli, cli_parser
+
+    parser = cli_parser.build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands.choices) == set(cli.COMMANDS)
