@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -26,18 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.cluster import Cluster
-from pdcompile.errors import PartitionError, ScheduleError
+from pdcompile.errors import PartitionError
 from pdcompile.plans import Plan, check_schedule
-from pdcompile.runtime.action_costs import LOSS_BYTES, send_s, stage_costs, tie_costs
-from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.runtime.actions import Schedule
 from pdcompile.runtime.schedules import STREAMING, build_schedule
-from pdcompile.runtime.simulated_weights import SimulatedWeights
+from pdcompile.runtime.sim_engine import COMPUTE, Engine
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 from pdcompile.runtime.versions import two_bw_warmup, warmup
 
 __all__ = ["Simulation", "simulate"]
-
-COMPUTE = ("F", "B")
 
 
 @dataclass(frozen=True)
@@ -103,20 +99,20 @@ def simulate(
     edges = {(src, s.index): size > 0 for s in plan.stages for src, size in s.recv_bytes}
     ties = [stages for stages, _ in plan.ties]
     if kind not in STREAMING:
-        engine = _Engine(plan, build_schedule(kind, ranks, edges, m, ties))
+        engine = Engine(plan, build_schedule(kind, ranks, edges, m, ties))
         engine.run_call(math.inf)
-        return engine.result(dict.fromkeys(engine.release, 0.0), engine.release)
+        return _result(engine, dict.fromkeys(engine.release, 0.0), engine.release)
     replicas = [s.replicas for s in plan.stages]
     calls = streaming_calls(kind, replicas, m)
     deepest = max(_warmup(kind, replicas, s, m) for s in range(len(replicas)))
     lookahead = math.lcm(*replicas) * (deepest + 1) * max(replicas)  # as Pipeline._lookahead
     steps = calls + -(-lookahead // m)
-    engine = _Engine(plan, build_schedule(kind, ranks, edges, m, ties, num_steps=steps))
+    engine = Engine(plan, build_schedule(kind, ranks, edges, m, ties, num_steps=steps))
     start = engine.release
     for call in range(1, calls + 1):
         start = engine.release
         engine.run_call(call * m)
-    return engine.result(start, engine.release)
+    return _result(engine, start, engine.release)
 
 
 def streaming_calls(kind: str, replicas: Sequence[int], num_microbatches: int) -> int:
@@ -166,307 +162,20 @@ def _on(plan: Plan, cluster: Cluster) -> Plan:
     return plan.with_(stages=tuple(stages), cluster=cluster)
 
 
-class _Link:
-    """One direction of a link, shared fairly by the transfers on it (processor sharing, in
-    virtual time: each active transfer has been served `virtual` bytes since it started at
-    `tag - bytes`, so they finish in order of `tag`)."""
-
-    __slots__ = ("bandwidth", "flows", "updated", "version", "virtual")
-
-    def __init__(self, bandwidth: float) -> None:
-        self.bandwidth = bandwidth
-        self.virtual = 0.0
-        self.updated = 0.0
-        self.version = 0
-        self.flows: list[tuple[float, int, tuple]] = []  # (tag, sequence, message)
-
-    def advance(self, now: float) -> None:
-        if self.flows:
-            self.virtual += (now - self.updated) * self.bandwidth / len(self.flows)
-        self.updated = now
-
-    def next_completion(self, now: float) -> float:
-        return now + max(0.0, self.flows[0][0] - self.virtual) * len(self.flows) / self.bandwidth
-
-
-# heap entries: (time, sequence, code, what, version)
-RESUME, COMPLETE, TRANSFER, DELIVER = range(4)  # a rank; a link; a message enters it; arrives
-
-
-class _Engine:
-    """Runs every rank's actions on an event heap; `run_call(bound)` runs until every rank is
-    done, blocked, or at its first action that needs a forward minibatch >= `bound`."""
-
-    def __init__(self, plan: Plan, schedule: Schedule) -> None:
-        self.plan, self.schedule = plan, schedule
-        cluster = plan.cluster
-        self.actions = schedule.actions
-        self.stage = {r: s.index for s in plan.stages for r in s.ranks}
-        self.seconds = {(s.index, "F"): s.forward_s for s in plan.stages}
-        self.seconds |= {(s.index, "B"): s.backward_s for s in plan.stages}
-        self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
-        self.costs = stage_costs(plan, cluster)
-        self.ties = tie_costs(plan, cluster)
-        self.send_s = {pair: send_s(cluster, size) for pair, size in self.bytes.items()}
-        self.recv_s = cluster.runtime.message_s
-        self.loss_send_s = send_s(cluster, LOSS_BYTES)
-        # devices per group of the level below each level (1 below the innermost)
-        self.below = [
-            math.prod(lv.count for lv in cluster.levels[:k]) for k in range(len(cluster.levels))
-        ]
-        self.links: dict[tuple[int, int, int], _Link] = {}  # (level, source group, destination)
-        self.routes: dict[tuple[int, int], tuple[int, int, int]] = {}  # rank pair -> link
-        self.latency: dict[tuple[int, int], float] = {}  # rank pair -> seconds per message
-        self.position = dict.fromkeys(self.actions, 0)
-        self.clock = dict.fromkeys(self.actions, 0.0)  # when each rank last stopped
-        self.last_compute: dict[int, str] = {}  # "F" or "B": what each rank computed last
-        self.heap: list[tuple[float, int, int, Any, int]] = []
-        self.sequence = 0
-        self.arrived: dict[tuple, float] = {}
-        self.waiting: dict[tuple, tuple[int, float]] = {}  # message -> (rank, since)
-        self.gathering: dict[tuple, list[tuple[int, float]]] = {}  # collective -> arrivals
-        self.events: list[Event] = []
-        self.release = dict.fromkeys(self.actions, 0.0)  # when each rank starts the next call
-        self.bound = math.inf
-        # memory: weights, activations in flight, weight copies
-        by_stage = {s.index: s for s in plan.stages}
-        self.kept = {r: by_stage[s].activation_bytes for r, s in self.stage.items()}
-        self.weights = {
-            r: SimulatedWeights(plan.schedule, plan.num_microbatches, self.costs[s],
-                                by_stage[s].param_bytes)
-            for r, s in self.stage.items()
-        }  # fmt: skip
-        self.used = {r: by_stage[s].weight_bytes for r, s in self.stage.items()}
-        self.memory = {r: [(0.0, self.used[r])] for r in self.actions}
-
-    # -- the event loop ---------------------------------------------------------------------
-
-    def _push(self, time: float, code: int, what: Any, version: int = 0) -> None:
-        self.sequence += 1
-        heapq.heappush(self.heap, (time, self.sequence, code, what, version))
-
-    def run_call(self, bound: float) -> None:
-        """Run every rank from its release until nothing can move; then the loss messages
-        set the next releases."""
-        self.bound = bound
-        self.waiting.clear()
-        self.gathering.clear()
-        before = dict(self.position)
-        for rank in self.actions:
-            self._push(self.release[rank], RESUME, rank)
-        while self.heap:
-            time, _, code, what, version = heapq.heappop(self.heap)
-            if code == RESUME:
-                self._resume(what, time)
-            elif code == TRANSFER:
-                self._transfer(*what, time)
-            elif code == DELIVER:
-                self._deliver(what, time)
-            elif self.links[what].version == version:
-                self._complete(what, time)
-        if bound == math.inf and any(self.position[r] < len(a) for r, a in self.actions.items()):
-            self._stuck("deadlock")
-        if bound < math.inf and self.position == before:
-            self._stuck(f"no rank can move towards minibatch {bound}")
-        self.release = self._loss_messages()
-
-    def _loss_messages(self) -> dict[int, float]:
-        """When each rank starts the next call: the last stage's ranks post the loss to every
-        other rank, which waits for it (`DistributedPipeline._loss`)."""
-        sources = self.plan.stages[-1].ranks
-        posted = {s: self.clock[s] + (len(self.actions) - 1) * self.loss_send_s for s in sources}
-        release = {}
-        for rank in self.actions:
-            t = posted.get(rank, self.clock[rank])
-            for s in sources:
-                if s != rank:
-                    self._link(s, rank)
-                    t = max(t, posted[s] + self.latency[(s, rank)]) + self.recv_s
-            release[rank] = t
-        return release
-
-    def _stuck(self, why: str) -> None:
-        stuck = {r: p for r, p in self.position.items() if p < len(self.actions[r])}
-        raise ScheduleError(
-            f"simulated {self.schedule.kind} schedule stops: {why}; ranks wait at "
-            f"{ {r: str(self.actions[r][p]) for r, p in stuck.items()} }\n"
-            f"{self.schedule.grid(stuck)}"
-        )
-
-    def _resume(self, rank: int, now: float) -> None:
-        """Run `rank`'s actions from `now` until one takes time or it has to wait."""
-        actions, stage, position, bound = (
-            self.actions[rank],
-            self.stage[rank],
-            self.position,
-            self.bound,
-        )
-        while position[rank] < len(actions):
-            a = actions[position[rank]]
-            kind = a.kind
-            if a.microbatch >= bound and (
-                kind in ("F", "push") or (kind in ("send", "recv") and a.stream == "act")
-            ):
-                break  # the next call gives this minibatch
-            if kind in COMPUTE:
-                end = now + self.seconds[(stage, kind)]
-                weights = self.weights[rank]
-                end += weights.forward() if kind == "F" else weights.backward(a.microbatch)
-                if kind == "F" and self.last_compute.get(rank) == "B":
-                    end += self.costs[stage].reload_s  # the backward pushed the weights out
-                self.last_compute[rank] = kind
-                self._record(rank, a, now, end)
-                if kind == "F":  # activations are kept from a forward to the end of its backward
-                    self._use(rank, now, self.kept[rank])
-                else:
-                    self._use(rank, end, -self.kept[rank])
-                self._push(end, RESUME, rank)
-                return
-            if kind == "recv":
-                message = (a.peer, rank, *a.key)
-                arrival = self.arrived.pop(message, None)
-                if arrival is None:
-                    self.waiting[message] = (rank, now)
-                    break
-                # a message sent in an earlier call may still travel at its end
-                end = max(now, arrival) + self.recv_s
-            elif a.is_collective:
-                if not self._gather(rank, a, now):
-                    break
-                return
-            elif kind == "send":
-                end = now + self.send_s[a.key[2:]]
-                if end > now:  # packed and posted: the transfer starts after
-                    self._push(end, TRANSFER, (rank, a))
-                else:
-                    self._transfer(rank, a, now)
-            else:
-                end = now + self._version(rank, a, now) if kind in ("push", "pop", "step") else now
-            self._record(rank, a, now, end)
-            if end > now:
-                self._push(end, RESUME, rank)
-                return
-        self.clock[rank] = now
-
-    def _record(self, rank: int, a: Action, start: float, end: float) -> None:
-        self.events.append(Event(rank, a.kind, a.stage, a.microbatch, start, end, a.peer))
-        self.position[rank] += 1
-
-    # -- messages ---------------------------------------------------------------------------
-
-    def _transfer(self, rank: int, a: Action, now: float) -> None:
-        """A sent message enters its link (or, without bytes, only waits the latency)."""
-        message = (rank, a.peer, *a.key)
-        size = self.bytes[a.key[2:]]
-        if size <= 0:
-            self._arrive(message, now)
-            return
-        key = self._link(rank, a.peer)
-        link = self.links[key]
-        link.advance(now)
-        self.sequence += 1
-        heapq.heappush(link.flows, (link.virtual + size, self.sequence, message))
-        self._reschedule(key, link, now)
-
-    def _link(self, src: int, dst: int) -> tuple[int, int, int]:
-        """Transfers between the same two groups of the slowest level the ranks span share one
-        link per direction (two ranks of one innermost group: a link of their own)."""
-        key = self.routes.get((src, dst))
-        if key is None:
-            level = self.plan.cluster.level_of(min(src, dst), max(src, dst))
-            size = self.below[level]
-            key = self.routes[(src, dst)] = (level, src // size, dst // size)
-            self.latency[(src, dst)] = self.plan.cluster.levels[level].latency
-            self.links.setdefault(key, _Link(self.plan.cluster.levels[level].bandwidth))
-        return key
-
-    def _reschedule(self, key: tuple[int, int, int], link: _Link, now: float) -> None:
-        """The link's next completion (earlier ones scheduled are stale from now on)."""
-        link.version += 1
-        if link.flows:
-            self._push(link.next_completion(now), COMPLETE, key, link.version)
-
-    def _complete(self, key: tuple[int, int, int], now: float) -> None:
-        link = self.links[key]
-        link.advance(now)
-        tag, _, message = heapq.heappop(link.flows)
-        link.virtual = max(link.virtual, tag)  # no rounding left over
-        done = [message]
-        while link.flows and link.flows[0][0] - link.virtual <= 1e-9 * max(1.0, tag):
-            done.append(heapq.heappop(link.flows)[2])
-        self._reschedule(key, link, now)
-        for message in done:
-            self._arrive(message, now)
-
-    def _arrive(self, message: tuple, now: float) -> None:
-        """The message's bytes are through: it arrives after the latency of its ranks' level."""
-        self._link(message[0], message[1])
-        latency = self.latency[(message[0], message[1])]
-        if latency > 0:
-            self._push(now + latency, DELIVER, message)
-        else:
-            self._deliver(message, now)
-
-    def _deliver(self, message: tuple, now: float) -> None:
-        waiter = self.waiting.pop(message, None)
-        if waiter is None:
-            self.arrived[message] = now
-            return
-        rank, since = waiter
-        a = self.actions[rank][self.position[rank]]
-        self._record(rank, a, since, now + self.recv_s)
-        self._push(now + self.recv_s, RESUME, rank)
-
-    # -- collectives, versions, memory ------------------------------------------------------
-
-    def _gather(self, rank: int, a: Action, now: float) -> bool:
-        """Arrive at a collective; when the group is complete, every member leaves at its end.
-        Returns whether this rank goes on (it waits otherwise)."""
-        arrivals = self.gathering.setdefault(a.collective, [])
-        arrivals.append((rank, now))
-        if len(arrivals) < len(a.group):
-            self.clock[rank] = now
-            return False
-        del self.gathering[a.collective]
-        seconds = 0.0
-        if a.kind == "allreduce":
-            seconds = self.ties[a.tie] if a.tie >= 0 else self.costs[a.stage].allreduce_s
-        end = now + seconds
-        for member, since in arrivals:
-            self._record(member, self.actions[member][self.position[member]], since, end)
-            self._push(end, RESUME, member)
-        return True
-
-    def _version(self, rank: int, a: Action, now: float) -> float:
-        """What `push`, `pop` and `step` do to the rank's weights (`SimulatedWeights`): the
-        seconds they take; the copies they keep or drop change its memory at once."""
-        weights = self.weights[rank]
-        before = weights.copies
-        seconds = getattr(weights, a.kind)(*(() if a.kind == "step" else (a.microbatch,)))
-        self._use(rank, now, weights.copies - before)
-        return seconds
-
-    def _use(self, rank: int, time: float, change: int) -> None:
-        if change:
-            self.used[rank] += change
-            self.memory[rank].append((time, self.used[rank]))
-
-    # -- results ----------------------------------------------------------------------------
-
-    def result(self, start: dict[int, float], end: dict[int, float]) -> Simulation:
-        """The simulation: the time per step is the longest call [start, end] of a rank (the
-        ranks' calls overlap), and each rank's bubble the share of that time its own call
-        spends outside compute."""
-        span = max(end[r] - start[r] for r in self.actions)
-        busy = dict.fromkeys(self.actions, 0.0)
-        for e in self.events:
-            if e.kind in COMPUTE and e.start >= start[e.rank]:
-                busy[e.rank] += e.end - e.start
-        count = max(self.actions) + 1
-        bubble = [1.0 - busy[r] / span if span > 0 and r in busy else 0.0 for r in range(count)]
-        memory = [self.memory.get(r, [(0.0, 0)]) for r in range(count)]
-        return Simulation(
-            plan=self.plan, schedule=self.schedule, timeline=self.events, time_per_step=span,
-            bubble_fraction=bubble, peak_memory=[max(b for _, b in m) for m in memory],
-            memory=memory,
-        )  # fmt: skip
+def _result(engine: Engine, start: dict[int, float], end: dict[int, float]) -> Simulation:
+    """The simulation: the time per step is the longest call [start, end] of a rank (the
+    ranks' calls overlap), and each rank's bubble the share of that time its own call
+    spends outside compute."""
+    span = max(end[r] - start[r] for r in engine.actions)
+    busy = dict.fromkeys(engine.actions, 0.0)
+    for e in engine.events:
+        if e.kind in COMPUTE and e.start >= start[e.rank]:
+            busy[e.rank] += e.end - e.start
+    count = max(engine.actions) + 1
+    bubble = [1.0 - busy[r] / span if span > 0 and r in busy else 0.0 for r in range(count)]
+    memory = [engine.memory.get(r, [(0.0, 0)]) for r in range(count)]
+    return Simulation(
+        plan=engine.plan, schedule=engine.schedule, timeline=engine.events, time_per_step=span,
+        bubble_fraction=bubble, peak_memory=[max(b for _, b in m) for m in memory],
+        memory=memory,
+    )  # fmt: skip
