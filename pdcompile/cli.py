@@ -194,20 +194,37 @@ def _codegen(args: argparse.Namespace) -> int:
     from pdcompile.plans import Plan
     from pdcompile.stage_codegen import codegen
 
+    if args.plan:
+        _refuse_with_plan_file(args, "solver", "memory", "schedule", "microbatches")
     spec, gm = _trace_spec(args)
     if args.plan:
         made = Plan.load(args.plan)
     else:
         costs = analyze(gm, spec.example_inputs, example_kwargs=spec.example_kwargs,
                         profile=False, progress=False)  # fmt: skip
-        made = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
-                    num_microbatches=args.microbatches)  # fmt: skip
+        made = plan(
+            costs,
+            _cluster(args),
+            solver=args.solver or "dp",
+            schedule=args.schedule or "1f1b",
+            num_microbatches=args.microbatches,
+        )
         print(made)
     program = codegen(gm, made, cost_graph=CostGraph.load(args.costs) if args.costs else None)
     program.write_source(args.out)
     print(program)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _refuse_with_plan_file(args: argparse.Namespace, *options: str) -> None:
+    """A plan read from a file fixes what these planning options would choose: refuse them."""
+    given = [f"--{name}" for name in options if getattr(args, name) is not None]
+    if given:
+        raise SpecError(
+            f"{', '.join(given)} only apply when pdcompile plans here (with --cluster and a "
+            "model); the plan file fixes them: drop them, or plan again with `pdcompile plan`"
+        )
 
 
 def _is_plan_file(path: str) -> bool:
@@ -238,12 +255,13 @@ def _simulate(args: argparse.Namespace) -> int:
     measured = load_trace(args.measured) if args.measured else []
     cluster = _cluster(args) if args.cluster else None
     if _is_plan_file(args.spec):
+        _refuse_with_plan_file(args, "solver", *(() if args.cluster else ("memory",)))
         made = Plan.load(args.spec)
     elif cluster is None:
         raise PdcompileError(f"{args.spec} is not a Plan JSON: give --cluster to plan it")
     else:
         costs, _ = _costs(args)
-        made = plan(costs, cluster, solver=args.solver, schedule=args.schedule or "1f1b",
+        made = plan(costs, cluster, solver=args.solver or "dp", schedule=args.schedule or "1f1b",
                     num_microbatches=args.microbatches)  # fmt: skip
         print(made)
     sim = simulate(made, schedule=args.schedule, num_microbatches=args.microbatches,

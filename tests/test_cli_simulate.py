@@ -149,6 +149,12 @@ def test_simulate_errors_are_one_line(capsys, vgg_plan, tmp_path) -> None:
     for argv, message in cases:
         code, _, err = run(capsys, *argv)
         assert code == 1 and message in err and err.count("\n") == 1, (argv, err)
+    # planning options the plan file fixes are refused, not ignored (exit 2: usage)
+    for argv in [("--solver", "uniform"), ("--memory", "1GB")]:
+        code, _, err = run(capsys, "simulate", vgg_plan, *argv)
+        assert code == 2 and f"{argv[0]} only apply when pdcompile plans here" in err, err
+    code, _, _ = run(capsys, "simulate", vgg_plan, "--cluster", "4@1GB/s", "--memory", "1GB")
+    assert code == 0  # with --cluster, --memory belongs to the cluster it simulates on
 
 
 def test_graph_plan_colours_stages_and_labels_crossing_edges(capsys, vgg_plan, tmp_path):
