@@ -135,6 +135,7 @@ class PipelinedModule:
         2bw's previous weights), so that a resumed run equals one that flushed here. Atomic:
         a checkpoint already in `directory` stays whole until the new one replaces it."""
         from pdcompile.runtime.checkpoint import rng_state, save
+        from pdcompile.runtime.checkpoint_entries import state_entries
 
         worker = self._only_worker("save")
         self.flush()
@@ -145,7 +146,7 @@ class PipelinedModule:
         }
         extra.update({f"shadow/{n}": t.detach() for n, t in worker.versions.previous.items()})
         if worker.scheduler is not None:
-            extra["scheduler/last_epoch"] = worker.scheduler.last_epoch
+            extra.update(state_entries(worker.scheduler.state_dict(), "scheduler"))
         save(
             directory, model=worker.module, optimizer=worker.optimizer, extra=extra,
             step=self.steps,
@@ -156,6 +157,7 @@ class PipelinedModule:
         (every rank calls it); restores the counters and RNG states when the world size is the
         same."""
         from pdcompile.runtime.checkpoint import load, set_rng_state
+        from pdcompile.runtime.checkpoint_entries import restore_state
 
         worker = self._only_worker("load")
         self.flush()
@@ -163,11 +165,12 @@ class PipelinedModule:
         set_rng_state(extra)
         self.steps = int(extra.get("steps", self.steps))
         worker.versions.updates = int(extra.get("updates", worker.versions.updates))
-        if worker.scheduler is not None and "scheduler/last_epoch" in extra:
-            worker.scheduler.last_epoch = int(extra["scheduler/last_epoch"])
+        if worker.scheduler is not None:
+            state = worker.scheduler.state_dict()
+            worker.scheduler.load_state_dict(restore_state(state, extra, "scheduler"))
         self.pipeline.restart()
-        worker.versions.restore_previous({k.removeprefix("shadow/"): t for k, t in extra.items()
-                                 if k.startswith("shadow/")})  # fmt: skip
+        shadow = {k.removeprefix("shadow/"): t for k, t in extra.items() if k.startswith("shadow/")}
+        worker.versions.restore_previous(shadow)
 
     def _only_worker(self, what: str) -> Any:
         if len(self.pipeline.workers) != 1:

@@ -144,3 +144,42 @@ def param_names(model: nn.Module) -> dict[int, list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     return names
+
+
+def state_entries(state: Any, prefix: str) -> dict[str, Any]:
+    """The numbers of a nested state (an LR scheduler's `state_dict()`) as `extra` values keyed
+    by their path: numbers as they are, sequences of numbers as int64 or float64 tensors,
+    tensors as they are. Strings, None and callables are configuration, not state: left out."""
+    if isinstance(state, _NUMBERS) or isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, tuple | list) and state and all(isinstance(v, _NUMBERS) for v in state):
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in state)
+        return {prefix: torch.tensor(state, dtype=torch.int64 if ints else torch.float64)}
+    if isinstance(state, dict):
+        parts = state.items()
+    elif isinstance(state, tuple | list):
+        parts = enumerate(state)
+    else:
+        return {}
+    entries = {}
+    for key, value in parts:
+        entries.update(state_entries(value, f"{prefix}/{key}"))
+    return entries
+
+
+def restore_state(current: Any, entries: dict[str, Any], prefix: str) -> Any:
+    """`current` (a fresh `state_dict()`) with the values `state_entries` saved under `prefix`,
+    each converted to the type it has in `current`."""
+    if prefix in entries:
+        value = entries[prefix]
+        if isinstance(current, torch.Tensor):
+            return value.to(dtype=current.dtype, device=current.device)
+        if isinstance(current, tuple | list):
+            return type(current)(value.tolist())
+        return type(current)(value.item() if isinstance(value, torch.Tensor) else value)
+    if isinstance(current, dict):
+        return {k: restore_state(v, entries, f"{prefix}/{k}") for k, v in current.items()}
+    if isinstance(current, tuple | list):
+        parts = (restore_state(v, entries, f"{prefix}/{i}") for i, v in enumerate(current))
+        return type(current)(parts)
+    return current

@@ -337,3 +337,28 @@ def test_save_on_two_ranks_reshards_onto_three(tmp_path: Path) -> None:
     three = checkpoint.load_full_state_dict(os.path.join(root, "three"))
     assert sorted(three) == sorted(states[3])
     assert_same(three, states[3])
+
+
+def test_a_schedulers_nested_state_round_trips_through_entries() -> None:
+    """SequentialLR holds its schedulers' states in a list of dicts; every number comes back
+    with its type, configuration (strings, None) is left out."""
+    from pdcompile.runtime.checkpoint_entries import restore_state, state_entries
+
+    def make() -> torch.optim.lr_scheduler.LRScheduler:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        parts = [torch.optim.lr_scheduler.ConstantLR(opt, 0.5, 2),
+                 torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, 1, 2)]  # fmt: skip
+        return torch.optim.lr_scheduler.SequentialLR(opt, parts, milestones=[2])
+
+    trained = make()
+    for _ in range(6):
+        trained.optimizer.step()
+        trained.step()
+    entries = state_entries(trained.state_dict(), "scheduler")
+    assert all(isinstance(v, bool | int | float | torch.Tensor) for v in entries.values())
+    assert entries["scheduler/_schedulers/1/T_i"] == 4 and "scheduler/_milestones" in entries
+    fresh = make()
+    assert fresh.state_dict() != trained.state_dict()
+    fresh.load_state_dict(restore_state(fresh.state_dict(), entries, "scheduler"))
+    assert fresh.state_dict() == trained.state_dict()
+    assert state_entries({"mode": "min", "fn": None, "lrs": []}, "s") == {}
