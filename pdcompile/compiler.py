@@ -73,7 +73,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         profile: measure node times (False: analytic costs, e.g. for meta-device models).
         leaf_modules: modules the capture keeps whole (classes or qualified names).
         autocast: a dtype for `torch.autocast` around every forward (weights stay fp32).
-        clip_grad_norm: the largest gradient norm (global; per stage under `pipedream`).
+        clip_grad_norm: the largest gradient norm (global; per stage under `pipedream`, where
+            stages sharing tied weights clip together).
         lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
         timeout: seconds any wait of a training step may last.
         startup_timeout: seconds the start-up (capture, planning, broadcast) may last.

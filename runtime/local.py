@@ -41,7 +41,7 @@ class LocalPipeline(Pipeline):
         stash: weight stashing under `pipedream` (False only to show what it prevents).
         vertical_sync: `pipedream` with vertical sync (docs/runtime.md).
         clip_grad_norm: the largest gradient norm: over the whole model for `1f1b`, `gpipe`
-            and `2bw`, per stage for `pipedream`.
+            and `2bw`, per stage for `pipedream` (stages sharing tied weights together).
         lr_scheduler: a factory `optimizer -> LRScheduler` per rank, stepped after each update.
         autocast: the dtype of `torch.autocast` around every forward (None: off).
         nonfinite: a NaN or infinite loss raises `LossError` ("raise") or skips the step on

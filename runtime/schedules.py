@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import networkx as nx
+
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import SCHEDULES
 from pdcompile.runtime.actions import Action, Schedule
@@ -83,7 +85,8 @@ def build_schedule(
         ties: per tie group, the stages using the tensor: before each update their ranks sum
             its gradients.
         clip: clip the gradients' norm before each update: over all ranks together (`1f1b`,
-            `gpipe`, `2bw`), per stage for `pipedream`.
+            `gpipe`, `2bw`), per stage for `pipedream`, where stages linked by tie groups clip
+            together (one norm over their gradients, so tied copies stay equal).
         skip_nonfinite: before the update every rank learns whether a loss of the step was NaN
             or infinite (a `check` all-reduce over all ranks) and, if so, skips it (`1f1b`,
             `gpipe` only).
@@ -156,13 +159,9 @@ def rank_orders(
             "would update once per round of different replica counts; tie stages must have one "
             "replica each"
         )
-    if kind == "pipedream" and clip and ties:
-        raise ScheduleError(
-            "pipedream clips gradients per stage, so the copies of a tied tensor would be scaled "
-            "by different norms and drift apart; train without clip_grad_norm or without ties"
-        )
     schedule = Schedule(kind, num_microbatches, replicas, ranks)
-    world = () if kind == "pipedream" else tuple(sorted(r for rs in ranks for r in rs))
+    world = tuple(sorted(r for rs in ranks for r in rs))
+    linked = tie_components(stages, ties)
     orders = {}
     for s, stage_ranks in enumerate(ranks):
         if kind == "2bw":
@@ -174,9 +173,12 @@ def rank_orders(
             for i, tie in enumerate(ties)
             if s in tie
         ]
-        update = _update(
-            s, ranks[s], my_ties, world if clip else None, world if skip_nonfinite else None
-        )
+        if kind == "pipedream":  # per stage (empty group), or with the stages tied to it
+            together = () if len(linked[s]) == 1 else sorted(r for t in linked[s] for r in ranks[t])
+            clip_group = tuple(together) if clip else None
+        else:
+            clip_group = world if clip else None
+        update = _update(s, ranks[s], my_ties, clip_group, world if skip_nonfinite else None)
         peers = Peers(
             into=tuple(sorted(src for src, dst in edges if dst == s)),
             out=tuple(sorted(dst for src, dst in edges if src == s)),
@@ -186,6 +188,17 @@ def rank_orders(
         for i, rank in enumerate(stage_ranks):
             orders[rank] = RankOrder(schedule, peers, s, i, w, update, round_size)
     return orders
+
+
+def tie_components(stages: int, ties: Sequence[Sequence[int]]) -> list[frozenset[int]]:
+    """Per stage, the stages linked to it through tie groups (itself alone when untied)."""
+    graph = nx.Graph()
+    graph.add_nodes_from(range(stages))
+    for tie in ties:
+        members = sorted(tie)
+        graph.add_edges_from(zip(members, members[1:], strict=False))
+    component = {s: frozenset(c) for c in nx.connected_components(graph) for s in c}
+    return [component[s] for s in range(stages)]
 
 
 @dataclass(frozen=True)

@@ -308,9 +308,9 @@ class StageWorker:
 
     def _clip(self, a: Action) -> None:
         """Scale the gradients so that their norm is at most `clip_grad_norm`: the norm over
-        every rank (`a.group`: each tensor counted once, on first replicas and tie owners;
-        applied by `finish` once the all-reduce is complete) or over this stage (no group,
-        `pipedream`)."""
+        the ranks of `a.group` (every rank; under `pipedream` the stages tied to this one),
+        each tensor counted once, on first replicas and tie owners, applied by `finish` once
+        the all-reduce is complete; or over this stage (no group, `pipedream`)."""
         self.versions.collect()
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         if not a.group:

@@ -15,6 +15,7 @@ import pdcompile
 from pdcompile import zoo
 from pdcompile.plans import Plan, consecutive_ranks
 from pdcompile.runtime import version, vertical_version
+from pdcompile.runtime.schedules import tie_components
 
 
 def mlp_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
@@ -111,15 +112,20 @@ def varied_batches(x: torch.Tensor, y: torch.Tensor, steps: int, seed: int = 1) 
 
 def pipedream_reference(
     program, x, y, loss_fn, optimizer, m: int, steps: int, *, vertical=False, clip=None,
-    data=None,
+    data=None, scheduler=None,
 ):  # fmt: skip
     """Replays PipeDream's version function sequentially: minibatch k runs forward and
     backward at stage s on the weights after v(k, s) updates of s; each stage averages the
-    gradients of a round of r_s minibatches into one update. `data`: one (x, y) per step
-    (default: x, y every step)."""
+    gradients of a round of r_s minibatches into one update (clipped per stage, stages that
+    share tied weights by one norm over all their gradients, each tied tensor once; then the
+    learning rate from `scheduler`). `data`: one (x, y) per step (default: x, y every step)."""
     replicas = [s.replicas for s in program.plan.stages]
     live = [copy.deepcopy(stage) for stage in program.stages]
     opts = [optimizer(list(stage.parameters())) for stage in live]
+    scheds = [scheduler(opt) for opt in opts] if scheduler else []
+    groups = tie_components(len(live), [tie.stages for tie in program.ties])
+    # tied copies held by another stage than the tie's owner: counted once in a norm
+    copies = [{n for t in program.ties if t.owner != s for n in t.names} for s in range(len(live))]
     history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in live]
     pending: list[list[dict[str, torch.Tensor]]] = [[] for _ in live]
     clipped: list[bool] = []
@@ -142,20 +148,28 @@ def pipedream_reference(
                 total = sum(weights[s][n].grad for s, n in zip(tie.stages, names, strict=True))
                 for s, n in zip(tie.stages, names, strict=True):
                     weights[s][n].grad = total
+            ready = []  # stages whose round is complete: they update now
             for s in range(len(live)):
                 pending[s].append({n: w.grad for n, w in weights[s].items()})
                 if len(pending[s]) == replicas[s]:
                     for n, p in live[s].named_parameters():
                         p.grad = sum(g[n] for g in pending[s]) / replicas[s]
-                    if clip is not None:  # pipedream clips per stage
-                        norm = torch.nn.utils.clip_grad_norm_(live[s].parameters(), clip)
-                        clipped.append(bool(norm > clip))
-                    opts[s].step()
-                    opts[s].zero_grad(set_to_none=True)
                     pending[s] = []
-                    history[s].append(
-                        {n: p.detach().clone() for n, p in live[s].named_parameters()}
-                    )
+                    ready.append(s)
+            for group in {groups[s] for s in ready} if clip is not None else ():
+                counted = [p.grad for s in group for n, p in live[s].named_parameters()
+                           if n not in copies[s]]  # fmt: skip
+                norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in counted]))
+                clipped.append(bool(norm > clip))
+                for s in group:
+                    for p in live[s].parameters():
+                        p.grad.mul_(min(1.0, clip / (float(norm) + 1e-6)))
+            for s in ready:
+                opts[s].step()
+                opts[s].zero_grad(set_to_none=True)
+                if scheds:
+                    scheds[s].step()
+                history[s].append({n: p.detach().clone() for n, p in live[s].named_parameters()})
             k += 1
     assert clip is None or any(clipped), "the test's clip never acts"
     return live

@@ -39,6 +39,7 @@ THREE_RANKS = [
     ("gpt", [1, 1, 1], "1f1b", "sgd", 4, 4, 0.05),  # global clipping over tied copies
     ("mlp", [2, 1], "2bw", "sgd", 4, 4),  # steps stream across calls, a replicated stage
     ("gpt", [1, 1, 1], "2bw", "sgd", 3, 4, 0.05),  # streaming with global clipping and ties
+    ("gpt", [1, 1, 1], "pipedream", "sgd", 3, 4, 0.05),  # tied stages 0 and 2 clip together
 ]
 FOUR_RANKS = [
     ("unet", [1, 1, 1, 1], "1f1b", "sgd", 4, 5),
@@ -79,7 +80,8 @@ def _expected(case, replicas, schedule, optimizer, m, steps, *clip):
     program = program_for(model, x, replicas)
     extra = {"clip": clip[0], "scheduler": STEP_LR} if clip else {}
     if schedule == "pipedream":
-        stages = pipedream_reference(program, x, y, loss_fn, OPTIMIZERS[optimizer], m, steps)
+        stages = pipedream_reference(program, x, y, loss_fn, OPTIMIZERS[optimizer], m, steps,
+                                     **extra)  # fmt: skip
         reference = {n: p for stage in stages for n, p in stage.named_parameters()}
     elif schedule == "2bw":
         ref, _ = two_bw_run(model, [(x, y)] * steps, loss_fn, OPTIMIZERS[optimizer], m, **extra)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime import build_schedule, validate_schedule, version, vertical_version, warmup
 from pdcompile.runtime.actions import Action, Schedule
-from pdcompile.runtime.schedules import compute_order
+from pdcompile.runtime.schedules import compute_order, tie_components
 from pdcompile.runtime.versions import two_bw_version, two_bw_warmup
 
 
@@ -113,15 +113,23 @@ def pipelines(draw):
     ties = draw(st.lists(tie, max_size=2)) if stages > 1 else []
     if kind == "pipedream":  # tied stages of pipedream have one replica each
         ties = [t for t in ties if all(replicas[s] == 1 for s in t)]
-    return kind, replicas, chain_edges(stages, skips), m, ties, steps
+    return kind, replicas, chain_edges(stages, skips), m, ties, steps, draw(st.booleans())
 
 
 @settings(deadline=None, max_examples=150)
 @given(pipelines())
 def test_every_built_schedule_validates(pipeline) -> None:
-    kind, replicas, edges, m, ties, steps = pipeline
-    schedule = build_schedule(kind, layout(replicas), edges, m, ties, num_steps=steps)
+    kind, replicas, edges, m, ties, steps, clip = pipeline
+    schedule = build_schedule(kind, layout(replicas), edges, m, ties, clip, num_steps=steps)
     validate_schedule(schedule)
+    linked = tie_components(len(replicas), ties)
+    for rank, actions in schedule.actions.items():  # a clip before every update
+        stage = schedule.stage_of_rank(rank)[0]
+        clips = [a for a in actions if a.kind == "clip"]
+        assert len(clips) == (sum(a.kind == "step" for a in actions) if clip else 0)
+        if kind == "pipedream":  # per stage, or with the stages tied to it
+            tied = sorted(r for s in linked[stage] for r in schedule.ranks[s])
+            assert {a.group for a in clips} <= {tuple(tied) if len(linked[stage]) > 1 else ()}
     computed = sorted(
         (a.stage, a.microbatch)
         for actions in schedule.actions.values()
@@ -140,7 +148,7 @@ def test_every_built_schedule_validates(pipeline) -> None:
 def test_pipedream_order_realises_the_version_function(pipeline) -> None:
     """Counting a replica's updates before each forward gives v(k, s) exactly; a stream of
     several steps is the schedule of all their minibatches at once."""
-    _, replicas, edges, m, ties, steps = pipeline
+    _, replicas, edges, m, ties, steps, _ = pipeline
     schedule = build_schedule("pipedream", layout(replicas), edges, m * steps, ties)
     streamed = build_schedule("pipedream", layout(replicas), edges, m, ties, num_steps=steps)
     assert streamed == schedule
@@ -161,7 +169,7 @@ def test_two_bw_streams_updates_once_per_step_on_two_versions(pipeline) -> None:
     that step; the weights each forward needs, W(u) with u = two_bw_version, are the live ones
     (u updates made) or the one stashed version before them (u + 1 made); the versions that
     microbatches in flight use, with the live one, are at most two."""
-    _, replicas, edges, m, ties, steps = pipeline
+    _, replicas, edges, m, ties, steps, _ = pipeline
     schedule = build_schedule("2bw", layout(replicas), edges, m, ties, num_steps=steps)
     for rank, actions in schedule.actions.items():
         updates, in_flight = 0, {}

@@ -27,8 +27,9 @@ def streaming_pipelines(draw):
     lcm = math.lcm(*replicas)
     least = lcm * -(-stages // lcm) if kind == "2bw" else lcm  # 2bw: M >= stages
     m = least * draw(st.integers(1, 3))
-    ties = [(0, stages - 1)] if stages > 1 and kind == "2bw" and draw(st.booleans()) else []
-    clip = kind == "2bw" and draw(st.booleans())
+    tieable = stages > 1 and (kind == "2bw" or replicas[0] == replicas[-1] == 1)
+    ties = [(0, stages - 1)] if tieable and draw(st.booleans()) else []
+    clip = draw(st.booleans())
     return kind, consecutive_ranks(replicas), edges, m, ties, clip
 
 
