@@ -107,7 +107,8 @@ def error_message(
 
 
 def unpack(buffer: torch.Tensor, lay: Layout, key: tuple) -> list[Any]:
-    """The values of a received message; the sender's `StageCommError` if it sent one."""
+    """The values of a received message; the sender's `StageCommError` if it sent one. A
+    `torch.device` of the buffer's kind comes back as the buffer's (the receiver's) device."""
     magic, checksum, status, length = buffer[: 8 * PREAMBLE].view(torch.int64).tolist()
     if magic != MAGIC or checksum != key_checksum(key):
         raise StageCommError(
@@ -126,7 +127,8 @@ def unpack(buffer: torch.Tensor, lay: Layout, key: tuple) -> list[Any]:
         part = buffer[slot.offset : slot.offset + slot.nbytes]
         if slot.dtype is None:
             size = int.from_bytes(bytes(part[:8].cpu().tolist()), "little")
-            values.append(decode_value(bytes(part[8 : 8 + size].cpu().tolist())))
+            data = bytes(part[8 : 8 + size].cpu().tolist())
+            values.append(decode_value(data, local=buffer.device))
         else:  # a view of the buffer: slots are 8-aligned, and the view keeps it alive
             values.append(part.view(slot.dtype).reshape(slot.shape))
     return values
@@ -182,9 +184,11 @@ def encode_value(value: Any) -> bytes:
     return json.dumps(_tagged(value), separators=(",", ":")).encode()
 
 
-def decode_value(data: bytes) -> Any:
-    """The value `encode_value` encoded, with its Python type (a tuple stays a tuple)."""
-    return _untagged(json.loads(data.decode()))
+def decode_value(data: bytes, local: torch.device | None = None) -> Any:
+    """The value `encode_value` encoded, with its Python type (a tuple stays a tuple). With
+    `local`, a device of its kind becomes `local`: the sender's `cuda:0` is the receiver's
+    `cuda:1`, while a `cpu` sent by a GPU stage stays `cpu`."""
+    return _untagged(json.loads(data.decode()), local)
 
 
 def _tagged(value: Any) -> Any:
@@ -206,18 +210,19 @@ def _tagged(value: Any) -> Any:
     )
 
 
-def _untagged(data: Any) -> Any:
+def _untagged(data: Any, local: torch.device | None) -> Any:
     if isinstance(data, list):
-        return [_untagged(v) for v in data]
+        return [_untagged(v, local) for v in data]
     if not isinstance(data, dict):
         return data
     ((tag, body),) = data.items()
     if tag == "size":
         return torch.Size(body)
     if tag == "tuple":
-        return tuple(_untagged(v) for v in body)
+        return tuple(_untagged(v, local) for v in body)
     if tag == "dtype" and isinstance(getattr(torch, body, None), torch.dtype):
         return getattr(torch, body)
     if tag == "device":
-        return torch.device(body)
+        device = torch.device(body)
+        return local if local is not None and local.type == device.type else device
     raise StageCommError(f"unknown tag {tag!r} in a metadata value")

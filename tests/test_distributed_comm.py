@@ -326,6 +326,11 @@ def test_metadata_encoding_keeps_python_types_and_rejects_others() -> None:
         decode_value(b'{"pickle": 1}')
     with pytest.raises(StageCommError, match="unknown tag"):
         decode_value(b'{"dtype": "load"}')
+    # the receiver's device stands in for a device of its kind (cuda:0 sent to cuda:1's rank)
+    sent = encode_value((torch.device("cuda", 0), [torch.device("cpu")]))
+    here = torch.device("cuda", 1)
+    assert decode_value(sent, local=here) == (here, [torch.device("cpu")])
+    assert decode_value(sent) == (torch.device("cuda", 0), [torch.device("cpu")])
 
 
 def test_tags_fit_in_31_bits_and_differ_per_key() -> None:
