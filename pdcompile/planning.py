@@ -9,6 +9,7 @@ pdcompile's cost model (`evaluate`), so every solver is compared on the same yar
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,7 +105,8 @@ def plan(
         solver: a name from `solvers()`.
         schedule: "1f1b", "gpipe", "pipedream" or "2bw".
         num_microbatches: microbatches per step (default: twice the number of devices, an upper
-            bound of twice the number of stages).
+            bound of twice the number of stages; under `pipedream` and `2bw` rounded up to
+            whole rounds of every stage's replicas, which they need).
         microbatch_size: rows per microbatch; the costs are scaled linearly from the graph's
             batch size.
         options: the solver's own options.
@@ -134,4 +136,39 @@ def plan(
     }
     start = time.perf_counter()
     result = _REGISTRY[solver](cost_graph, cluster, options)
-    return result.with_(solve_time_s=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if num_microbatches is None:
+        result = _whole_rounds(result, cost_graph)
+    _check_tied_replicas(result, solver)
+    return result.with_(solve_time_s=seconds)
+
+
+def _check_tied_replicas(plan: Plan, solver: str) -> None:
+    """Under `pipedream` a stage holding a tied tensor's copy must have one replica: replicas
+    update once per round of them, so a replicated copy would update at another pace."""
+    if plan.schedule != "pipedream":
+        return
+    for stages, _ in plan.ties:
+        for s in stages:
+            if plan.stages[s].replicas > 1:
+                raise PartitionError(
+                    f"solver {solver!r} gave stage {s} {plan.stages[s].replicas} replicas, but it "
+                    f"holds a copy of a tensor that stages {list(stages)} share (tied weights): "
+                    "under pipedream such a stage needs one replica; use solver 'dp', which "
+                    "keeps to this, or schedule '2bw'"
+                )
+
+
+def _whole_rounds(plan: Plan, cost_graph: CostGraph) -> Plan:
+    """A streaming plan with its default microbatch count rounded up to a multiple of every
+    stage's replicas (`pipedream` updates once per round of them, `2bw` gives each as many);
+    other plans as they are. `pipedream`'s predictions do not depend on the count (the
+    solver's own estimate stays); `2bw`'s are re-scored."""
+    period = math.lcm(*(s.replicas for s in plan.stages))
+    m = plan.num_microbatches
+    if plan.schedule not in ("pipedream", "2bw") or m % period == 0:
+        return plan
+    m = -(-m // period) * period
+    if plan.schedule == "pipedream":
+        return plan.with_(num_microbatches=m)
+    return evaluate(plan, cost_graph, num_microbatches=m)

@@ -39,15 +39,19 @@ def skeleton(cost_graph: CostGraph, cluster: Cluster, cuts, replicas, schedule, 
 
 
 def brute_force(cost_graph: CostGraph, cluster: Cluster, schedule: str, m: int) -> float:
-    """The best predicted time over every contiguous partition and replica assignment."""
+    """The best predicted time over every contiguous partition and replica assignment (under
+    `pipedream`, none replicating a stage that holds a tied tensor's copy)."""
     n, total = len(cost_graph.nodes), cluster.num_devices
     best = math.inf
     for count in range(1, min(n, total) + 1):
         for cuts in itertools.combinations(range(1, n), count - 1):
             for replicas in itertools.product(range(1, total + 1), repeat=count):
                 if sum(replicas) <= total:
-                    plan = skeleton(cost_graph, cluster, cuts, replicas, schedule, m)
-                    best = min(best, evaluate(plan, cost_graph).predicted_time)
+                    plan = evaluate(skeleton(cost_graph, cluster, cuts, replicas, schedule, m),
+                                    cost_graph)  # fmt: skip
+                    tied = {s for stages, _ in plan.ties for s in stages}
+                    if schedule != "pipedream" or all(replicas[s] == 1 for s in tied):
+                        best = min(best, plan.predicted_time)
     return best
 
 
@@ -169,6 +173,88 @@ def test_dp_equals_brute_force_on_chains(data, n, cluster_text, schedule, m) -> 
     assert plan.predicted_time == pytest.approx(evaluate(plan, g).predicted_time, rel=1e-12)
     if n_check is not None:
         assert plan.predicted_time == pytest.approx(n_check, rel=1e-9, abs=1e-12)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    data=st.data(),
+    n=st.integers(2, 7),
+    cluster_text=st.sampled_from(["3@100B/s", "4@100B/s", "5@50B/s", "2@800B/s,2@100B/s"]),
+    schedule=st.sampled_from(["pipedream", "1f1b"]),
+)
+def test_dp_equals_brute_force_with_a_tied_tensor(data, n, cluster_text, schedule) -> None:
+    """Nodes a < b share a tensor (a tied embedding): under pipedream no stage holding one of
+    its copies is replicated, and dp stays exact among such plans. Slow links make replicating
+    a stage costly, so that the best plans mix replicated and single stages."""
+    times = data.draw(st.lists(st.floats(0.01, 10), min_size=n, max_size=n))
+    params = data.draw(st.lists(st.integers(0, 2000), min_size=n, max_size=n))
+    a, b = sorted(data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True)))
+    g = chain(times, params, [1] * n, [10] * n)
+    g.meta["ties"] = [{"nodes": [f"n{a}", f"n{b}"], "grad_bytes": 64}]
+    cluster = Cluster.parse(cluster_text)
+    plan = pdcompile.plan(g, cluster, schedule=schedule, num_microbatches=4)
+    if schedule == "pipedream":
+        assert all(plan.stages[s].replicas == 1 for stages, _ in plan.ties for s in stages)
+    assert plan.predicted_time == pytest.approx(brute_force(g, cluster, schedule, 4), rel=1e-9)
+
+
+def test_dp_gives_up_a_faster_plan_that_would_replicate_a_tie_stage() -> None:
+    # n0: much compute, no parameters (best replicated); n1, n2: heavy all-reduces; n0 and n3
+    # share a tensor. Unconstrained, n0 alone on 3 replicas is best; pipedream may not do it.
+    g = chain([10.0, 1.0, 1.0, 1.0], [0, 1000, 1000, 0], [1] * 4, [10] * 4)
+    cluster = Cluster.parse("4@100B/s")
+    free = pdcompile.plan(g, cluster, schedule="pipedream", num_microbatches=3)
+    g.meta["ties"] = [{"nodes": ["n0", "n3"], "grad_bytes": 64}]
+    tied = pdcompile.plan(g, cluster, schedule="pipedream", num_microbatches=3)
+    assert free.stages[0].nodes == ("n0",) and free.stages[0].replicas == 3
+    assert all(s.replicas == 1 for s in tied.stages if {"n0", "n3"} & set(s.nodes))
+    assert tied.predicted_time > free.predicted_time
+    assert tied.predicted_time == pytest.approx(brute_force(g, cluster, "pipedream", 3))
+
+
+def test_streaming_plans_default_to_whole_rounds_of_replicas() -> None:
+    """Twice the devices (8) is not a multiple of 3 replicas: the default rounds up to 9, as
+    pipedream's and 2bw's schedules need; an explicit count is kept."""
+    from pdcompile.runtime import build_schedule
+
+    g = chain([10.0, 1.0, 1.0, 1.0], [0, 1000, 1000, 0], [1] * 4, [10] * 4)
+    cluster = Cluster.parse("4@100B/s")
+    for schedule in ("pipedream", "2bw"):
+        plan = pdcompile.plan(g, cluster, schedule=schedule)
+        assert [s.replicas for s in plan.stages] == [3, 1] and plan.num_microbatches == 9
+        assert plan.step_time == pytest.approx(evaluate(plan, g).step_time)
+        ranks = [s.ranks for s in plan.stages]
+        build_schedule(schedule, ranks, {(0, 1): True}, plan.num_microbatches)
+    explicit = pdcompile.plan(g, cluster, schedule="pipedream", num_microbatches=8)
+    assert explicit.num_microbatches == 8
+    assert pdcompile.plan(g, cluster, schedule="1f1b").num_microbatches == 8
+
+
+def test_split_ties_marks_the_stages_holding_part_of_a_tie() -> None:
+    from pdcompile.passes.solvers.dp import split_ties
+
+    for spots in ([1, 4], [0, 2, 5], [3, 6], [0, 6]):
+        split = split_ties(7, [spots])
+        for j in range(7):
+            for k in range(j + 1, 8):
+                held = sum(j <= p < k for p in spots)
+                assert split[j, k] == (0 < held < len(spots)), (spots, j, k)
+
+
+def test_plan_refuses_a_solvers_replicated_tie_stage_under_pipedream() -> None:
+    @pdcompile.register_solver("replicate_all")
+    def replicate_all(cost_graph, cluster, options):
+        """Two stages, the first replicated."""
+        nodes = cost_graph.nodes
+        groups = [(nodes[:1], cluster.num_devices - 1), (nodes[1:], 1)]
+        return pdcompile.planning.make_plan(cost_graph, cluster, groups, options, "replicate_all")
+
+    g = chain([1.0, 1.0, 1.0], [8, 8, 8], [1, 1, 1], [4, 4, 4])
+    g.meta["ties"] = [{"nodes": ["n0", "n2"], "grad_bytes": 32}]
+    with pytest.raises(PartitionError, match="stage 0 2 replicas.*under pipedream"):
+        pdcompile.plan(g, Cluster.parse("3"), solver="replicate_all", schedule="pipedream")
+    plan = pdcompile.plan(g, Cluster.parse("3"), solver="replicate_all", schedule="2bw")
+    assert plan.stages[0].replicas == 2
 
 
 @pytest.mark.parametrize("model", ["vgg16", "resnet50", "gnmt"])

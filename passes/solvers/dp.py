@@ -18,6 +18,10 @@ Two exact algorithms:
 Memory (when the cluster has a limit) is checked per stage with a safe bound on the microbatches
 in flight (the stages after a stage are not known yet when it is placed), so `dp` never returns a
 plan that does not fit but may miss one that barely does.
+
+Under `pipedream` a stage holding some but not all users of a tied tensor (the CostGraph's
+`meta["ties"]`) gets one replica: replicas update once per round of them, so a replicated copy
+would update at another pace than the others. Such graphs take the general DP.
 """
 
 from __future__ import annotations
@@ -81,10 +85,42 @@ def safe_memory_bounds(
     return min(after - r + 1, microbatches), 1 if schedule == "2bw" else 0
 
 
+def tie_positions(cost_graph: CostGraph, order: list[str]) -> list[list[int]]:
+    """Per tie (a tensor with gradients that several nodes use), its users' positions in
+    `order`, where they lie at more than one."""
+    position = {n: i for i, n in enumerate(order)}
+    node_of = {m: n for n, members in cost_graph.graph.nodes(data="members") for m in members}
+    ties = []
+    for tie in cost_graph.meta.get("ties", []):
+        spots = sorted({position[node_of[m]] for m in tie["nodes"] if m in node_of})
+        if len(spots) > 1:
+            ties.append(spots)
+    return ties
+
+
+def split_ties(n: int, ties: list[list[int]]) -> np.ndarray:
+    """`split[j, k]`: the stage of positions [j, k) holds some but not all users of a tie."""
+    split = np.zeros((n + 1, n + 1), dtype=bool)
+    for spots in ties:
+        first, last = spots[0], spots[-1]
+        for j in range(last + 1):
+            if j <= first:  # holds the first user, not the last
+                split[j, first + 1 : last + 1] = True
+            else:  # holds a user, never the first
+                split[j, next(p for p in spots if p >= j) + 1 :] = True
+    return split
+
+
 def _solve_general(
-    p: Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int
+    p: Prefix,
+    n: int,
+    cluster: Cluster,
+    schedule: str,
+    microbatches: int,
+    split: np.ndarray | None = None,
 ) -> list[tuple[int, int, int]]:
-    """Exact DP over (end, devices used, span level); returns (start, end, replicas) per stage."""
+    """Exact DP over (end, devices used, span level); returns (start, end, replicas) per stage.
+    `split[j, k]`: a stage [j, k) may have one replica only."""
     total = cluster.num_devices
     levels = len(cluster.levels)
     bandwidth = np.array([lv.bandwidth for lv in cluster.levels])
@@ -115,6 +151,8 @@ def _solve_general(
                         inflight, versions = safe_memory_bounds(schedule, m, r, total, microbatches)
                         fits = _stage_memory(p, j, ks, inflight, versions) <= memory
                         time = np.where(fits, time, np.inf)
+                    if split is not None and r > 1:
+                        time = np.where(split[j, ks], np.inf, time)
                     candidate = np.maximum(value, time)
                     target = best[ks, m + r, span]
                     better = candidate < target
@@ -168,9 +206,13 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
             )
         order = orders[name]
         p = Prefix(cost_graph, order)
-        solve = solve_bisection if fast else _solve_general
+        ties = tie_positions(cost_graph, order) if schedule == "pipedream" else []
         try:
-            cuts = solve(p, len(order), cluster, schedule, microbatches)
+            if fast and not ties:
+                cuts = solve_bisection(p, len(order), cluster, schedule, microbatches)
+            else:
+                split = split_ties(len(order), ties) if ties else None
+                cuts = _solve_general(p, len(order), cluster, schedule, microbatches, split)
         except PartitionError as e:
             failure = e  # another order may fit
             continue
