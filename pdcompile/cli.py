@@ -222,8 +222,9 @@ def _refuse_with_plan_file(args: argparse.Namespace, *options: str) -> None:
     given = [f"--{name}" for name in options if getattr(args, name) is not None]
     if given:
         raise SpecError(
-            f"{', '.join(given)} only apply when pdcompile plans here (with --cluster and a "
-            "model); the plan file fixes them: drop them, or plan again with `pdcompile plan`"
+            f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only when pdcompile "
+            "plans here (with --cluster and a model); the plan file fixes the plan: drop "
+            f"{'it' if len(given) == 1 else 'them'}, or plan again with `pdcompile plan`"
         )
 
 

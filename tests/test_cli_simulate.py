@@ -152,7 +152,7 @@ def test_simulate_errors_are_one_line(capsys, vgg_plan, tmp_path) -> None:
     # planning options the plan file fixes are refused, not ignored (exit 2: usage)
     for argv in [("--solver", "uniform"), ("--memory", "1GB")]:
         code, _, err = run(capsys, "simulate", vgg_plan, *argv)
-        assert code == 2 and f"{argv[0]} only apply when pdcompile plans here" in err, err
+        assert code == 2 and f"{argv[0]} applies only when pdcompile plans here" in err, err
     code, _, _ = run(capsys, "simulate", vgg_plan, "--cluster", "4@1GB/s", "--memory", "1GB")
     assert code == 0  # with --cluster, --memory belongs to the cluster it simulates on
 
