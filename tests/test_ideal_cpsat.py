@@ -251,6 +251,18 @@ def test_cpsat_falls_back_or_refuses_and_says_why() -> None:
         solve(g, Cluster.parse("4", memory=20), "cpsat", "1f1b", 4)
 
 
+@pytest.mark.parametrize("solver", ["ideal", "cpsat"])
+def test_pipedream_with_a_tied_tensor_falls_back_to_dp(solver) -> None:
+    """Neither model says that a stage holding part of a tie keeps one replica: dp does."""
+    g = chain([10.0, 1.0, 1.0, 1.0], [0, 1000, 1000, 0], [1] * 4, [10] * 4)
+    g.meta["ties"] = [{"nodes": ["n0", "n3"], "grad_bytes": 64}]
+    cluster = Cluster.parse("4@100B/s")
+    plan = solve(g, cluster, solver, "pipedream", 3)
+    assert plan.options["fallback"] == "dp" and "tied tensor" in plan.options["reason"]
+    assert plan.predicted_time == solve(g, cluster, "dp", "pipedream", 3).predicted_time
+    assert "fallback" not in solve(g, cluster, solver, "1f1b", 3).options
+
+
 @pytest.mark.parametrize("model", ["vgg16", "resnet50", "gnmt"])
 def test_never_worse_than_dp_on_published_profiles(model) -> None:
     g = CostGraph.from_pipedream(DATA / model / "graph.txt", batch_size=128)

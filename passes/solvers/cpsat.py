@@ -23,8 +23,10 @@ Table entries are rounded to the nearest tick, so a stage's model time is within
 true time and an optimal model solution is within 4 ticks of the best plan of the order.
 `plan.options`: `bound` (a proven lower bound, seconds, on every plan of the order, rounding
 included), `gap` ((predicted - bound) / predicted), `status` (OPTIMAL or FEASIBLE), `tick_s`.
-The plan is the better of CP-SAT's and `dp`'s under `evaluate`. Hierarchical clusters and models
-of more than `max_cells` nodes x devices fall back to `dp` (`fallback`, `reason` recorded).
+The plan is the better of CP-SAT's and `dp`'s under `evaluate`. Hierarchical clusters, models
+of more than `max_cells` nodes x devices and `pipedream` plans of graphs with tied tensors (whose
+stages holding part of a tie need one replica, which this model does not say) fall back to `dp`
+(`fallback`, `reason` recorded).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ortools.sat.python import cp_model
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
-from pdcompile.passes.solvers.dp import Prefix, dp
+from pdcompile.passes.solvers.dp import Prefix, dp, tie_positions
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
@@ -266,6 +268,8 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
         why = f"cpsat: the cluster has {len(cluster.levels)} levels; cpsat handles flat clusters"
     elif n * d > max(cells, 0):
         why = f"cpsat: {n} nodes x {d} devices = {n * d} > max_cells={cells}; model too large"
+    elif options["schedule"] == "pipedream" and tie_positions(cost_graph, order):
+        why = "cpsat: under pipedream, stages holding part of a tied tensor need one replica"
     if why is not None:
         if base is None:
             raise PartitionError(f"{why}, and dp finds no plan that fits memory")

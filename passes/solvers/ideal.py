@@ -16,9 +16,10 @@ O(P D^2) for P comparable pairs and D devices.
 
 Memory (when the cluster has a limit) is checked per stage with `dp`'s safe bound on the
 microbatches in flight, so the plan always fits but one that barely fits may be missed. Clusters
-with more than one level, graphs with more than `max_ideals` ideals, and problems of more than
-`max_transitions` DP transitions (P D (D + 1) / 2) fall back to `dp`; `plan.options` then holds
-`fallback` and `reason`.
+with more than one level, graphs with more than `max_ideals` ideals, problems of more than
+`max_transitions` DP transitions (P D (D + 1) / 2), and `pipedream` plans of graphs with tied
+tensors (a stage holding part of a tie needs one replica, which this DP does not model) fall
+back to `dp`; `plan.options` then holds `fallback` and `reason`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import producer_bytes
 from pdcompile.errors import PartitionError
-from pdcompile.passes.solvers.dp import dp, safe_memory_bounds
+from pdcompile.passes.solvers.dp import dp, safe_memory_bounds, tie_positions
 from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
 
@@ -285,6 +286,12 @@ def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
         why = (
             f"ideal: the cluster has {len(cluster.levels)} levels and ideal handles flat "
             "clusters only; used dp"
+        )
+        return _fallback(cost_graph, cluster, options, why)
+    if options["schedule"] == "pipedream" and tie_positions(cost_graph, cost_graph.nodes):
+        why = (
+            "ideal: under pipedream, stages holding part of a tied tensor need one replica, "
+            "which ideal's DP does not model; used dp"
         )
         return _fallback(cost_graph, cluster, options, why)
     lattice = _enumerate(cost_graph, limit)
