@@ -1,0 +1,108 @@
+"""The CostGraph JSON format (`CostGraph.to_json`, `from_json`, `save`, `load`).
+
+`{"format": "pdcompile.costgraph", "version": 1, "batch_size", "meta", "nodes", "edges"}`, one
+node (`{"id", **NODE_ATTRS}`) or edge (`{"src", "dst", "bytes"}`) per line, so that diffs of two
+profiles read line by line. Reading checks every field and names the node or edge at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdcompile.cost_attrs import NODE_ATTRS, SETTABLE, check_attr
+from pdcompile.cost_graph import FORMAT, VERSION, CostGraph
+from pdcompile.errors import CostError
+
+
+def format_json(graph: CostGraph) -> str:
+    """`graph` as JSON, one node or edge per line; `read_json` reads it back exactly."""
+
+    def dump(obj: Any) -> str:
+        return json.dumps(obj, allow_nan=False)
+
+    def rows(items: list[str]) -> str:
+        return ",".join("\n  " + item for item in items)
+
+    nodes = []
+    for node, data in graph.graph.nodes(data=True):
+        record = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+        nodes.append(dump({"id": node, **record}))
+    edges = [dump({"src": u, "dst": v, "bytes": b}) for u, v, b in graph.graph.edges(data="bytes")]
+    head = {"format": FORMAT, "version": VERSION, "batch_size": graph.batch_size}
+    return (
+        f"{dump(head)[:-1]},\n"
+        f' "meta": {dump(graph.meta)},\n'
+        f' "nodes": [{rows(nodes)}\n ],\n'
+        f' "edges": [{rows(edges)}\n ]\n}}\n'
+    )
+
+
+def read_json(text: str, source: str = "<string>") -> CostGraph:
+    """The graph `format_json` wrote; `CostGraph.from_json` says what it raises."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CostError(
+            f"{source}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the file is truncated "
+            "or corrupt: write it again with CostGraph.save()"
+        ) from None
+    except RecursionError:
+        raise CostError(
+            f"{source}: JSON nested too deeply for a CostGraph; the file is corrupt: write it "
+            "again with CostGraph.save()"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise CostError(
+            f"{source}: not a CostGraph file (format is {found!r}, expected {FORMAT!r})"
+        )
+    if doc.get("version") != VERSION:
+        raise CostError(
+            f"{source}: CostGraph format version {doc.get('version')!r}; this pdcompile reads "
+            f"version {VERSION}: upgrade pdcompile or write the file again with this version"
+        )
+    fields = {"format", "version", "batch_size", "meta", "nodes", "edges"}
+    if set(doc) != fields:
+        raise CostError(
+            f"{source}: top-level fields must be {sorted(fields)}; missing "
+            f"{sorted(fields - set(doc))}, unknown {sorted(set(doc) - fields)}"
+        )
+    if not isinstance(doc["nodes"], list) or not isinstance(doc["edges"], list):
+        raise CostError(f"{source}: 'nodes' and 'edges' must be lists")
+    try:
+        graph = CostGraph(batch_size=doc["batch_size"], meta=doc["meta"])
+        for i, record in enumerate(doc["nodes"]):
+            _add_json_node(graph, i, record)
+        for i, record in enumerate(doc["edges"]):
+            if not isinstance(record, dict) or set(record) != {"src", "dst", "bytes"}:
+                raise CostError(
+                    f"edge #{i} must be an object with exactly 'src', 'dst' and 'bytes', "
+                    f"got {record!r}"
+                )
+            if not (isinstance(record["src"], str) and isinstance(record["dst"], str)):
+                raise CostError(f"edge #{i}: 'src' and 'dst' must be node ids, got {record!r}")
+            graph.add_edge(record["src"], record["dst"], record["bytes"])
+    except CostError as e:
+        raise CostError(f"{source}: {e}") from None
+    return graph
+
+
+def _add_json_node(graph: CostGraph, index: int, record: Any) -> None:
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        raise CostError(f"node #{index} must be an object with a string 'id', got {record!r}")
+    node = record["id"]
+    missing = [a for a in NODE_ATTRS if a not in record]
+    unknown = sorted(set(record) - {"id", *NODE_ATTRS})
+    if missing or unknown:
+        raise CostError(
+            f"node #{index} {node!r}: missing fields {missing}, unknown fields {unknown}; "
+            "write the file with CostGraph.to_json"
+        )
+    graph.add_node(node, **{a: record[a] for a in SETTABLE})
+    memory = check_attr(node, "memory_bytes", record["memory_bytes"])
+    if memory != graph.graph.nodes[node]["memory_bytes"]:
+        raise CostError(
+            f"node #{index} {node!r}: field 'memory_bytes' is {memory} but param + grad + "
+            f"optimizer + activation bytes is {graph.graph.nodes[node]['memory_bytes']}"
+        )
