@@ -42,6 +42,7 @@ from pdcompile.runtime.executor import DistributedPipeline
 
 PAUSE_S = 5e-4
 CONTEXTS = ("alone", "both", "spin", "sleep", "exchange", "pipeline")
+Pause = Callable[[], None] | None  # run before each pass (and between forward and backward)
 
 
 # -- 1. one core's speed ---------------------------------------------------------------------
@@ -92,7 +93,8 @@ def core_speed(model_name: str, seconds: float) -> dict[str, dict]:
 # -- 2. a stage in context -------------------------------------------------------------------
 
 
-def _loop(train: Callable[[], tuple[float, float]], before: Callable[[], None] | None):
+def _loop(train: Callable[[Pause], tuple[float, float]], before: Pause) -> tuple[float, float]:
+    """Medians (ms) of 55 forwards and backwards after 5, `before` run ahead of each."""
     times = []
     for _ in range(60):
         if before:
@@ -109,7 +111,7 @@ def _stage_pass(program, rank: int, x, y, loss_fn) -> Callable:
     micro, target = x[: x.shape[0] // MICROBATCHES], y[: x.shape[0] // MICROBATCHES]
     inputs = {k: v.detach() for k, v in program.stages[0](micro).items()}
 
-    def train(before) -> tuple[float, float]:
+    def train(before: Pause) -> tuple[float, float]:
         start = time.perf_counter()
         if rank == 0:
             outputs = [v for v in stage(micro).values() if v.requires_grad]

@@ -173,11 +173,10 @@ def rank_orders(
             for i, tie in enumerate(ties)
             if s in tie
         ]
-        if kind == "pipedream":  # per stage (empty group), or with the stages tied to it
-            together = () if len(linked[s]) == 1 else sorted(r for t in linked[s] for r in ranks[t])
-            clip_group = tuple(together) if clip else None
-        else:
-            clip_group = world if clip else None
+        clip_group = world if clip else None
+        if clip and kind == "pipedream":  # per stage (an empty group), or with its tied stages
+            tied = linked[s] if len(linked[s]) > 1 else ()
+            clip_group = tuple(sorted(r for t in tied for r in ranks[t]))
         update = _update(s, ranks[s], my_ties, clip_group, world if skip_nonfinite else None)
         peers = Peers(
             into=tuple(sorted(src for src, dst in edges if dst == s)),
