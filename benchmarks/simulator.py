@@ -353,7 +353,7 @@ def _write_traces(folder: Path, stem: str, measured: list[Event], sim) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     to_chrome_trace(measured, folder / f"{stem}_measured.json")
     sim.to_chrome_trace(folder / f"{stem}_simulated.json")
-    from pdcompile.gantt import plot_timelines
+    from pdcompile.pictures.gantt import plot_timelines
 
     plot_timelines([(f"measured {stem}", measured), (f"simulated {stem}", sim.timeline)],
                    folder / f"{stem}.png")  # fmt: skip

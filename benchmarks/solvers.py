@@ -22,7 +22,7 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, evaluate
-from pdcompile.bench_instances import synthetic_chain
+from pdcompile.cli.bench_instances import synthetic_chain
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "pipedream"
 BASELINES = ("uniform", "params", "blocks")

@@ -13,7 +13,6 @@ from typing import Any
 import torch.fx as fx
 
 from pdcompile.cost_graph import CostGraph
-from pdcompile.graph_report import target_name
 from pdcompile.ir import (
     ACTIVATION_BYTES,
     ANALYTIC_S,
@@ -25,6 +24,7 @@ from pdcompile.ir import (
     PARAM_BYTES,
     PARAM_TABLE,
     module_path,
+    target_name,
 )
 
 _KIND = {"placeholder": "input", "output": "output"}

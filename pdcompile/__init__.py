@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "trace": "pdcompile.tracing",
+    "trace": "pdcompile.capture.tracing",
     "analyze": "pdcompile.analysis",
     "CostGraph": "pdcompile.cost_graph",
     "DeviceModel": "pdcompile.passes.device_model",
@@ -43,10 +43,10 @@ _LAZY = {
     "plan": "pdcompile.planning",
     "register_solver": "pdcompile.planning",
     "solvers": "pdcompile.planning",
-    "codegen": "pdcompile.stage_codegen",
+    "codegen": "pdcompile.codegen.stage_codegen",
     "compile": "pdcompile.compiler",
     "PipelinedModule": "pdcompile.pipelined_module",
-    "StagedProgram": "pdcompile.staged_program",
+    "StagedProgram": "pdcompile.codegen.staged_program",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",
     "Simulation": "pdcompile.runtime.simulator",
     "simulate": "pdcompile.runtime.simulator",

@@ -94,14 +94,14 @@ def compile(  # noqa: A001 - the public name API.md gives it
             fits, the ranks disagree on the model, or the plan needs more ranks than the job.
     """
     from pdcompile.analysis import analyze
+    from pdcompile.capture.tracing import trace
+    from pdcompile.codegen.stage_codegen import codegen
     from pdcompile.pipelined_module import PipelinedModule
     from pdcompile.planning import plan as make_plan
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
     from pdcompile.runtime.schedules import check_nonfinite
-    from pdcompile.stage_codegen import codegen
-    from pdcompile.tracing import trace
 
     check_nonfinite(schedule, nonfinite)
     distributed = dist.is_initialized() or {"RANK", "WORLD_SIZE"} <= set(os.environ)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 # node.meta keys
 SCOPE = "pdcompile.scope"  # tuple[(qualified name, module type), ...], outermost module first
@@ -34,7 +35,9 @@ MEASURED_S = "pdcompile.measured_s"  # (forward, backward): profiled seconds, me
 # gm.meta keys
 CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph
 TRAINING = "pdcompile.training"  # bool: the model's mode when it was captured
-INPUTS = "pdcompile.inputs"  # tuple[str, ...]: names of the graph's tensor inputs, in call order
+INPUTS = (
+    "pdcompile.capture.inputs"  # tuple[str, ...]: names of the graph's tensor inputs, in call order
+)
 CONSTANTS = "pdcompile.constants"  # tuple[(argument, repr of value), ...] bound into the graph
 AUTO_LEAVES = "pdcompile.auto_leaves"  # tuple[(qualified name, reason), ...]
 PARAM_TABLE = "pdcompile.param_table"  # tuple[ParamInfo, ...], one per distinct tensor
@@ -133,3 +136,20 @@ def module_path(node: fx.Node) -> str:
     """Qualified name of the innermost module `node` was traced in ("" for the root)."""
     scope = node.meta.get(SCOPE, ())
     return scope[-1][0] if scope else ""
+
+
+def target_name(node: fx.Node) -> str:
+    """A short readable name of what the node calls: `torch.cat`, `aten.linear.default`, ..."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    name = getattr(target, "__name__", None) or str(target)
+    for prefix, namespace in (("torch", torch), ("torch.nn.functional", F)):
+        if getattr(namespace, name, None) is target:
+            return f"{prefix}.{name}"
+    module = getattr(target, "__module__", None) or ""
+    if module == "builtins":
+        return name
+    return f"{module.replace('_operator', 'operator')}.{name}" if module else name

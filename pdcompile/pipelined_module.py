@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, PdcompileError
-from pdcompile.gantt import bubble_fraction
+from pdcompile.pictures.gantt import bubble_fraction
 from pdcompile.plans import Plan
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.microbatches import batch_rows

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.cluster import Cluster, RuntimeCosts
+from pdcompile.codegen.staged_program import Channel
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.weight_slots import WeightSlots
-from pdcompile.staged_program import Channel
 
 PROBE_BYTES = 4 * 2**20
 EVICT_BYTES = 64 * 2**20  # twice a large last-level cache

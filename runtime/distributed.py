@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdcompile.codegen.staged_program import Channel
 from pdcompile.errors import PipelineTimeoutError, StageCommError
 from pdcompile.runtime import wire
 from pdcompile.runtime.comm import Key
-from pdcompile.staged_program import Channel
 
 __all__ = ["DistributedComm", "init_process_group", "message_tag"]
 

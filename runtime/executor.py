@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pdcompile.codegen.staged_program import Channel, StagedProgram
 from pdcompile.errors import PipelineTimeoutError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Key
@@ -33,7 +34,6 @@ from pdcompile.runtime.worker import (
     SchedulerFactory,
     StageWorker,
 )
-from pdcompile.staged_program import Channel, StagedProgram
 
 LOSS = [Channel(-1, -1, "loss", shape=(2,), dtype="float64")]  # (weighted sum, weights)
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import LocalComm
@@ -26,7 +27,6 @@ from pdcompile.runtime.worker import (
     SchedulerFactory,
     StageWorker,
 )
-from pdcompile.staged_program import StagedProgram
 
 
 class LocalPipeline(Pipeline):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import BatchError
 from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.microbatches import Batch, split_batch
@@ -29,7 +30,6 @@ from pdcompile.runtime.stream import RankStream
 from pdcompile.runtime.validate import validate_schedule
 from pdcompile.runtime.versions import two_bw_warmup, warmup
 from pdcompile.runtime.worker import StageWorker
-from pdcompile.staged_program import StagedProgram
 
 
 def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:

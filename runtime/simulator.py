@@ -61,7 +61,7 @@ class Simulation:
 
     def plot(self, path: str | Path, title: str | None = None) -> None:
         """Draw the timeline as a Gantt chart (one row per rank) to `path`."""
-        from pdcompile.gantt import plot_timelines
+        from pdcompile.pictures.gantt import plot_timelines
 
         default = (
             f"simulated {self.plan.schedule}, {self.plan.num_stages} stages, "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from pdcompile.codegen.staged_program import Channel, StagedProgram
 from pdcompile.errors import LossError, PartitionError
 from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Comm, gradient_channels
@@ -28,7 +29,6 @@ from pdcompile.runtime.schedules import STREAMING
 from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.runtime.weight_versions import WeightVersions, copy_weights
-from pdcompile.staged_program import Channel, StagedProgram
 
 log = logging.getLogger(__name__)
 

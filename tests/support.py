@@ -10,7 +10,7 @@ import torch
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.inputs import bind_inputs
+from pdcompile.capture.inputs import bind_inputs
 from pdcompile.ir import iter_tensors
 
 

@@ -95,7 +95,7 @@ def test_primitive_layers_are_leaves_and_composites_are_traced_through() -> None
     leaves = {n.target for n in gm.graph.nodes if n.op == "call_module"}
     for target in leaves:
         module = gm.get_submodule(target)
-        assert pdcompile.leaf_policy.is_primitive(module), target
+        assert pdcompile.capture.leaf_policy.is_primitive(module), target
     assert "h.0.attn.c_attn" in leaves and "lm_head" in leaves
     assert not any(isinstance(gm.get_submodule(t), (zoo.Block, nn.Sequential)) for t in leaves)
 

@@ -81,7 +81,7 @@ def test_forced_export_matches_fx_for_zoo_models() -> None:
         model, args, kwargs = example(name, eval_mode=True)
         gm = pdcompile.trace(model, args, example_kwargs=kwargs, method="export")
         assert gm.meta[CAPTURE] == "export"
-        fresh = fresh_like(pdcompile.inputs.bind_inputs(model, args, kwargs).tensors, 3)
+        fresh = fresh_like(pdcompile.capture.inputs.bind_inputs(model, args, kwargs).tensors, 3)
         with torch.no_grad():
             for a, e in zip(flat(gm(**fresh)), flat(model(**fresh)), strict=True):
                 torch.testing.assert_close(a, e)

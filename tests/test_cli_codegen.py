@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdcompile import StagedProgram, zoo
-from pdcompile.cli import main
+from pdcompile.cli.handlers import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

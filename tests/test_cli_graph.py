@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdcompile import zoo
-from pdcompile.cli import main
+from pdcompile.cli.handlers import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -184,13 +184,15 @@ def test_console_script_runs_outside_the_repository(tmp_path: Path) -> None:
 
 
 def test_cli_capture_methods_are_the_api_methods() -> None:
-    from pdcompile import cli_parser, tracing
+    from pdcompile.capture import tracing
+    from pdcompile.cli import parser as cli_parser
 
     assert cli_parser.METHODS == tracing.METHODS
 
 
 def test_every_command_of_the_parser_has_a_handler() -> None:
-    from pdcompile import cli, cli_parser
+    from pdcompile.cli import handlers as cli
+    from pdcompile.cli import parser as cli_parser
 
     parser = cli_parser.build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

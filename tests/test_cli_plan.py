@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdcompile import Plan
-from pdcompile.cli import main
+from pdcompile.cli.handlers import main
 
 VGG = Path(__file__).parent / "data" / "pipedream" / "vgg16" / "graph.txt"
 

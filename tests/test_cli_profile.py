@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdcompile import CostGraph
-from pdcompile.cli import main
+from pdcompile.cli.handlers import main
 
 PIPEDREAM = Path(__file__).parent / "data" / "pipedream"
 
@@ -87,7 +87,7 @@ def test_graph_of_a_cost_file_runs_without_torch() -> None:
     path = PIPEDREAM / "gnmt" / "graph.txt"
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from pdcompile.cli import main\n"
+        "from pdcompile.cli.handlers import main\n"
         f"assert main(['graph', {str(path)!r}, '--format', 'json']) == 0\n"
         "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules\n"
         "               if sys.modules[m] is not None)\n"

@@ -14,12 +14,12 @@ from pipeline_support import OPTIMIZERS, mlp_case
 from spawn import run_ranks
 
 import pdcompile
-from pdcompile.cli import main
+from pdcompile.cli.handlers import main
 from pdcompile.cost_graph import CostGraph
+from pdcompile.pictures.stage_colours import CROSSING, stage_colour
 from pdcompile.plans import Plan
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.timeline import load_trace
-from pdcompile.stage_colours import CROSSING, stage_colour
 from pdcompile.text import human_bytes
 
 VGG = Path(__file__).parent / "data" / "pipedream" / "vgg16" / "graph.txt"

@@ -75,7 +75,7 @@ def test_plans_are_checked_before_the_graph_is_run(monkeypatch) -> None:
     def fail(gm):
         raise AssertionError("code generation started")
 
-    monkeypatch.setattr(pdcompile.stage_codegen, "describe_values", fail)
+    monkeypatch.setattr(pdcompile.codegen.stage_codegen, "describe_values", fail)
     gm, names = mlp_nodes()
     with pytest.raises(CodegenError, match="not convex"):
         pdcompile.codegen(gm, plan_of([[n for n in names if n != "net_2"], ["net_2"]]))

@@ -34,9 +34,9 @@ ALLOWED = {
     # a missing optional dependency (the 'hf' extra): ImportError is what callers expect
     ("pdcompile/zoo.py", "ImportError"): "missing extra",
     # a signal caught within fx_capture (the innermost untraceable module), never escapes
-    ("pdcompile/fx_capture.py", "_Untraceable"): "internal signal",
+    ("pdcompile/capture/fx_capture.py", "_Untraceable"): "internal signal",
     # unreachable: loops that always return
-    ("pdcompile/staged_program.py", "AssertionError"): "unreachable",
+    ("pdcompile/codegen/staged_program.py", "AssertionError"): "unreachable",
     ("pdcompile/text.py", "AssertionError"): "unreachable",
     # abstract methods of Pipeline
     ("runtime/pipeline.py", "NotImplementedError"): "abstract",

@@ -1,4 +1,4 @@
-"""`pdcompile.gantt`: bubble fractions (pure) and the Gantt charts drawn from Event lists."""
+"""`pdcompile.pictures.gantt`: bubble fractions (pure) and the Gantt charts drawn from Event lists."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdcompile.errors import PdcompileError
-from pdcompile.gantt import KINDS, bubble_fraction, plot_timelines, rows, time_unit
+from pdcompile.pictures.gantt import KINDS, bubble_fraction, plot_timelines, rows, time_unit
 from pdcompile.runtime.timeline import Event
 
 MS = 1e-3

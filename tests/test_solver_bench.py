@@ -12,10 +12,15 @@ import pytest
 from rich.console import Console
 
 from pdcompile import Cluster, CostGraph, PartitionError, SpecError, evaluate, planning
-from pdcompile.bench_instances import load_instance, load_instances, synthetic_chain, synthetic_dag
-from pdcompile.bench_report import results_json, results_table, summary_table
-from pdcompile.cli import main
-from pdcompile.solver_bench import load_plugin, run_bench
+from pdcompile.cli.bench_instances import (
+    load_instance,
+    load_instances,
+    synthetic_chain,
+    synthetic_dag,
+)
+from pdcompile.cli.bench_report import results_json, results_table, summary_table
+from pdcompile.cli.handlers import main
+from pdcompile.cli.solver_bench import load_plugin, run_bench
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 FAST = ["dp", "uniform", "params", "blocks", "pipedream"]

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pdcompile
-from pdcompile.cli import main as pdcompile_cli
+from pdcompile.cli.handlers import main as pdcompile_cli
 from pdcompile.runtime.distributed import init_process_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from pdcompile.cost_graph import CostGraph
+from pdcompile.pictures.stage_colours import crosses, crossing_edge, stage_colour, stages_of
 from pdcompile.plans import Plan
-from pdcompile.stage_colours import crosses, crossing_edge, stage_colour, stages_of
 from pdcompile.text import dot_quote, human_bytes, human_seconds
 
 

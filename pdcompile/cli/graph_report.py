@@ -8,9 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from rich.table import Table
 
 from pdcompile.errors import PdcompileError
@@ -25,9 +23,10 @@ from pdcompile.ir import (
     module_path,
     owned_params,
     param_table,
+    target_name,
 )
+from pdcompile.pictures.stage_colours import crosses, crossing_edge, stage_colour, stages_of
 from pdcompile.plans import Plan
-from pdcompile.stage_colours import crosses, crossing_edge, stage_colour, stages_of
 from pdcompile.text import dot_quote, human_bytes
 
 GRAPHVIZ_HINT = (
@@ -54,23 +53,6 @@ class NodeRow:
     @property
     def shape_text(self) -> str:
         return "; ".join(f"[{', '.join(map(str, s))}]" for s in self.shapes)
-
-
-def target_name(node: fx.Node) -> str:
-    """A short readable name of what the node calls: `torch.cat`, `aten.linear.default`, ..."""
-    target = node.target
-    if isinstance(target, str):
-        return target
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    name = getattr(target, "__name__", None) or str(target)
-    for prefix, namespace in (("torch", torch), ("torch.nn.functional", F)):
-        if getattr(namespace, name, None) is target:
-            return f"{prefix}.{name}"
-    module = getattr(target, "__module__", None) or ""
-    if module == "builtins":
-        return name
-    return f"{module.replace('_operator', 'operator')}.{name}" if module else name
 
 
 def node_rows(gm: fx.GraphModule) -> list[NodeRow]:

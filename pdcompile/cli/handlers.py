@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdcompile.cli_parser import build_parser
+from pdcompile.cli.parser import build_parser
 from pdcompile.errors import PdcompileError, SpecError
 
 
@@ -39,8 +39,8 @@ def _leaf_modules(model: Any, names: Sequence[str]) -> list[Any]:
 
 def _trace_spec(args: argparse.Namespace) -> tuple[Any, Any]:
     """Load the SPEC and capture it; automatic leaves are reported on standard error."""
-    from pdcompile.model_spec import load_model_spec
-    from pdcompile.tracing import trace
+    from pdcompile.capture.model_spec import load_model_spec
+    from pdcompile.capture.tracing import trace
 
     spec = load_model_spec(args.spec)
     if args.eval:
@@ -93,7 +93,7 @@ def _write(data: str | bytes, out: str | None) -> None:
 
 
 def _graph(args: argparse.Namespace) -> int:
-    from pdcompile.cost_report import cost_dot, cost_table
+    from pdcompile.cli.cost_report import cost_dot, cost_table
     from pdcompile.plans import Plan
 
     if args.plan and args.format in ("txt", "json"):
@@ -108,7 +108,7 @@ def _graph(args: argparse.Namespace) -> int:
             lambda: cost_table(costs, name), costs.to_json, lambda: cost_dot(costs, name, plan)
         )  # fmt: skip
     else:
-        from pdcompile.graph_report import to_dot, to_json, to_table
+        from pdcompile.cli.graph_report import to_dot, to_json, to_table
 
         spec, gm = _trace_spec(args)
         name = type(spec.model).__name__
@@ -123,7 +123,7 @@ def _graph(args: argparse.Namespace) -> int:
     elif args.format == "dot":
         _write(dot(), args.out)
     else:
-        from pdcompile.graph_report import render_dot
+        from pdcompile.cli.graph_report import render_dot
 
         if not args.out:
             raise PdcompileError(f"--format {args.format} writes a binary file: give --out FILE")
@@ -133,7 +133,7 @@ def _graph(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from pdcompile.analysis import analyze
-    from pdcompile.cost_report import cost_table
+    from pdcompile.cli.cost_report import cost_table
 
     spec, gm = _trace_spec(args)
     costs = analyze(
@@ -189,10 +189,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _codegen(args: argparse.Namespace) -> int:
     from pdcompile.analysis import analyze
+    from pdcompile.codegen.stage_codegen import codegen
     from pdcompile.cost_graph import CostGraph
     from pdcompile.planning import plan
     from pdcompile.plans import Plan
-    from pdcompile.stage_codegen import codegen
 
     if args.plan:
         _refuse_with_plan_file(args, "solver", "memory", "schedule", "microbatches")
@@ -242,7 +242,7 @@ def _is_plan_file(path: str) -> bool:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pdcompile.gantt import plot_timelines
+    from pdcompile.pictures.gantt import plot_timelines
     from pdcompile.planning import plan
     from pdcompile.plans import Plan
     from pdcompile.runtime.simulator import simulate
@@ -311,10 +311,10 @@ def _solvers(args: argparse.Namespace) -> int:
 
 
 def _bench_solvers(args: argparse.Namespace) -> int:
-    from pdcompile.bench_instances import load_instances
-    from pdcompile.bench_report import results_json, results_table, summary_table
+    from pdcompile.cli.bench_instances import load_instances
+    from pdcompile.cli.bench_report import results_json, results_table, summary_table
+    from pdcompile.cli.solver_bench import run_bench
     from pdcompile.cluster import Cluster
-    from pdcompile.solver_bench import run_bench
 
     instances = load_instances(args.inputs, analytic=args.analytic)
     clusters = [Cluster.parse(text, memory=args.memory) for text in args.cluster]

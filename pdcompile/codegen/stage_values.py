@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from pdcompile.codegen.staged_program import batch_dim
 from pdcompile.errors import CodegenError
 from pdcompile.ir import OUTPUTS, dtype_name, iter_tensors
 from pdcompile.passes.state import preserved_state
-from pdcompile.staged_program import batch_dim
 
 # Values sent between stages as metadata, and those among them that can be written into a
 # stage's code as literals (a device is not: every stage has its own).

@@ -223,7 +223,7 @@ class StagedProgram:
             CodegenError: a stage calls a function that cannot be imported by name.
         """
         # imported here: stage_source builds StagedPrograms, so it imports this module
-        from pdcompile.stage_source import write_program
+        from pdcompile.codegen.stage_source import write_program
 
         return write_program(self, Path(directory))
 
@@ -239,6 +239,6 @@ class StagedProgram:
         Raises:
             CodegenError: the files are missing or malformed, or do not fit `model`.
         """
-        from pdcompile.stage_source import load_program
+        from pdcompile.codegen.stage_source import load_program
 
         return load_program(Path(directory), model)

@@ -22,14 +22,9 @@ from typing import Any
 import torch.fx as fx
 from torch.fx.graph import _PyTreeCodeGen
 
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import CodegenError
-from pdcompile.graph_module import CapturedGraphModule
-from pdcompile.ir import PARAM_TABLE, TRAINING, ParamInfo
-from pdcompile.passes.node_runner import COMPUTE_OPS, is_inplace
-from pdcompile.plans import Plan
-from pdcompile.stage_assignment import assign_nodes, check_stage_order, pin_nodes
-from pdcompile.stage_modules import (
+from pdcompile.capture.graph_module import CapturedGraphModule
+from pdcompile.codegen.stage_assignment import assign_nodes, check_stage_order, pin_nodes
+from pdcompile.codegen.stage_modules import (
     TreeOutputCodeGen,
     assemble_root,
     copy_tensor,
@@ -37,8 +32,13 @@ from pdcompile.stage_modules import (
     finish_state,
     non_persistent,
 )
-from pdcompile.stage_values import ValueInfo, describe_values
-from pdcompile.staged_program import Channel, StagedProgram, StageSignature, TieGroup
+from pdcompile.codegen.stage_values import ValueInfo, describe_values
+from pdcompile.codegen.staged_program import Channel, StagedProgram, StageSignature, TieGroup
+from pdcompile.cost_graph import CostGraph
+from pdcompile.errors import CodegenError
+from pdcompile.ir import PARAM_TABLE, TRAINING, ParamInfo
+from pdcompile.passes.node_runner import COMPUTE_OPS, is_inplace
+from pdcompile.plans import Plan
 
 
 @dataclass

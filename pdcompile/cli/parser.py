@@ -6,7 +6,7 @@ import argparse
 
 FORMATS = ("txt", "json", "dot", "svg", "png")
 SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")  # pdcompile.plans.SCHEDULES
-# = pdcompile.tracing.METHODS, repeated so the CLI starts without importing torch
+# = pdcompile.capture.tracing.METHODS, repeated so the CLI starts without importing torch
 METHODS = ("auto", "fx", "export")
 
 

@@ -20,10 +20,10 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
+from pdcompile.capture.fx_capture import describe_failure
+from pdcompile.capture.graph_module import CapturedGraphModule
+from pdcompile.capture.inputs import BoundInputs
 from pdcompile.errors import TraceError
-from pdcompile.fx_capture import describe_failure
-from pdcompile.graph_module import CapturedGraphModule
-from pdcompile.inputs import BoundInputs
 from pdcompile.passes.state import preserved_state
 
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
+from pdcompile.capture.graph_module import CapturedGraphModule
+from pdcompile.capture.inputs import BoundInputs
+from pdcompile.capture.leaf_policy import TRACEABLE_FORWARDS, LeafPolicy
 from pdcompile.errors import TraceError
-from pdcompile.graph_module import CapturedGraphModule
-from pdcompile.inputs import BoundInputs
-from pdcompile.leaf_policy import TRACEABLE_FORWARDS, LeafPolicy
 
 _TORCH_DIR = os.path.dirname(os.path.dirname(fx.__file__))
 _MAX_AUTO_LEAVES = 256

@@ -8,7 +8,7 @@ is killed when a solver overruns; a solver that raises or overruns is reported, 
 run.
 
 Example:
-    >>> from pdcompile.bench_instances import load_instance
+    >>> from pdcompile.cli.bench_instances import load_instance
     >>> results = run_bench(load_instance("chain:40"), [Cluster.parse("4")], ["dp", "uniform"])
     >>> [(r.solver, r.status, round(r.ratio_to_best, 3)) for r in results]
     [('dp', 'ok', 1.0), ('uniform', 'ok', 1.049)]
@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
 
-from pdcompile.bench_instances import Instance
+from pdcompile.cli.bench_instances import Instance
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import evaluate
@@ -48,7 +48,7 @@ def load_plugin(spec: str) -> ModuleType:
     Raises:
         SpecError: the module is missing or raised while importing (named with the exception).
     """
-    from pdcompile.model_spec import import_user_module  # imports torch.nn
+    from pdcompile.capture.model_spec import import_user_module  # imports torch.nn
 
     return import_user_module(spec, f"plugin {spec!r}")
 

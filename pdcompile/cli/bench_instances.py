@@ -105,8 +105,8 @@ def _pipedream_files(path: Path) -> list[Path]:
 
 def _model_costs(spec_text: str, analytic: bool) -> CostGraph:
     from pdcompile.analysis import analyze
-    from pdcompile.model_spec import load_model_spec
-    from pdcompile.tracing import trace
+    from pdcompile.capture.model_spec import load_model_spec
+    from pdcompile.capture.tracing import trace
 
     spec = load_model_spec(spec_text)
     gm = trace(spec.model, spec.example_inputs, example_kwargs=spec.example_kwargs)

@@ -12,12 +12,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from pdcompile.capture.export_capture import capture_export
+from pdcompile.capture.fx_capture import capture_fx
+from pdcompile.capture.inputs import BoundInputs, bind_inputs
+from pdcompile.capture.leaf_policy import LeafPolicy
 from pdcompile.errors import TraceError, TraceWarning
-from pdcompile.export_capture import capture_export
-from pdcompile.fx_capture import capture_fx
-from pdcompile.inputs import BoundInputs, bind_inputs
 from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter_tensors
-from pdcompile.leaf_policy import LeafPolicy
 from pdcompile.passes.node_runner import is_inplace
 from pdcompile.passes.params import annotate_params
 from pdcompile.passes.scope import annotate_scope

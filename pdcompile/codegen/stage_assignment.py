@@ -17,10 +17,10 @@ from collections.abc import Iterable, Mapping
 import networkx as nx
 import torch.fx as fx
 
+from pdcompile.codegen.stage_values import ValueInfo
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CodegenError
 from pdcompile.plans import Plan
-from pdcompile.stage_values import ValueInfo
 
 _SHOWN = 8  # names listed in an error before "... and N more"
 

@@ -23,11 +23,8 @@ from torch.fx.graph_module import _format_import_statement
 from torch.package import sys_importer
 
 import pdcompile
-from pdcompile.errors import CodegenError
-from pdcompile.graph_module import CapturedGraphModule
-from pdcompile.ir import dtype_name
-from pdcompile.plans import Plan
-from pdcompile.stage_modules import (
+from pdcompile.capture.graph_module import CapturedGraphModule
+from pdcompile.codegen.stage_modules import (
     TreeOutputCodeGen,
     copy_tensor,
     fetch,
@@ -36,10 +33,13 @@ from pdcompile.stage_modules import (
     non_persistent,
     rebound,
 )
-from pdcompile.staged_program import Channel, StagedProgram, StageSignature, TieGroup
+from pdcompile.codegen.staged_program import Channel, StagedProgram, StageSignature, TieGroup
+from pdcompile.errors import CodegenError
+from pdcompile.ir import dtype_name
+from pdcompile.plans import Plan
 from pdcompile.text import human_bytes, human_seconds
 
-FORMAT = "pdcompile.staged_program"
+FORMAT = "pdcompile.codegen.staged_program"
 VERSION = 1
 
 

@@ -11,8 +11,8 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from pdcompile.bench_instances import Instance
-from pdcompile.solver_bench import BenchResult
+from pdcompile.cli.bench_instances import Instance
+from pdcompile.cli.solver_bench import BenchResult
 from pdcompile.text import human_seconds
 
 __all__ = ["results_json", "results_table", "summary_table"]
