@@ -46,7 +46,7 @@ _LAZY = {
     "codegen": "pdcompile.codegen.stage_codegen",
     "compile": "pdcompile.compiler",
     "PipelinedModule": "pdcompile.pipelined_module",
-    "StagedProgram": "pdcompile.codegen.staged_program",
+    "StagedProgram": "pdcompile.staged_program",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",
     "Simulation": "pdcompile.runtime.simulator",
     "simulate": "pdcompile.runtime.simulator",

@@ -35,9 +35,7 @@ MEASURED_S = "pdcompile.measured_s"  # (forward, backward): profiled seconds, me
 # gm.meta keys
 CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph
 TRAINING = "pdcompile.training"  # bool: the model's mode when it was captured
-INPUTS = (
-    "pdcompile.capture.inputs"  # tuple[str, ...]: names of the graph's tensor inputs, in call order
-)
+INPUTS = "pdcompile.inputs"  # tuple[str, ...]: names of the graph's tensor inputs, in call order
 CONSTANTS = "pdcompile.constants"  # tuple[(argument, repr of value), ...] bound into the graph
 AUTO_LEAVES = "pdcompile.auto_leaves"  # tuple[(qualified name, reason), ...]
 PARAM_TABLE = "pdcompile.param_table"  # tuple[ParamInfo, ...], one per distinct tensor

@@ -198,7 +198,7 @@ def test_analyze_returns_the_cost_graph_of_the_captured_graph(name: str) -> None
     for u, _, data in costs.graph.edges(data=True):
         assert data["bytes"] == costs.graph.nodes[u]["output_bytes"]
     assert [k for k, n in costs.graph.nodes(data=True) if n["kind"] == "input"] == list(
-        gm.meta["pdcompile.capture.inputs"]
+        gm.meta["pdcompile.inputs"]
     )
 
 

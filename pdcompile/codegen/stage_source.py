@@ -39,7 +39,7 @@ from pdcompile.ir import dtype_name
 from pdcompile.plans import Plan
 from pdcompile.text import human_bytes, human_seconds
 
-FORMAT = "pdcompile.codegen.staged_program"
+FORMAT = "pdcompile.staged_program"
 VERSION = 1
 
 
