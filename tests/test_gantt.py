@@ -1,4 +1,4 @@
-"""`pdcompile.pictures.gantt`: bubble fractions (pure) and the Gantt charts drawn from Event lists."""
+"""`pdcompile.pictures.gantt`: bubble fractions (pure) and Gantt charts drawn from Event lists."""
 
 from __future__ import annotations
 
