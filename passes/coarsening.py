@@ -173,13 +173,15 @@ def _build(cost_graph: CostGraph, groups: list[list[str]]) -> CostGraph:
             members=tuple(m for d in data for m in d["members"]),
         )
     sent: dict[tuple[int, int, str], int] = {}  # (layer of u, layer of v, u) -> bytes
-    for u, v, b in g.edges(data="bytes"):
+    grads: dict[tuple[int, int], bool] = {}  # whether any member edge carries a gradient
+    for u, v, data in g.edges(data=True):
         key = (layer_of[u], layer_of[v], u)
         if key[0] != key[1]:
-            sent[key] = max(sent.get(key, 0), b)
+            sent[key] = max(sent.get(key, 0), data["bytes"])
+            grads[key[:2]] = grads.get(key[:2], False) or data["grad"]
     edges: dict[tuple[int, int], int] = {}
     for (a, b, _), nbytes in sent.items():
         edges[(a, b)] = edges.get((a, b), 0) + nbytes
     for a, b in sorted(edges):
-        out.add_edge(ids[a], ids[b], edges[(a, b)])
+        out.add_edge(ids[a], ids[b], edges[(a, b)], grads[(a, b)])
     return out

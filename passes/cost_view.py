@@ -3,7 +3,8 @@
 Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.flops`,
 `pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other),
 and `gm.meta["pdcompile.param_table"]` for the CostGraph's `meta["param_tensors"]` and
-`meta["ties"]` (docs/simulator.md).
+`meta["ties"]` (docs/simulator.md) and for which edges carry gradients (`pdcompile.outputs`'
+dtypes too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pdcompile.ir import (
     MEASURED_S,
     OPTIMIZER_BYTES,
     OUTPUT_BYTES,
+    OUTPUTS,
     PARAM_BYTES,
     PARAM_TABLE,
     module_path,
@@ -59,10 +61,30 @@ def to_cost_graph(
             description=f"{node.op}: {target_name(node)}",
             scope=module_path(node),
         )
+    flows = gradient_flow(gm)
     for node in gm.graph.nodes:
         for arg in node.all_input_nodes:
-            graph.add_edge(arg.name, node.name, bytes=arg.meta[OUTPUT_BYTES])
+            graph.add_edge(arg.name, node.name, arg.meta[OUTPUT_BYTES], flows[arg.name])
     return graph
+
+
+def gradient_flow(gm: fx.GraphModule) -> dict[str, bool]:
+    """Per node, whether a gradient flows back into its output: it holds a floating tensor
+    computed from a trainable parameter (directly or through nodes that are). Inputs are data:
+    integer ids, masks and values computed from the inputs alone carry none, as at run time
+    (code generation's channels only require grad where autograd tracks the value)."""
+    trained = {
+        user
+        for info in gm.meta.get(PARAM_TABLE, ())
+        if not info.is_buffer and info.requires_grad
+        for user in info.users
+    }
+    flows: dict[str, bool] = {}
+    for node in gm.graph.nodes:
+        floating = any("float" in s.dtype or "complex" in s.dtype for s in node.meta[OUTPUTS])
+        fed = node.name in trained or any(flows[a.name] for a in node.all_input_nodes)
+        flows[node.name] = floating and fed
+    return flows
 
 
 def parameter_layout(gm: fx.GraphModule) -> dict[str, Any]:

@@ -238,6 +238,23 @@ class Cluster:
         return len(self.levels) == 1
 
     @classmethod
+    def coerce(cls, cluster: Cluster | str, what: str = "cluster") -> Cluster:
+        """`cluster` itself, or the Cluster its text describes (`parse`): every public
+        function taking a cluster takes either.
+
+        Raises:
+            PartitionError: neither a Cluster nor a string.
+        """
+        if isinstance(cluster, Cluster):
+            return cluster
+        if isinstance(cluster, str):
+            return cls.parse(cluster)
+        raise PartitionError(
+            f"{what} must be a pdcompile.Cluster or its text such as '4' or "
+            f"'8@300GB/s,2@25Gbit/s', got {type(cluster).__name__} {cluster!r}"
+        )
+
+    @classmethod
     def parse(
         cls,
         text: str,

@@ -16,7 +16,6 @@ The lowering, top to bottom:
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ import torch.nn as nn
 from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
 from pdcompile.errors import CheckpointError, PartitionError, PdcompileError, PipelineTimeoutError
 from pdcompile.plans import Plan
+from pdcompile.schedules import PipelineSchedule
 
 
 def compile(  # noqa: A001 - the public name API.md gives it
@@ -39,7 +39,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     cluster: Cluster | str | None = None,
-    schedule: str = "1f1b",
+    schedule: str | PipelineSchedule = "1f1b",
     num_microbatches: int | None = None,
     solver: str = "dp",
     plan: Plan | str | None = None,
@@ -64,10 +64,11 @@ def compile(  # noqa: A001 - the public name API.md gives it
         optimizer: a factory `params -> torch.optim.Optimizer`, applied to each stage.
         cluster: the devices (`Cluster` or its text); None: the job's ranks on one level (one
             device in a single process).
-        schedule: "1f1b" (default: synchronous, equal to single-process gradient
-            accumulation), "gpipe", "pipedream" (asynchronous, weight stashing) or "2bw".
-        num_microbatches: microbatches per `train_step` (default: twice the stages, rounded up
-            to a multiple of every stage's replica count).
+        schedule: a name from `pdcompile.schedules()`: "1f1b" (default: synchronous, equal to
+            single-process gradient accumulation), "gpipe", "pipedream" (asynchronous, weight
+            stashing), "2bw", or one registered with `pdcompile.register_schedule`.
+        num_microbatches: microbatches per `train_step` (default: what `plan()` chose, or the
+            given plan's count).
         solver: the partitioning solver (`pdcompile.solvers()`).
         plan: a Plan (or a saved plan's path): skips profiling and solving.
         profile: measure node times (False: analytic costs, e.g. for meta-device models).
@@ -96,13 +97,15 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.analysis import analyze
     from pdcompile.capture.tracing import trace
     from pdcompile.codegen.stage_codegen import codegen
+    from pdcompile.evaluation import rescore
     from pdcompile.pipelined_module import PipelinedModule
     from pdcompile.planning import plan as make_plan
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
-    from pdcompile.runtime.schedules import check_nonfinite
+    from pdcompile.schedules import check_nonfinite, get_schedule
 
+    schedule = get_schedule(schedule).name
     check_nonfinite(schedule, nonfinite)
     distributed = dist.is_initialized() or {"RANK", "WORLD_SIZE"} <= set(os.environ)
     rank, world_size, device = 0, 1, _local_device(model)
@@ -148,14 +151,16 @@ def compile(  # noqa: A001 - the public name API.md gives it
             failure = exc
     if distributed:
         plan = _share_plan(plan, failure, rank)
+    if num_microbatches is not None and num_microbatches != plan.num_microbatches:
+        plan = rescore(plan, num_microbatches=num_microbatches)  # what runs is what is scored
     if distributed and plan.num_devices_used != world_size:
         raise PartitionError(
             f"the plan places its stages on {plan.num_devices_used} devices but the job has "
             f"{world_size} ranks; start as many ranks as the plan uses (torchrun "
             f"--nproc_per_node {plan.num_devices_used}) or plan for cluster={world_size}"
         )
-    microbatches = num_microbatches or _default_microbatches(plan)
-    program = codegen(gm, plan.with_(num_microbatches=microbatches))
+    microbatches = plan.num_microbatches
+    program = codegen(gm, plan)
     if any(t.is_meta for t in [*gm.parameters(), *gm.buffers()]):
         mine = [s.index for s in plan.stages if not distributed or rank in s.ranks]
         _materialize([program.stages[i] for i in mine], device, weights)
@@ -217,12 +222,6 @@ def _to_meta(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _to_meta(v) for k, v in value.items()}
     return value
-
-
-def _default_microbatches(plan: Plan) -> int:
-    """Twice the stages, rounded up so that every replica of every stage gets as many."""
-    period = math.lcm(*(s.replicas for s in plan.stages))
-    return -(-2 * plan.num_stages // period) * period
 
 
 def _local_device(model: nn.Module) -> torch.device:

@@ -79,12 +79,12 @@ class CostGraph:
                     "drop it"
                 )
         for u, v, data in graph.edges(data=True):
-            if set(data) != {"bytes"}:
+            if "bytes" not in data or not set(data) <= {"bytes", "grad"}:
                 raise CostError(
-                    f"edge {u!r} -> {v!r}: edges carry exactly one attribute, 'bytes'; got "
+                    f"edge {u!r} -> {v!r}: edges carry 'bytes' and optionally 'grad'; got "
                     f"{sorted(data)}"
                 )
-            self.add_edge(u, v, data["bytes"])
+            self.add_edge(u, v, data["bytes"], data.get("grad", True))
 
     # -- building -------------------------------------------------------------------------
 
@@ -120,8 +120,10 @@ class CostGraph:
         self.graph.add_node(node_id, **{name: data[name] for name in NODE_ATTRS})
         self._index[node_id] = len(self._index)
 
-    def add_edge(self, u: str, v: str, bytes: int) -> None:
-        """Add the edge `u -> v` carrying `bytes` per batch; `u` must come before `v`.
+    def add_edge(self, u: str, v: str, bytes: int, grad: bool = True) -> None:
+        """Add the edge `u -> v` carrying `bytes` per batch; `u` must come before `v`. `grad`:
+        whether a gradient flows back along it (False for integer ids, masks and values outside
+        autograd: pipelines send nothing back for them).
 
         Raises:
             CostError: an endpoint is missing, the edge exists, or it goes backwards in the order.
@@ -138,7 +140,9 @@ class CostGraph:
                 f"edge {u!r} -> {v!r} goes backwards in the node order (node {v!r} was added "
                 f"before {u!r}); add nodes in a topological order (e.g. networkx.topological_sort)"
             )
-        self.graph.add_edge(u, v, bytes=check_edge_bytes(u, v, bytes))
+        if not isinstance(grad, bool):
+            raise CostError(f"edge {u!r} -> {v!r}: 'grad' must be true or false, got {grad!r}")
+        self.graph.add_edge(u, v, bytes=check_edge_bytes(u, v, bytes), grad=grad)
 
     def copy(self) -> CostGraph:
         """An equal, independent CostGraph."""
@@ -192,8 +196,10 @@ class CostGraph:
             cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(self.graph))
             raise CostError(f"the CostGraph has a cycle ({cycle}); a CostGraph must be a DAG")
         for u, v, data in self.graph.edges(data=True):
-            if set(data) != {"bytes"}:
-                raise CostError(f"edge {u!r} -> {v!r}: expected only 'bytes', got {sorted(data)}")
+            if set(data) != {"bytes", "grad"} or not isinstance(data["grad"], bool):
+                raise CostError(
+                    f"edge {u!r} -> {v!r}: expected 'bytes' and 'grad' (a bool), got {data}"
+                )
             check_edge_bytes(u, v, data["bytes"])
             if type(data["bytes"]) is not int:
                 raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be an int")
@@ -240,8 +246,8 @@ class CostGraph:
                     whole(x) if isinstance(x, int) else x * factor for x in data["activation_sizes"]
                 )
             out.add_node(node, **attrs)
-        for u, v, b in self.graph.edges(data="bytes"):
-            out.add_edge(u, v, whole(b))
+        for u, v, data in self.graph.edges(data=True):
+            out.add_edge(u, v, whole(data["bytes"]), data["grad"])
         return out
 
     def __eq__(self, other: object) -> bool:

@@ -28,7 +28,10 @@ def format_json(graph: CostGraph) -> str:
     for node, data in graph.graph.nodes(data=True):
         record = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
         nodes.append(dump({"id": node, **record}))
-    edges = [dump({"src": u, "dst": v, "bytes": b}) for u, v, b in graph.graph.edges(data="bytes")]
+    edges = [
+        dump({"src": u, "dst": v, "bytes": d["bytes"], **({} if d["grad"] else {"grad": False})})
+        for u, v, d in graph.graph.edges(data=True)
+    ]  # `grad` written only where no gradient flows back
     head = {"format": FORMAT, "version": VERSION, "batch_size": graph.batch_size}
     return (
         f"{dump(head)[:-1]},\n"
@@ -75,14 +78,16 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
         for i, record in enumerate(doc["nodes"]):
             _add_json_node(graph, i, record)
         for i, record in enumerate(doc["edges"]):
-            if not isinstance(record, dict) or set(record) != {"src", "dst", "bytes"}:
+            if not isinstance(record, dict) or not (
+                {"src", "dst", "bytes"} <= set(record) <= {"src", "dst", "bytes", "grad"}
+            ):
                 raise CostError(
-                    f"edge #{i} must be an object with exactly 'src', 'dst' and 'bytes', "
-                    f"got {record!r}"
+                    f"edge #{i} must be an object with 'src', 'dst', 'bytes' and optionally "
+                    f"'grad', got {record!r}"
                 )
             if not (isinstance(record["src"], str) and isinstance(record["dst"], str)):
                 raise CostError(f"edge #{i}: 'src' and 'dst' must be node ids, got {record!r}")
-            graph.add_edge(record["src"], record["dst"], record["bytes"])
+            graph.add_edge(record["src"], record["dst"], record["bytes"], record.get("grad", True))
     except CostError as e:
         raise CostError(f"{source}: {e}") from None
     return graph

@@ -12,30 +12,15 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, PdcompileError
+from pdcompile.evaluation import rescore
 from pdcompile.pictures.gantt import bubble_fraction
 from pdcompile.plans import Plan
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
-from pdcompile.runtime.versions import version as pipedream_version
 from pdcompile.text import human_bytes, human_seconds
 
-MEANING = {
-    "1f1b": "synchronous (PipeDream-Flush): gradients of all microbatches are accumulated, each "
-    "weighted by its share of the batch, and every stage updates once per step: exactly "
-    "single-process gradient accumulation; the pipeline drains at every step (a bubble).",
-    "gpipe": "synchronous: all forwards, then all backwards, one update per step; the same "
-    "optimisation as 1f1b with more activations in flight.",
-    "pipedream": "asynchronous: every microbatch is a minibatch with its own update; stage s "
-    "computes minibatch k on weights v(k, s) updates old (weight stashing keeps forward and "
-    "backward on the same version), so later stages see fresher weights than earlier ones: "
-    "staleness of up to the pipeline depth, no bubble. Minibatches stay in flight across "
-    "train_step calls until flush().",
-    "2bw": "PipeDream-2BW: one update per step from the gradient computed on the weights "
-    "before the previous update (one step stale), two weight versions, no flush: consecutive "
-    "steps overlap, and microbatches stay in flight across train_step calls until flush().",
-}
 _KEEP_STEPS = 1000  # measured steps kept for explain()
 _KEEP_ACTIONS = 50 * _KEEP_STEPS  # recorded actions kept per rank for explain() and save_trace()
 
@@ -51,6 +36,7 @@ class PipelinedModule:
         self.pipeline = pipeline
         self.rank = rank
         self.steps = 0
+        self._scored: Plan | None = None  # the plan re-scored at the rows the first step ran
         # per step: perf_counter at its start, seconds, rows
         self._measured: deque[tuple[float, float, int]] = deque(maxlen=_KEEP_STEPS)
         for worker in pipeline.workers.values():
@@ -58,7 +44,9 @@ class PipelinedModule:
 
     @property
     def plan(self) -> Plan:
-        return self.pipeline.program.plan
+        """The plan, re-scored (same partition) for the rows per microbatch the first
+        `train_step` ran, so its predictions compare with what is measured."""
+        return self._scored or self.pipeline.program.plan
 
     @property
     def stage(self) -> int | None:
@@ -80,6 +68,11 @@ class PipelinedModule:
         loss = self.pipeline.train_step(args, targets, kwargs)
         rows = batch_rows(args, kwargs)
         self._measured.append((start, time.perf_counter() - start, rows))
+        if self._scored is None:
+            planned = self.pipeline.program.plan
+            size = max(1, rows // self.pipeline.num_microbatches)
+            same = size == planned.microbatch_size or not planned.microbatch_size
+            self._scored = planned if same else rescore(planned, microbatch_size=size)
         self.steps += 1
         for worker in self.pipeline.workers.values():  # bounded memory
             del worker.timeline[:-_KEEP_ACTIONS]
@@ -99,10 +92,9 @@ class PipelinedModule:
         """The number of updates of `stage` in the weights minibatch `minibatch` (counted from
         the last flush for `pipedream`, over the whole run otherwise) runs on."""
         replicas = [s.replicas for s in self.plan.stages]
-        if self.pipeline.kind == "pipedream":
-            return pipedream_version(replicas, stage, minibatch)
-        step = minibatch // self.pipeline.num_microbatches
-        return max(0, step - 1) if self.pipeline.kind == "2bw" else step
+        return self.pipeline.rules.version(
+            replicas, stage, minibatch, self.pipeline.num_microbatches
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This process's slice of the original model's state dict (original names; every
@@ -183,8 +175,8 @@ class PipelinedModule:
     def explain(self) -> str:
         """The plan, what the schedule means for the optimisation, and measured against
         predicted time per stage so far."""
-        kind = self.pipeline.kind
-        lines = [str(self.plan), "", f"schedule {kind}: {MEANING.get(kind, '')}", ""]
+        rules = self.pipeline.rules
+        lines = [str(self.plan), "", f"schedule {rules.name}: {rules.meaning}", ""]
         if self._measured:
             seconds = sorted(s for _, s, _ in self._measured)[len(self._measured) // 2]
             rows = sum(r for _, _, r in self._measured) / len(self._measured)
@@ -192,8 +184,8 @@ class PipelinedModule:
                 f"measured over {len(self._measured)} steps: median {human_seconds(seconds)} "
                 f"per step, {rows / seconds:.1f} samples/s"
             )
-        for rank, worker in sorted(self.pipeline.workers.items()):
-            lines.append(self._explain_rank(rank, worker.stage, worker.timeline))
+        for (rank, stage), worker in sorted(self.pipeline.workers.items()):
+            lines.append(self._explain_rank(rank, stage, worker.timeline))
         return "\n".join(lines)
 
     def _explain_rank(self, rank: int, stage: int, events: list[Event]) -> str:
@@ -201,7 +193,7 @@ class PipelinedModule:
         seconds: dict[str, float] = {}
         for e in events:
             seconds[e.kind] = seconds.get(e.kind, 0.0) + e.duration
-        microbatches = sum(1 for e in events if e.kind == "B")
+        microbatches = sum(1 for e in events if e.kind in ("B", "W"))
         updates = sum(1 for e in events if e.kind == "step")
 
         def per(kinds: tuple[str, ...], n: int) -> str:
@@ -209,7 +201,7 @@ class PipelinedModule:
 
         predicted = self.plan.stages[stage]
         parts = [
-            f"forward+backward {per(('F', 'B'), microbatches)}/microbatch (predicted "
+            f"forward+backward {per(('F', 'B', 'I', 'W'), microbatches)}/microbatch (predicted "
             f"{human_seconds(predicted.forward_s + predicted.backward_s)}/minibatch of "
             f"{self.plan.microbatch_size or 'the profiled'} rows)"
         ]

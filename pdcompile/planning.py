@@ -1,24 +1,25 @@
 """`pdcompile.plan`, the solver registry (`register_solver`, `solvers`). Torch-free.
 
 A solver is a pure function `fn(cost_graph, cluster, options: dict) -> Plan`. `options` holds the
-caller's solver options plus `schedule` and `num_microbatches`, already resolved. Solvers build
-their plan with `make_plan`, which places stages on consecutive ranks and scores them with
-pdcompile's cost model (`evaluate`), so every solver is compared on the same yardstick.
+caller's solver options plus `schedule` and `num_microbatches`, already resolved. Solvers price
+stages with the cost model (`pdcompile.cost_model`) and build their plan with `make_plan`, which
+places stages on consecutive ranks and scores them (`evaluate`), so every solver is compared on
+the same yardstick.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.cost_model import evaluate
-from pdcompile.errors import PartitionError
-from pdcompile.plans import Plan, Stage, check_schedule, consecutive_ranks
+from pdcompile.errors import PartitionError, ScheduleError
+from pdcompile.evaluation import evaluate
+from pdcompile.plans import Plan, Stage, consecutive_ranks
+from pdcompile.schedules import PipelineSchedule, get_schedule
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 
@@ -89,10 +90,10 @@ def make_plan(
 
 def plan(
     cost_graph: CostGraph,
-    cluster: Cluster,
+    cluster: Cluster | str,
     *,
     solver: str = "dp",
-    schedule: str = "1f1b",
+    schedule: str | PipelineSchedule = "1f1b",
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
     **options: Any,
@@ -101,12 +102,12 @@ def plan(
 
     Args:
         cost_graph: costs per node (from `analyze`, `CostGraph.load` or `from_pipedream`).
-        cluster: the devices.
+        cluster: the devices (a `Cluster` or its text, e.g. "8@300GB/s,2@25Gbit/s").
         solver: a name from `solvers()`.
-        schedule: "1f1b", "gpipe", "pipedream" or "2bw".
-        num_microbatches: microbatches per step (default: twice the number of devices, an upper
-            bound of twice the number of stages; under `pipedream` and `2bw` rounded up to
-            whole rounds of every stage's replicas, which they need).
+        schedule: a name from `pdcompile.schedules()` ("1f1b", "gpipe", "pipedream", "2bw", ...).
+        num_microbatches: microbatches per step (default: twice the number of devices, rounded
+            up to the next count the schedule accepts for the plan's replicas). `compile` runs
+            what is chosen here.
         microbatch_size: rows per microbatch; the costs are scaled linearly from the graph's
             batch size.
         options: the solver's own options.
@@ -122,31 +123,34 @@ def plan(
         raise PartitionError(
             f"unknown solver {solver!r}; registered: {', '.join(sorted(_REGISTRY))}"
         )
-    check_schedule(schedule)
+    cluster = Cluster.coerce(cluster)
+    try:
+        rules = get_schedule(schedule)
+    except ScheduleError as exc:
+        raise PartitionError(str(exc)) from None
     if cost_graph.graph.number_of_nodes() == 0:
         raise PartitionError("the cost graph has no nodes; nothing to plan")
     if microbatch_size is not None and microbatch_size != cost_graph.batch_size:
         cost_graph = cost_graph.scaled(microbatch_size)
     if num_microbatches is not None and num_microbatches < 1:
         raise PartitionError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    options = {
-        **options,
-        "schedule": schedule,
-        "num_microbatches": num_microbatches or 2 * cluster.num_devices,
-    }
+    # solvers search with twice the devices; the count the plan runs is settled after
+    searched = num_microbatches or 2 * cluster.num_devices
+    options = {**options, "schedule": rules.name, "num_microbatches": searched}
     start = time.perf_counter()
     result = _REGISTRY[solver](cost_graph, cluster, options)
     seconds = time.perf_counter() - start
+    _check_tied_replicas(result, solver, rules)
     if num_microbatches is None:
-        result = _whole_rounds(result, cost_graph)
-    _check_tied_replicas(result, solver)
+        result = _accepted_microbatches(result, cost_graph, rules)
     return result.with_(solve_time_s=seconds)
 
 
-def _check_tied_replicas(plan: Plan, solver: str) -> None:
-    """Under `pipedream` a stage holding a tied tensor's copy must have one replica: replicas
-    update once per round of them, so a replicated copy would update at another pace."""
-    if plan.schedule != "pipedream":
+def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> None:
+    """A schedule that does not replicate ties needs one replica on each stage holding a tied
+    tensor's copy (`pipedream`: replicas update once per round of them, so a replicated copy
+    would update at another pace)."""
+    if rules.replicates_ties:
         return
     for stages, _ in plan.ties:
         for s in stages:
@@ -154,21 +158,21 @@ def _check_tied_replicas(plan: Plan, solver: str) -> None:
                 raise PartitionError(
                     f"solver {solver!r} gave stage {s} {plan.stages[s].replicas} replicas, but it "
                     f"holds a copy of a tensor that stages {list(stages)} share (tied weights): "
-                    "under pipedream such a stage needs one replica; use solver 'dp', which "
-                    "keeps to this, or schedule '2bw'"
+                    f"under {rules.name} such a stage needs one replica; use solver 'dp', which "
+                    "keeps to this, or a schedule that replicates ties (e.g. '2bw')"
                 )
 
 
-def _whole_rounds(plan: Plan, cost_graph: CostGraph) -> Plan:
-    """A streaming plan with its default microbatch count rounded up to a multiple of every
-    stage's replicas (`pipedream` updates once per round of them, `2bw` gives each as many);
-    other plans as they are. `pipedream`'s predictions do not depend on the count (the
-    solver's own estimate stays); `2bw`'s are re-scored."""
-    period = math.lcm(*(s.replicas for s in plan.stages))
+def _accepted_microbatches(plan: Plan, cost_graph: CostGraph, rules: PipelineSchedule) -> Plan:
+    """The plan at the default microbatch count: the first at or above the searched one that
+    the schedule accepts for the plan's replicas (re-scored; the solver's own predicted time,
+    such as PipeDream's, stays: it does not depend on the count)."""
+    replicas = [s.replicas for s in plan.stages]
     m = plan.num_microbatches
-    if plan.schedule not in ("pipedream", "2bw") or m % period == 0:
+    while not rules.accepts(replicas, m):
+        m += 1
+    if m == plan.num_microbatches:
         return plan
-    m = -(-m // period) * period
-    if plan.schedule == "pipedream":
-        return plan.with_(num_microbatches=m)
-    return evaluate(plan, cost_graph, num_microbatches=m)
+    scored = evaluate(plan, cost_graph, num_microbatches=m)
+    return scored.with_(predicted_time=plan.predicted_time, gap=plan.gap,
+                        data_parallel_time=plan.data_parallel_time)  # fmt: skip

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.cluster import Cluster
-from pdcompile.errors import PartitionError
+from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.text import human_bytes, human_seconds
 
-SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")
 FORMAT = "pdcompile.plans"
 VERSION = 1
 
@@ -32,9 +31,11 @@ class Stage:
     set: `time_s = compute / replicas + comm_s + allreduce_s` (docs/cost_model.md).
 
     The byte counts (per minibatch where they scale with it) are what `pdcompile.simulate` needs:
-    `recv_bytes` pairs (earlier stage, bytes it sends here), `activation_bytes` are kept from a
-    forward to its backward, `weight_bytes` are parameters + gradients + optimizer state, in
-    `param_tensors` parameter tensors (copies of tied ones included).
+    `recv_bytes` pairs (earlier stage, bytes it sends here), of which the stages in
+    `no_grad_from` get no gradients back (their tensors do not require grad: integer ids, masks),
+    `activation_bytes` are kept from a forward to its backward, `weight_bytes` are parameters +
+    gradients + optimizer state, in `param_tensors` parameter tensors (copies of tied ones
+    included). `memory_bytes`: the peak of the stage's own share of its rank (simulated).
     """
 
     index: int
@@ -53,10 +54,12 @@ class Stage:
     grad_bytes: int = 0
     weight_bytes: int = 0
     param_tensors: int = 0
+    no_grad_from: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # JSON gives lists of lists: keep the pairs hashable and equal to the original
         object.__setattr__(self, "recv_bytes", tuple((int(s), int(b)) for s, b in self.recv_bytes))
+        object.__setattr__(self, "no_grad_from", tuple(int(s) for s in self.no_grad_from))
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ class Plan:
     """Stages with replicas and ranks, and what pdcompile's cost model predicts for them.
 
     `predicted_time`: steady-state seconds per minibatch (the bottleneck stage, 1/throughput).
-    `step_time`: seconds per optimizer step under `schedule` with `num_microbatches`.
+    `step_time`: seconds per `train_step` call under `schedule` with `num_microbatches`, and
+    `rank_memory[r]`: peak bytes of rank r, both simulated from the schedule's actions
+    (`pdcompile.simulate` gives the same numbers).
     `lower_bound`: total compute over all devices (no plan beats it); `gap` = predicted/bound - 1.
     `data_parallel_time`: the same devices as one data-parallel stage, for speed-ups.
     `ties`: per tensor that several stages use, `(stages, gradient bytes)`: before each update
@@ -86,6 +91,7 @@ class Plan:
     fits_memory: bool = True
     solve_time_s: float = 0.0
     ties: tuple[tuple[tuple[int, ...], int], ...] = ()
+    rank_memory: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -93,7 +99,17 @@ class Plan:
 
     @property
     def num_devices_used(self) -> int:
-        return sum(s.replicas for s in self.stages)
+        """Ranks the stages run on (a rank may run several stages)."""
+        return len({r for s in self.stages for r in s.ranks})
+
+    @property
+    def edges(self) -> dict[tuple[int, int], bool]:
+        """(source stage, destination stage) -> whether gradients flow back along it."""
+        return {
+            (src, s.index): size > 0 and src not in s.no_grad_from
+            for s in self.stages
+            for src, size in s.recv_bytes
+        }
 
     @property
     def stage_of(self) -> dict[str, int]:
@@ -183,8 +199,7 @@ class Plan:
                         f"stage #{i} has {stage.replicas} replicas on ranks {list(stage.ranks)}; "
                         "a stage has one rank per replica, at least one"
                     )
-            if fields.get("schedule", SCHEDULES[0]) not in SCHEDULES:
-                raise PartitionError(f"schedule {fields['schedule']!r} is not one of {SCHEDULES}")
+            check_schedule(fields.get("schedule", "1f1b"))
             fields.update(stages=stages, cluster=Cluster.from_dict(data["cluster"]))
             return cls(**fields)
         except PartitionError as e:
@@ -287,9 +302,17 @@ def _brief(value: Any) -> str:
 
 
 def check_schedule(schedule: str) -> str:
-    if schedule not in SCHEDULES:
-        raise PartitionError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return schedule
+    """`schedule` if it is a registered schedule's name (`pdcompile.schedules()`).
+
+    Raises:
+        PartitionError: it is not (the message lists the registered ones).
+    """
+    from pdcompile.schedules import get_schedule
+
+    try:
+        return get_schedule(schedule).name
+    except ScheduleError as exc:
+        raise PartitionError(str(exc)) from None
 
 
 def consecutive_ranks(replicas: Sequence[int]) -> list[tuple[int, ...]]:

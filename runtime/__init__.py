@@ -1,7 +1,7 @@
 """Schedules, communication and executors (installed as `pdcompile.runtime`).
 
-Schedules are data (`actions`, `schedules`), checked before they run (`validate`); weight
-versions are pure functions (`versions`). These parts are torch-free and import lazily.
+The executors run what the schedules of `pdcompile.schedules` build, checked before they run
+(`validate`); the simulator runs the same actions on modelled time. Imports are lazy.
 """
 
 from __future__ import annotations
@@ -10,13 +10,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "Action": "pdcompile.runtime.actions",
-    "Schedule": "pdcompile.runtime.actions",
-    "build_schedule": "pdcompile.runtime.schedules",
     "validate_schedule": "pdcompile.runtime.validate",
-    "version": "pdcompile.runtime.versions",
-    "vertical_version": "pdcompile.runtime.versions",
-    "warmup": "pdcompile.runtime.versions",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",
     "Simulation": "pdcompile.runtime.simulator",
     "simulate": "pdcompile.runtime.simulator",

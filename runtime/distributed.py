@@ -32,7 +32,7 @@ import torch.distributed as dist
 from pdcompile.codegen.staged_program import Channel
 from pdcompile.errors import PipelineTimeoutError, StageCommError
 from pdcompile.runtime import wire
-from pdcompile.runtime.comm import Key
+from pdcompile.runtime.comm import Key, LocalComm
 
 __all__ = ["DistributedComm", "init_process_group", "message_tag"]
 
@@ -177,6 +177,8 @@ class DistributedComm:
         self._waiting: tuple[str, Any, float] | None = None
         self.watchdog_s = min(60.0, max(1.0, timeout_s / 5))
         self._watchdog: threading.Thread | None = None
+        # messages between two stages of this rank: handed over, never on the wire
+        self._own = LocalComm(rank)
 
     def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
         """Post the receive of a message now, so that its sender's send completes as soon as
@@ -186,7 +188,7 @@ class DistributedComm:
         pair of ranks share a stream, and a receive posted early would hold up the sends behind
         it.
         """
-        if not self._gloo or (peer, key) in self._posted:
+        if not self._gloo or (peer, key) in self._posted or peer == self.rank:
             return
         self._posted[(peer, key)] = self._post(peer, key, channels, rows)
 
@@ -199,6 +201,9 @@ class DistributedComm:
             StageCommError: a value does not fit its channel (the receiver is told and raises
                 the same error).
         """
+        if peer == self.rank:
+            self._own.send(peer, key, values, channels, rows)
+            return
         lay = wire.layout(tuple(channels), rows)
         buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
@@ -223,6 +228,8 @@ class DistributedComm:
         """Send `text` in place of the message of `key` (the peer raises `StageCommError` with
         it, or `PipelineTimeoutError` if `timeout`: a relayed timeout or dead peer). Best effort:
         the run is failing already, and the peer may be gone too."""
+        if peer == self.rank:  # the rank itself is failing: nothing waits on it
+            return
         try:
             lay = wire.layout(tuple(channels), rows)
             buffer = wire.error_message(lay, key, text, self.device, timeout)
@@ -241,6 +248,8 @@ class DistributedComm:
                 message is not the one expected.
             PipelineTimeoutError: nothing arrived within the timeout, or the peer died.
         """
+        if peer == self.rank:
+            return self._own.recv(peer, key, channels, rows)
         posted = self._posted.pop((peer, key), None) or self._post(peer, key, channels, rows)
         work, buffer, lay, what = posted
         self._wait(work, buffer, peer, what)

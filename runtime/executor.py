@@ -22,18 +22,17 @@ import torch
 
 from pdcompile.codegen.staged_program import Channel, StagedProgram
 from pdcompile.errors import PipelineTimeoutError
-from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Key
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.microbatches import Batch
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
-from pdcompile.runtime.schedules import check_nonfinite
 from pdcompile.runtime.worker import (
     LossFn,
     OptimizerFactory,
     SchedulerFactory,
     StageWorker,
 )
+from pdcompile.schedules import Action, PipelineSchedule, check_nonfinite
 
 LOSS = [Channel(-1, -1, "loss", shape=(2,), dtype="float64")]  # (weighted sum, weights)
 
@@ -43,7 +42,7 @@ class DistributedPipeline(Pipeline):
 
     Args:
         program: the staged program (the same on every rank); this rank trains its stage
-            module in place, moved to `device`.
+            modules (one per stage it runs) in place, moved to `device`.
         rank: this process's rank.
         schedule, num_microbatches, loss_fn, optimizer, stash, vertical_sync, clip_grad_norm,
             lr_scheduler, autocast: as for `LocalPipeline`.
@@ -57,7 +56,7 @@ class DistributedPipeline(Pipeline):
         program: StagedProgram,
         *,
         rank: int,
-        schedule: str,
+        schedule: str | PipelineSchedule,
         num_microbatches: int,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
@@ -79,23 +78,26 @@ class DistributedPipeline(Pipeline):
         self.loss_comm = DistributedComm(rank, [], timeout_s=timeout_s, device=device)
         self.loss_ranks = program.plan.stages[-1].ranks
         self.world = tuple(sorted(layout.actions))
-        self.stage_of = {r: layout.stage_of_rank(r)[0] for r in self.world}
+        self.stage_of = {r: layout.stages_of(r)[0] for r in self.world}
         self.owed_loss: int | None = None  # the step whose loss this rank still sends
-        stage, _ = layout.stage_of_rank(rank)
-        module = program.stages[stage].to(device)
-        worker = StageWorker(
-            program, stage, module, comm, loss_fn=loss_fn, optimizer=optimizer,
-            schedule_kind=schedule, num_microbatches=num_microbatches, stash=stash,
-            vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
-            lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
-        )  # fmt: skip
+        workers = [
+            StageWorker(
+                program, stage, program.stages[stage].to(device), comm, loss_fn=loss_fn,
+                optimizer=optimizer, schedule=schedule, num_microbatches=num_microbatches,
+                stash=stash, vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
+                lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
+            )
+            for stage in layout.stages_of(rank)
+        ]  # fmt: skip
         self.rank, self.device, self.comm = rank, device, comm
-        super().__init__(program, {rank: worker}, schedule=schedule,
+        super().__init__(program, workers, schedule=schedule,
                          num_microbatches=num_microbatches)  # fmt: skip
 
     @property
     def worker(self) -> StageWorker:
-        return self.workers[self.rank]
+        """This rank's worker, when it runs one stage."""
+        (only,) = self.ranks[self.rank]
+        return only
 
     def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
         move = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v  # noqa: E731
@@ -123,14 +125,15 @@ class DistributedPipeline(Pipeline):
                        and a.peer == self.rank}
                 for peer, acts in actions.items() if peer != self.rank
             }  # fmt: skip
+        runner = self.ranks[self.rank]
         for a in mine[position[self.rank] : end]:  # receives posted early: no sender waits
             if a.kind == "recv":
-                self.worker.expect(a)
+                runner.expect(a)
         try:
             while position[self.rank] < end:
                 action = mine[position[self.rank]]
-                self.worker.run(action)
-                self.worker.finish(action)
+                runner.run(action)
+                runner.finish(action)
                 position[self.rank] += 1
         except Exception as exc:
             self._abort(mine[position[self.rank] : end], exc)
@@ -145,13 +148,14 @@ class DistributedPipeline(Pipeline):
         failed action on; a failed send has already told its peer)."""
         failed = rest[0]
         text = (
-            f"rank {self.rank} (stage {self.worker.stage}) stopped at {failed} in step "
+            f"rank {self.rank} (stage {failed.stage}) stopped at {failed} in step "
             f"{self.steps - 1}: {type(exc).__name__}: {exc}"
         )
         timeout = isinstance(exc, PipelineTimeoutError)  # peers raise the same class
+        workers = self.ranks[self.rank].by_stage
         for a in rest[1:] if failed.kind == "send" else rest:
-            if a.kind == "send" and a.microbatch in self.worker.data:
-                self.comm.send_error(a.peer, *self.worker.message(a), text, timeout)
+            if a.kind == "send" and a.microbatch in workers[a.stage].data:
+                self.comm.send_error(a.peer, *workers[a.stage].message(a), text, timeout)
         if self.owed_loss is not None:  # nor will this step's loss come
             for peer in self.world:
                 if peer != self.rank:

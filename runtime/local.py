@@ -1,10 +1,9 @@
 """The local executor: every rank of a schedule in one process, with the distributed semantics.
 
-Each rank gets its own copy of its stage module and optimizer; messages go through a shared
-mailbox. Actions run in the order the schedule allows (a receive once its message is sent, an
-all-reduce once its whole group reached it), exactly as the validator executes them. For
-debugging and as the reference the distributed executor is compared with.
-"""
+Each rank gets its own copy of each of its stage modules and optimizers; messages go through a
+shared mailbox. Actions run in the order the schedule allows (a receive once its message is sent, an
+all-reduce once its whole group reached it), exactly as the validator executes them. For debugging
+and as the reference the distributed executor is compared with."""
 
 from __future__ import annotations
 
@@ -16,17 +15,17 @@ import torch.nn as nn
 
 from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import LocalComm
 from pdcompile.runtime.microbatches import Batch
 from pdcompile.runtime.pipeline import Pipeline, program_schedule
-from pdcompile.runtime.schedules import check_nonfinite
+from pdcompile.runtime.rank_workers import RankWorkers
 from pdcompile.runtime.worker import (
     LossFn,
     OptimizerFactory,
     SchedulerFactory,
     StageWorker,
 )
+from pdcompile.schedules import Action, PipelineSchedule, check_nonfinite
 
 
 class LocalPipeline(Pipeline):
@@ -34,25 +33,25 @@ class LocalPipeline(Pipeline):
 
     Args:
         program: the stage modules (copied per rank: the program is not changed).
-        schedule: "1f1b", "gpipe", "pipedream" or "2bw".
+        schedule: a registered schedule (`pdcompile.schedules()`) or a `PipelineSchedule`.
         num_microbatches: microbatches per `train_step`.
         loss_fn: `loss_fn(output, target) -> scalar`, on the last stage.
         optimizer: a factory `params -> torch.optim.Optimizer`, applied per stage replica.
         stash: weight stashing under `pipedream` (False only to show what it prevents).
         vertical_sync: `pipedream` with vertical sync (docs/runtime.md).
-        clip_grad_norm: the largest gradient norm: over the whole model for `1f1b`, `gpipe`
-            and `2bw`, per stage for `pipedream` (stages sharing tied weights together).
+        clip_grad_norm: the largest gradient norm: over the whole model, or as the schedule
+            groups it (`pipedream`: per stage, stages sharing tied weights together).
         lr_scheduler: a factory `optimizer -> LRScheduler` per rank, stepped after each update.
         autocast: the dtype of `torch.autocast` around every forward (None: off).
         nonfinite: a NaN or infinite loss raises `LossError` ("raise") or skips the step on
-            every rank ("skip": `1f1b`, `gpipe`).
+            every rank ("skip": synchronous schedules).
     """
 
     def __init__(
         self,
         program: StagedProgram,
         *,
-        schedule: str,
+        schedule: str | PipelineSchedule,
         num_microbatches: int,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
@@ -65,17 +64,17 @@ class LocalPipeline(Pipeline):
     ) -> None:
         check_nonfinite(schedule, nonfinite)
         mailbox = LocalComm(-1)
-        workers: dict[int, StageWorker] = {}
+        workers: list[StageWorker] = []
         layout = program_schedule(program, schedule, num_microbatches)
         for stage, ranks in enumerate(layout.ranks):
             for rank in ranks:
-                workers[rank] = StageWorker(
+                workers.append(StageWorker(
                     program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
-                    loss_fn=loss_fn, optimizer=optimizer, schedule_kind=schedule,
+                    loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
                     num_microbatches=num_microbatches, stash=stash,
                     vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
                     lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
-                )  # fmt: skip
+                ))  # fmt: skip
         super().__init__(program, workers, schedule=schedule, num_microbatches=num_microbatches)
 
     def _execute(
@@ -84,20 +83,20 @@ class LocalPipeline(Pipeline):
         position: dict[int, int],
         stop: dict[int, int] | None,
     ) -> None:
-        _run(self.workers, actions, position, stop)
+        _run(self.ranks, actions, position, stop)
 
     def _loss(self, batch: Batch, first: int) -> float:
         total, weight = self._local_loss(batch, first)
         return total / weight
 
-    def stage_modules(self) -> dict[int, nn.Module]:
-        """Each rank's trained module (flushes first)."""
+    def stage_modules(self) -> dict[tuple[int, int], nn.Module]:
+        """Each (rank, stage)'s trained module (flushes first)."""
         self.flush()
-        return {rank: w.module for rank, w in self.workers.items()}
+        return {key: w.module for key, w in self.workers.items()}
 
 
 def _run(
-    workers: dict[int, StageWorker],
+    workers: dict[int, RankWorkers],
     actions: Mapping[int, Sequence[Action]],
     position: dict[int, int],
     stop: dict[int, int] | None,

@@ -1,7 +1,7 @@
 """What every executor shares: the schedule, the microbatches, and the streaming schedules'
 endless stream.
 
-A synchronous step runs every rank's schedule to its end. Under the streaming schedules
+A synchronous step runs every rank's schedule to its end. Under a streaming schedule
 (`pipedream`, `2bw`) microbatches stay in flight across `train_step` calls: the ranks walk one
 endless stream of actions (the schedule of a pipeline that never drains, unfolded as it is
 walked: `runtime/stream.py`), and each call runs every rank up to its first forward of a
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,13 +22,20 @@ import torch
 
 from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import BatchError
-from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.microbatches import Batch, split_batch
-from pdcompile.runtime.schedules import STREAMING, build_schedule, forward_schedule, rank_orders
+from pdcompile.runtime.rank_workers import RankWorkers
 from pdcompile.runtime.stream import RankStream
 from pdcompile.runtime.validate import validate_schedule
-from pdcompile.runtime.versions import two_bw_warmup, warmup
 from pdcompile.runtime.worker import StageWorker
+from pdcompile.schedules import (
+    Action,
+    PipelineSchedule,
+    Schedule,
+    build_schedule,
+    forward_schedule,
+    get_schedule,
+    rank_orders,
+)
 
 
 def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:
@@ -43,14 +49,14 @@ def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:
 
 def program_schedule(
     program: StagedProgram,
-    kind: str,
+    kind: str | PipelineSchedule,
     num_microbatches: int,
     clip: bool = False,
     skip_nonfinite: bool = False,
     num_steps: int = 1,
 ) -> Schedule:
     """The validated schedule of `program` under its plan's ranks (`num_steps` steps as one
-    stream for the streaming schedules)."""
+    stream for a streaming schedule)."""
     ranks = [stage.ranks for stage in program.plan.stages]
     ties = [tie.stages for tie in program.ties]
     edges = program_edges(program)
@@ -62,24 +68,35 @@ def program_schedule(
 
 
 class Pipeline:
-    """Runs train steps of a StagedProgram on `workers` (the ranks this process drives)."""
+    """Runs train steps of a StagedProgram on `workers` (the stage replicas this process
+    drives, one per stage of each of its ranks).
+
+    `workers[(rank, stage)]` is a worker; `ranks[rank]` runs a rank's actions on its workers.
+    """
 
     def __init__(
         self,
         program: StagedProgram,
-        workers: dict[int, StageWorker],
+        workers: list[StageWorker],
         *,
-        schedule: str,
+        schedule: str | PipelineSchedule,
         num_microbatches: int,
     ) -> None:
         self.program = program
-        self.kind = schedule
-        self.streaming = schedule in STREAMING
+        self.rules = get_schedule(schedule)
+        self.kind = self.rules.name
+        self.streaming = self.rules.streaming
         self.num_microbatches = num_microbatches
-        self.clip = any(w.clip_grad_norm is not None for w in workers.values())
-        self.skip = any(w.nonfinite == "skip" for w in workers.values())
-        self.schedule = program_schedule(program, schedule, num_microbatches, self.clip, self.skip)
-        self.workers = workers
+        self.clip = any(w.clip_grad_norm is not None for w in workers)
+        self.skip = any(w.nonfinite == "skip" for w in workers)
+        self.schedule = program_schedule(
+            program, self.rules, num_microbatches, self.clip, self.skip
+        )
+        self.workers = {(w.comm.rank, w.stage): w for w in workers}
+        by_rank: dict[int, dict[int, StageWorker]] = {}
+        for (rank, stage), worker in self.workers.items():
+            by_rank.setdefault(rank, {})[stage] = worker
+        self.ranks = {rank: RankWorkers(rank, mine) for rank, mine in sorted(by_rank.items())}
         self.steps = 0  # train steps run
         self.started = 0  # streaming: microbatches given since the last flush
         # streaming: actions every rank has done since the stream (re)started (each call, every
@@ -89,11 +106,12 @@ class Pipeline:
         if self.streaming:
             # the stream unfolds with the code that built this schedule, validated over enough
             # steps to reach the steady state that repeats from then on
-            steps = -(-self._lookahead() // num_microbatches) + 1
-            program_schedule(program, schedule, num_microbatches, self.clip, num_steps=steps)
+            lookahead = self.rules.lookahead(self.schedule.replicas, num_microbatches)
+            steps = -(-lookahead // num_microbatches) + 1
+            program_schedule(program, self.rules, num_microbatches, self.clip, num_steps=steps)
             self._new_stream()
         self._forward: Schedule | None = None  # evaluation
-        for worker in workers.values():
+        for worker in workers:
             worker.versions.begin_stream()
 
     def train_step(self, args: Sequence[Any], targets: Any, kwargs: dict | None = None) -> float:
@@ -102,7 +120,7 @@ class Pipeline:
         weighted by their rows. Every schedule computes all of this step's losses in the call
         (streaming ones leave backwards in flight), so this is the step's loss."""
         check_batch(self.program, args, kwargs or {}, self._input_device())
-        weighted = self.kind != "pipedream"  # a pipedream minibatch is a whole update
+        weighted = not self.rules.update_per_microbatch  # else a microbatch is a whole update
         batch = split_batch(args, kwargs or {}, targets, self.num_microbatches, weighted=weighted)
         first = self.started if self.streaming else 0
         for worker in self.workers.values():
@@ -117,7 +135,7 @@ class Pipeline:
                 stream.release(self.position[rank])
         else:
             actions = self.schedule.actions
-            self._execute(actions, dict.fromkeys(self.workers, 0), None)
+            self._execute(actions, dict.fromkeys(self.ranks, 0), None)
         return self._loss(batch, first)
 
     def eval_step(self, args: Sequence[Any], kwargs: dict | None = None) -> Any:
@@ -194,22 +212,11 @@ class Pipeline:
 
     def _new_stream(self) -> None:
         orders = rank_orders(
-            self.kind, [stage.ranks for stage in self.program.plan.stages],
+            self.rules, [stage.ranks for stage in self.program.plan.stages],
             program_edges(self.program), self.num_microbatches,
             [tie.stages for tie in self.program.ties], self.clip,
         )  # fmt: skip
         self.streams = {rank: RankStream(order) for rank, order in orders.items()}
-
-    def _lookahead(self) -> int:
-        """Microbatches that every replica's warm-up fits in, a multiple of every replica
-        count: after them the stream repeats."""
-        replicas = self.schedule.replicas
-        m = self.num_microbatches
-        deepest = max(
-            two_bw_warmup(replicas, s, m) if self.kind == "2bw" else warmup(replicas, s)
-            for s in range(len(replicas))
-        )
-        return math.lcm(*replicas) * (deepest + 1) * max(replicas)
 
 
 _SPEC = re.compile(r"^(\w+)\[(.*)\]$")

@@ -15,11 +15,12 @@ from typing import Any
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import Plan
 from pdcompile.runtime.action_costs import LOSS_BYTES, send_s, stage_costs, tie_costs
-from pdcompile.runtime.actions import Action, Schedule
 from pdcompile.runtime.simulated_weights import SimulatedWeights
 from pdcompile.runtime.timeline import Event
+from pdcompile.schedules import Action, Schedule, get_schedule
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "I", "W")
+SPLIT = 0.5  # the share of a stage's backward_s its input-gradient part I takes (W the rest)
 
 
 class _Link:
@@ -57,9 +58,10 @@ class Engine:
         self.plan, self.schedule = plan, schedule
         cluster = plan.cluster
         self.actions = schedule.actions
-        self.stage = {r: s.index for s in plan.stages for r in s.ranks}
         self.seconds = {(s.index, "F"): s.forward_s for s in plan.stages}
         self.seconds |= {(s.index, "B"): s.backward_s for s in plan.stages}
+        self.seconds |= {(s.index, "I"): SPLIT * s.backward_s for s in plan.stages}
+        self.seconds |= {(s.index, "W"): (1 - SPLIT) * s.backward_s for s in plan.stages}
         self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
         self.costs = stage_costs(plan, cluster)
         self.ties = tie_costs(plan, cluster)
@@ -84,15 +86,19 @@ class Engine:
         self.events: list[Event] = []
         self.release = dict.fromkeys(self.actions, 0.0)  # when each rank starts the next call
         self.bound = math.inf
-        # memory: weights, activations in flight, weight copies
-        by_stage = {s.index: s for s in plan.stages}
-        self.kept = {r: by_stage[s].activation_bytes for r, s in self.stage.items()}
+        # memory per rank and per (rank, stage): weights, activations in flight, weight copies
+        rules = get_schedule(plan.schedule)
+        self.kept = {s.index: s.activation_bytes for s in plan.stages}
         self.weights = {
-            r: SimulatedWeights(plan.schedule, plan.num_microbatches, self.costs[s],
-                                by_stage[s].param_bytes)
-            for r, s in self.stage.items()
+            (r, s.index): SimulatedWeights(rules, plan.num_microbatches, self.costs[s.index],
+                                           s.param_bytes)
+            for s in plan.stages for r in s.ranks
         }  # fmt: skip
-        self.used = {r: by_stage[s].weight_bytes for r, s in self.stage.items()}
+        self.stage_used = {(r, s.index): s.weight_bytes for s in plan.stages for r in s.ranks}
+        self.stage_peak = dict(self.stage_used)
+        self.used = dict.fromkeys(self.actions, 0)
+        for (r, _), used in self.stage_used.items():
+            self.used[r] += used
         self.memory = {r: [(0.0, self.used[r])] for r in self.actions}
 
     # -- the event loop ---------------------------------------------------------------------
@@ -151,31 +157,30 @@ class Engine:
 
     def _resume(self, rank: int, now: float) -> None:
         """Run `rank`'s actions from `now` until one takes time or it has to wait."""
-        actions, stage, position, bound = (
-            self.actions[rank],
-            self.stage[rank],
-            self.position,
-            self.bound,
-        )
+        actions, position, bound = self.actions[rank], self.position, self.bound
         while position[rank] < len(actions):
             a = actions[position[rank]]
-            kind = a.kind
+            kind, stage = a.kind, a.stage
             if a.microbatch >= bound and (
                 kind in ("F", "push") or (kind in ("send", "recv") and a.stream == "act")
             ):
                 break  # the next call gives this minibatch
             if kind in COMPUTE:
                 end = now + self.seconds[(stage, kind)]
-                weights = self.weights[rank]
-                end += weights.forward() if kind == "F" else weights.backward(a.microbatch)
-                if kind == "F" and self.last_compute.get(rank) == "B":
+                weights = self.weights[(rank, stage)]
+                if kind == "F":
+                    end += weights.forward()
+                elif kind != "I":  # the weights' gradients accumulate (I leaves them to W)
+                    end += weights.backward(a.microbatch)
+                if kind == "F" and self.last_compute.get(rank) in ("B", "W"):
                     end += self.costs[stage].reload_s  # the backward pushed the weights out
                 self.last_compute[rank] = kind
                 self._record(rank, a, now, end)
-                if kind == "F":  # activations are kept from a forward to the end of its backward
-                    self._use(rank, now, self.kept[rank])
-                else:
-                    self._use(rank, end, -self.kept[rank])
+                # activations are kept from a forward to the end of its (weight) backward
+                if kind == "F":
+                    self._use(rank, stage, now, self.kept[stage])
+                elif kind != "I":
+                    self._use(rank, stage, end, -self.kept[stage])
                 self._push(end, RESUME, rank)
                 return
             if kind == "recv":
@@ -185,13 +190,13 @@ class Engine:
                     self.waiting[message] = (rank, now)
                     break
                 # a message sent in an earlier call may still travel at its end
-                end = max(now, arrival) + self.recv_s
+                end = max(now, arrival) + (self.recv_s if a.peer != rank else 0.0)
             elif a.is_collective:
                 if not self._gather(rank, a, now):
                     break
                 return
             elif kind == "send":
-                end = now + self.send_s[a.key[2:]]
+                end = now + (self.send_s[a.key[2:]] if a.peer != rank else 0.0)
                 if end > now:  # packed and posted: the transfer starts after
                     self._push(end, TRANSFER, (rank, a))
                 else:
@@ -213,6 +218,9 @@ class Engine:
     def _transfer(self, rank: int, a: Action, now: float) -> None:
         """A sent message enters its link (or, without bytes, only waits the latency)."""
         message = (rank, a.peer, *a.key)
+        if a.peer == rank:  # between two stages of one rank: handed over
+            self._deliver(message, now)
+            return
         size = self.bytes[a.key[2:]]
         if size <= 0:
             self._arrive(message, now)
@@ -296,13 +304,16 @@ class Engine:
     def _version(self, rank: int, a: Action, now: float) -> float:
         """What `push`, `pop` and `step` do to the rank's weights (`SimulatedWeights`): the
         seconds they take; the copies they keep or drop change its memory at once."""
-        weights = self.weights[rank]
+        weights = self.weights[(rank, a.stage)]
         before = weights.copies
         seconds = getattr(weights, a.kind)(*(() if a.kind == "step" else (a.microbatch,)))
-        self._use(rank, now, weights.copies - before)
+        self._use(rank, a.stage, now, weights.copies - before)
         return seconds
 
-    def _use(self, rank: int, time: float, change: int) -> None:
+    def _use(self, rank: int, stage: int, time: float, change: int) -> None:
         if change:
             self.used[rank] += change
             self.memory[rank].append((time, self.used[rank]))
+            key = (rank, stage)
+            self.stage_used[key] += change
+            self.stage_peak[key] = max(self.stage_peak[key], self.stage_used[key])

@@ -1,15 +1,15 @@
 """The schedule simulator: a plan's action lists executed on modelled time. Torch-free.
 
-`simulate` builds the per-rank actions the runtime walks (`build_schedule`, with the plan's tie
-groups) and runs them on an event heap: compute takes the plan's seconds, a message travels from
-its `send` at the bandwidth of the link it uses (shared fairly with the transfers on that link at
-the same time) plus the level's latency, a `recv` waits for its message, collectives wait for
-their whole group, and the runtime's own work (packing messages, accumulating gradients, weight
-copies, optimizer steps: `action_costs`) takes what the cluster's `RuntimeCosts` say. Every
-`train_step` ends with the last stage's ranks sending the loss to every other rank, which waits
-for it before its next call; under the streaming
-schedules (`pipedream`, `2bw`) it walks the endless stream in calls of `num_microbatches`
-microbatches, as `DistributedPipeline.train_step` does. docs/simulator.md has the model.
+`simulate` builds the per-rank actions the runtime walks (the plan's schedule through
+`pdcompile.schedules.build_schedule`, with the plan's tie groups) and runs them on an event heap:
+compute takes the plan's seconds, a message travels from its `send` at the bandwidth of the link it
+uses (shared fairly with the transfers on that link at the same time) plus the level's latency, a
+`recv` waits for its message, collectives wait for their whole group, and the runtime's own work
+(packing messages, accumulating gradients, weight copies, optimizer steps: `action_costs`) takes
+what the cluster's `RuntimeCosts` say. Every `train_step` ends with the last stage's ranks sending
+the loss to every other rank, which waits for it before its next call; under a streaming schedule
+(`pipedream`, `2bw`) it walks the endless stream in calls of `num_microbatches` microbatches, as
+`DistributedPipeline.train_step` does. docs/simulator.md has the model.
 
 Example:
     >>> sim = pdcompile.simulate(plan, schedule="gpipe", num_microbatches=8)
@@ -19,19 +19,16 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError
-from pdcompile.plans import Plan, check_schedule
-from pdcompile.runtime.actions import Schedule
-from pdcompile.runtime.schedules import STREAMING, build_schedule
+from pdcompile.plans import Plan
 from pdcompile.runtime.sim_engine import COMPUTE, Engine
 from pdcompile.runtime.timeline import Event, to_chrome_trace
-from pdcompile.runtime.versions import two_bw_warmup, warmup
+from pdcompile.schedules import PipelineSchedule, Schedule, build_schedule, get_schedule
 
 __all__ = ["Simulation", "simulate"]
 
@@ -44,7 +41,8 @@ class Simulation:
     `train_step` (synchronous schedules: one step's span; streaming ones: the last,
     steady-state call); `bubble_fraction[rank]`: the share of that span the rank spends
     outside `F` and `B`; `memory[rank]`: (time, bytes in use) after each change;
-    `peak_memory[rank]`: its maximum.
+    `peak_memory[rank]`: its maximum; `stage_memory[stage]`: the peak of that stage's own
+    share of its rank (the largest over its replicas).
     """
 
     plan: Plan
@@ -54,6 +52,7 @@ class Simulation:
     bubble_fraction: list[float]
     peak_memory: list[int]
     memory: list[list[tuple[float, int]]]
+    stage_memory: list[int]
 
     def to_chrome_trace(self, path: str | Path | None = None) -> dict[str, Any]:
         """The timeline as Chrome trace-event JSON (opens in Perfetto), written to `path`."""
@@ -73,9 +72,9 @@ class Simulation:
 def simulate(
     plan: Plan,
     *,
-    schedule: str | None = None,
+    schedule: str | PipelineSchedule | None = None,
     num_microbatches: int | None = None,
-    cluster: Cluster | None = None,
+    cluster: Cluster | str | None = None,
 ) -> Simulation:
     """Simulate one `train_step` of `plan` (for `pipedream` and `2bw`, enough calls to reach
     their steady state) under `schedule` with `num_microbatches` on `cluster` (defaults: the
@@ -91,45 +90,27 @@ def simulate(
         ScheduleError: the schedule cannot be built (e.g. `2bw` with fewer microbatches than
             stages) or deadlocks.
     """
-    kind = check_schedule(schedule or plan.schedule)
+    rules = get_schedule(schedule or plan.schedule)
     m = num_microbatches or plan.num_microbatches
-    _check(plan, cluster or plan.cluster)
-    plan = _on(plan, cluster or plan.cluster).with_(schedule=kind, num_microbatches=m)
+    cluster = Cluster.coerce(cluster or plan.cluster)
+    _check(plan, cluster)
+    plan = _on(plan, cluster).with_(schedule=rules.name, num_microbatches=m)
     ranks = [s.ranks for s in plan.stages]
-    edges = {(src, s.index): size > 0 for s in plan.stages for src, size in s.recv_bytes}
+    edges = plan.edges
     ties = [stages for stages, _ in plan.ties]
-    if kind not in STREAMING:
-        engine = Engine(plan, build_schedule(kind, ranks, edges, m, ties))
+    if not rules.streaming:
+        engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties))
         engine.run_call(math.inf)
         return _result(engine, dict.fromkeys(engine.release, 0.0), engine.release)
     replicas = [s.replicas for s in plan.stages]
-    calls = streaming_calls(kind, replicas, m)
-    deepest = max(_warmup(kind, replicas, s, m) for s in range(len(replicas)))
-    lookahead = math.lcm(*replicas) * (deepest + 1) * max(replicas)  # as Pipeline._lookahead
-    steps = calls + -(-lookahead // m)
-    engine = Engine(plan, build_schedule(kind, ranks, edges, m, ties, num_steps=steps))
+    calls = rules.steady_calls(replicas, m)
+    steps = calls + -(-rules.lookahead(replicas, m) // m)
+    engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, num_steps=steps))
     start = engine.release
     for call in range(1, calls + 1):
         start = engine.release
         engine.run_call(call * m)
     return _result(engine, start, engine.release)
-
-
-def streaming_calls(kind: str, replicas: Sequence[int], num_microbatches: int) -> int:
-    """`train_step` calls of a streaming schedule until one is steady: every replica of stage s
-    has had w_s + 1 microbatches before it starts (its cut is then in the one-forward-one-
-    backward phase); `2bw` one more, as its first two steps share the first weights (the
-    second call copies them less often than the later ones)."""
-    steady = max(
-        r * (_warmup(kind, replicas, s, num_microbatches) + 1) for s, r in enumerate(replicas)
-    )
-    return -(-steady // num_microbatches) + (2 if kind == "2bw" else 1)
-
-
-def _warmup(kind: str, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-    if kind == "2bw":
-        return two_bw_warmup(replicas, stage, num_microbatches)
-    return warmup(replicas, stage)
 
 
 def _check(plan: Plan, cluster: Cluster) -> None:
@@ -174,8 +155,11 @@ def _result(engine: Engine, start: dict[int, float], end: dict[int, float]) -> S
     count = max(engine.actions) + 1
     bubble = [1.0 - busy[r] / span if span > 0 and r in busy else 0.0 for r in range(count)]
     memory = [engine.memory.get(r, [(0.0, 0)]) for r in range(count)]
+    stage_memory = [0] * engine.plan.num_stages
+    for (_, stage), peak in engine.stage_peak.items():
+        stage_memory[stage] = max(stage_memory[stage], peak)
     return Simulation(
         plan=engine.plan, schedule=engine.schedule, timeline=engine.events, time_per_step=span,
         bubble_fraction=bubble, peak_memory=[max(b for _, b in m) for m in memory],
-        memory=memory,
+        memory=memory, stage_memory=stage_memory,
     )  # fmt: skip

@@ -1,9 +1,9 @@
 """The streaming schedules' endless stream, one rank at a time, unfolded as it is walked.
 
-Under `pipedream` and `2bw` the ranks walk the schedule of a pipeline that never drains. A
-`RankStream` computes a rank's actions item by item (`schedules.RankOrder`: one forward or
-backward with its messages, stashing and update) when they are first needed, and forgets them
-once walked (`release`), so its memory stays that of a few items however many steps run between
+Under a streaming schedule (`pipedream`, `2bw`) the ranks walk the schedule of a pipeline that never
+drains. A `RankStream` computes a rank's actions item by item (`schedules.builder.RankOrder`: one
+forward or backward with its messages, stashing and update) when they are first needed, and forgets
+them once walked (`release`), so its memory stays that of a few items however many steps run between
 flushes. Positions are indices into the whole stream.
 
 `drain` gives the rest of the finite schedule of the minibatches given so far, which `flush()`
@@ -18,8 +18,8 @@ import sys
 from collections import deque
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.actions import Action
-from pdcompile.runtime.schedules import RankOrder
+from pdcompile.schedules import Action
+from pdcompile.schedules.builder import RankOrder
 
 ENDLESS = sys.maxsize  # microbatches of a stream: more than any run gives
 

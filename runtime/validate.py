@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.actions import Action, Schedule
+from pdcompile.schedules import Action, Schedule
 
 
 def _message(rank: int, a: Action) -> tuple:
@@ -26,31 +26,40 @@ def _fail(schedule: Schedule, why: str, mark: dict[int, int]) -> ScheduleError:
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise `ScheduleError` with a rank-by-step grid (`!` marks the bad step) unless every send
-    has its receive, every forward its backward after it on the same rank, each rank runs only
-    its own stage, and the schedule runs to the end without deadlock."""
+    has its receive, every forward its backward after it on the same rank (fused, or `I` then
+    `W`), each rank runs only its own stages, and the schedule runs to the end without
+    deadlock."""
     sends, recvs = Counter(), Counter()
     where: dict[tuple, tuple[int, int]] = {}
     for rank, actions in schedule.actions.items():
-        stage, _ = schedule.stage_of_rank(rank)
-        done_forward: set[int] = set()
+        stages = schedule.stages_of(rank)
+        done: dict[str, set[tuple[int, int]]] = {"F": set(), "I": set()}
         for i, a in enumerate(actions):
-            if a.stage != stage:
+            if a.stage not in stages:
                 raise _fail(schedule, f"rank {rank} runs stage {a.stage} at step {i}", {rank: i})
             if a.kind in ("send", "recv"):
                 key = _message(rank, a)
                 (sends if a.kind == "send" else recvs)[key] += 1
                 where.setdefault(key, (rank, i))
-            elif a.kind == "F":
-                done_forward.add(a.microbatch)
-            elif a.kind == "B" and a.microbatch not in done_forward:
+            elif a.kind in ("F", "I"):
+                done[a.kind].add((a.stage, a.microbatch))
+            if a.kind in ("B", "I", "W") and (a.stage, a.microbatch) not in done["F"]:
                 raise _fail(
-                    schedule, f"rank {rank} runs B{a.microbatch} before F{a.microbatch}", {rank: i}
+                    schedule,
+                    f"rank {rank} runs {a} before F{a.microbatch} (stage {a.stage})",
+                    {rank: i},
                 )
-        forwards = Counter(a.microbatch for a in actions if a.kind == "F")
-        backwards = Counter(a.microbatch for a in actions if a.kind == "B")
-        if schedule.kind != "forward" and forwards != backwards:
+            if a.kind == "W" and (a.stage, a.microbatch) not in done["I"]:
+                raise _fail(
+                    schedule,
+                    f"rank {rank} runs {a} before I{a.microbatch} (stage {a.stage})",
+                    {rank: i},
+                )
+        forwards = Counter((a.stage, a.microbatch) for a in actions if a.kind == "F")
+        backwards = Counter((a.stage, a.microbatch) for a in actions if a.kind in ("B", "W"))
+        if schedule.training and forwards != backwards:
             missing = sorted((forwards - backwards) | (backwards - forwards))
-            raise _fail(schedule, f"rank {rank}: microbatches {missing} lack F or B", {})
+            raise _fail(schedule, f"rank {rank}: (stage, microbatch) {missing} lack F or B", {})
     for key in sorted(set(sends) | set(recvs)):
         if sends[key] != 1 or recvs[key] != 1:
             src, dst, stream, k, _, _ = key

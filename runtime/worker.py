@@ -1,9 +1,11 @@
 """One rank's stage: runs the actions of a schedule on its stage module.
 
 The worker owns a replica of one stage module, its optimizer and the state of the microbatches
-in flight (inputs received, outputs sent, gradients coming back). Under the streaming schedules
+in flight (inputs received, outputs sent, gradients coming back). Under a streaming schedule
 (`pipedream`, `2bw`) each microbatch's forward and backward run on its weight version
 (`runtime/weight_versions.py`) through the module's parameter slots (`runtime/weight_slots.py`).
+A backward runs fused (`B`) or split (`I`, the gradients with respect to the stage's inputs,
+which go back at once; later `W`, those with respect to its weights).
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ import torch.nn as nn
 
 from pdcompile.codegen.staged_program import Channel, StagedProgram
 from pdcompile.errors import LossError, PartitionError
-from pdcompile.runtime.actions import Action
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.microbatches import Batch, Microbatch
-from pdcompile.runtime.schedules import STREAMING
 from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.runtime.weight_versions import WeightVersions, copy_weights
+from pdcompile.schedules import Action, PipelineSchedule, get_schedule
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,12 @@ class StageWorker:
         comm: the rank's communication.
         loss_fn: `loss_fn(output, target)`, run on the last stage.
         optimizer: a factory applied to the stage's parameters.
-        schedule_kind: "1f1b", "gpipe", "pipedream" or "2bw".
+        schedule: the schedule (a registered name or a `PipelineSchedule`).
         num_microbatches: microbatches per step (`2bw`'s versions count steps).
-        stash: under `pipedream`, keep each microbatch's weight version for its backward
-            (False recomputes the backward on the newest weights: only to show the difference).
-        vertical_sync: under `pipedream`, minibatch k runs on `versions.vertical_version`.
+        stash: under a streaming schedule, keep each microbatch's weight version for its
+            backward (False recomputes the backward on the newest weights: only to show the
+            difference).
+        vertical_sync: vertical sync, where the schedule offers it (`pipedream`).
         clip_grad_norm: the largest gradient norm (the schedule's `clip` actions apply it).
         lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
         autocast: run forwards under `torch.autocast` with this dtype (e.g. torch.bfloat16).
@@ -77,7 +79,7 @@ class StageWorker:
         *,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
-        schedule_kind: str,
+        schedule: str | PipelineSchedule,
         num_microbatches: int = 1,
         stash: bool = True,
         vertical_sync: bool = False,
@@ -98,8 +100,8 @@ class StageWorker:
         self.evaluating = False
         self.outputs: dict[int, Any] = {}  # evaluation: the last stage's output per microbatch
         self.norm_squares = torch.zeros(1, dtype=torch.float64)  # of the last global clip
-        self.pipedream = schedule_kind == "pipedream"
-        self.streaming = schedule_kind in STREAMING
+        self.rules = rules = get_schedule(schedule)
+        self.streaming = rules.streaming
         self.stash = stash
         self.inbound = {c.src_stage: [] for c in program.channels_to(stage)}
         for c in program.channels_to(stage):
@@ -116,7 +118,7 @@ class StageWorker:
         self.counted = [p for n, p in self.params.items() if n not in copies]  # global norm
         self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
         self.versions = WeightVersions(
-            self.params, schedule_kind, num_microbatches, vertical=vertical_sync and self.pipedream,
+            self.params, rules, num_microbatches, vertical=vertical_sync and rules.vertical_sync,
             replicas=[s.replicas for s in program.plan.stages], stage=stage,
         )  # fmt: skip
         self.flight: dict[int, _InFlight] = {}
@@ -271,7 +273,7 @@ class StageWorker:
         k = a.microbatch
         state = self.flight[k]
         weights = self._weights(state)
-        if self.pipedream and not self.stash:
+        if self.streaming and not self.stash:
             # no stashing: the backward sees the newest weights (forward again on them)
             weights = copy_weights(self.params)
             mb = self.data[k]
@@ -279,15 +281,47 @@ class StageWorker:
             state.outputs = self.slots(weights, args, kwargs)
             if self.last:
                 state.loss = self.loss_fn(state.outputs, mb.target) * mb.weight
-        if self.last:
-            state.loss.backward()
-        elif state.grads:
-            tensors = [state.outputs[name] for name, _ in state.grads]
-            grads = [g.to(t.dtype) for t, (_, g) in zip(tensors, state.grads, strict=True)]
+        tensors, grads = self._roots(state)
+        if tensors:
             torch.autograd.backward(tensors, grads)
-        if self.pipedream and not self.stash:
+        if self.streaming and not self.stash:
             self.versions.collect(weights)  # a copy of its own: its gradients go now
         state.outputs, state.grads, state.loss = None, [], None
+
+    def _I(self, a: Action) -> None:
+        """The split backward's first part: the gradients of the stage's inputs (sent back at
+        once); the graph stays for `W`."""
+        state = self.flight[a.microbatch]
+        tensors, grads = self._roots(state)
+        inputs = [
+            v for v in state.inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad
+        ]
+        if tensors and inputs:
+            found = torch.autograd.grad(
+                tensors, inputs, grads, retain_graph=True, allow_unused=True
+            )
+            for tensor, grad in zip(inputs, found, strict=True):
+                tensor.grad = grad
+
+    def _W(self, a: Action) -> None:
+        """The split backward's second part: the gradients of the weights the microbatch ran
+        on (this walks the graph again: autograd cannot resume where `I` stopped)."""
+        state = self.flight[a.microbatch]
+        tensors, grads = self._roots(state)
+        weights = self._weights(state) or self.params
+        leaves = [w for w in weights.values() if w.requires_grad]
+        if tensors and leaves:
+            torch.autograd.backward(tensors, grads, inputs=leaves)
+        state.outputs, state.grads, state.loss = None, [], None
+
+    def _roots(self, state: _InFlight) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Where a microbatch's backward starts: the loss on the last stage, else the outputs
+        whose gradients came back (none: nothing to do)."""
+        if self.last:
+            return [state.loss], [None]
+        tensors = [state.outputs[name] for name, _ in state.grads]
+        grads = [g.to(t.dtype) for t, (_, g) in zip(tensors, state.grads, strict=True)]
+        return tensors, grads
 
     def _allreduce(self, a: Action) -> None:
         self.versions.collect()
@@ -296,9 +330,10 @@ class StageWorker:
             tensors = [_ensure_grad(self.params[n]) for n in names[:1]]
         else:
             tensors = [_ensure_grad(p) for p in self.untied]
-        # pipedream's replicas make one shared update from the average of their gradients; the
-        # others' microbatch losses are weighted by their share of the step: the sum is the mean
-        average = a.tie < 0 and self.pipedream
+        # replicas updating per microbatch (pipedream) make one shared update from the average
+        # of their gradients; the others' microbatch losses are weighted by their share of the
+        # step: the sum is the mean
+        average = a.tie < 0 and self.rules.update_per_microbatch
         self.comm.all_reduce(tensors, a.group, a.collective, average=average)
         if a.tie < 0 and self.buffers:  # buffers are not averaged: the replicas take the first's
             if self.comm.rank != a.group[0]:
@@ -311,25 +346,40 @@ class StageWorker:
         the ranks of `a.group` (every rank; under `pipedream` the stages tied to this one),
         each tensor counted once, on first replicas and tie owners, applied by `finish` once
         the all-reduce is complete; or over this stage (no group, `pipedream`)."""
-        self.versions.collect()
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        squares = self.clip_squares(a)
         if not a.group:
-            self._scale(float(sum(g.double().pow(2).sum() for g in grads)))
+            self._scale(squares)
             return
-        first = self.comm.rank == self.program.plan.stages[self.stage].ranks[0]
-        counted = [p.grad for p in self.counted if p.grad is not None]
-        mine = float(sum(g.double().pow(2).sum() for g in counted)) if first else 0.0
-        device = getattr(self.comm, "device", torch.device("cpu"))
-        self.norm_squares = torch.tensor([mine], dtype=torch.float64, device=device)
+        self.norm_squares = torch.tensor(
+            [squares], dtype=torch.float64, device=self.tensor_device()
+        )
         self.comm.all_reduce([self.norm_squares], a.group, a.collective)
+
+    def clip_squares(self, a: Action) -> float:
+        """This stage's share of the squared gradient norm of a `clip` (each tensor counted
+        once over the group: on first replicas and tie owners)."""
+        self.versions.collect()
+        if not a.group:
+            grads = [p.grad for p in self.params.values() if p.grad is not None]
+            return float(sum(g.double().pow(2).sum() for g in grads))
+        if self.comm.rank != self.program.plan.stages[self.stage].ranks[0]:
+            return 0.0
+        counted = [p.grad for p in self.counted if p.grad is not None]
+        return float(sum(g.double().pow(2).sum() for g in counted))
 
     def _check(self, a: Action) -> None:
         """Tell every rank whether a loss of this step was NaN or infinite (applied by
         `finish`: the step is then skipped everywhere)."""
-        bad = any(not math.isfinite(loss) for loss in self.losses.values())
-        device = getattr(self.comm, "device", torch.device("cpu"))
-        self.nonfinite_flag = torch.tensor([float(bad)], device=device)
+        flag = float(self.nonfinite_loss())
+        self.nonfinite_flag = torch.tensor([flag], device=self.tensor_device())
         self.comm.all_reduce([self.nonfinite_flag], a.group, a.collective)
+
+    def nonfinite_loss(self) -> bool:
+        """Whether a loss this stage computed in the step was NaN or infinite."""
+        return any(not math.isfinite(loss) for loss in self.losses.values())
+
+    def tensor_device(self) -> torch.device:
+        return getattr(self.comm, "device", torch.device("cpu"))
 
     def finish(self, a: Action) -> None:
         """Complete a collective once every member has taken part (the local executor runs

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import pdcompile
 from pdcompile import zoo
 from pdcompile.plans import Plan, consecutive_ranks
-from pdcompile.runtime import version, vertical_version
-from pdcompile.runtime.schedules import tie_components
+from pdcompile.schedules.builder import tie_components
+from pdcompile.schedules.pipedream import version, vertical_version
 
 
 def mlp_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:

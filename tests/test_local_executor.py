@@ -169,7 +169,7 @@ def test_two_bw_streams_steps_on_two_versions_and_equals_its_reference(case, rep
         program, schedule="2bw", num_microbatches=m, loss_fn=loss_fn, optimizer=SGD
     )
     most = _watch_versions(pipeline)
-    first = pipeline.workers[0]
+    first = pipeline.workers[(0, 0)]
     first.timeline = []
     losses = [pipeline.train_step((xs,), ys) for xs, ys in data[:2]]
     in_flight = len(first.flight)  # stage 0's backwards of step 1 wait for the next call

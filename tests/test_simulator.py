@@ -15,11 +15,9 @@ import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, simulate
 from pdcompile.cluster import RuntimeCosts
 from pdcompile.plans import consecutive_ranks
-from pdcompile.runtime import simulator
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.runtime.schedules import STREAMING
-from pdcompile.runtime.simulator import streaming_calls
 from pdcompile.runtime.timeline import load_trace
+from pdcompile.schedules import get_schedule
 
 F, B = 1.0, 2.0  # seconds per microbatch of every stage
 ACT, PARAM, WEIGHT = 100, 10, 30  # bytes per stage
@@ -119,10 +117,10 @@ def test_streaming_time_per_step_is_that_of_a_steady_call(kind, replicas, m, mon
                             param_tensors=TENSORS)
         for s in plan.stages
     ))  # fmt: skip
-    calls = streaming_calls(kind, replicas, m)
+    calls = get_schedule(kind).steady_calls(replicas, m)
 
     def step(count: int) -> float:
-        monkeypatch.setattr(simulator, "streaming_calls", lambda *_: count)
+        monkeypatch.setattr(type(get_schedule(kind)), "steady_calls", lambda *_: count)
         return simulate(plan, schedule=kind, num_microbatches=m).time_per_step
 
     assert step(calls) == pytest.approx(step(calls + 2))
@@ -204,7 +202,8 @@ def test_simulated_order_is_what_the_local_executor_runs(kind, replicas):
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
     for worker in pipeline.workers.values():
         worker.timeline = []
-    calls = streaming_calls(kind, replicas, m) if kind in STREAMING else 1
+    rules = get_schedule(kind)
+    calls = rules.steady_calls(replicas, m) if rules.streaming else 1
     for _ in range(calls):
         pipeline.train_step((x,), y)
     measured = _ordered(e for w in pipeline.workers.values() for e in w.timeline)
@@ -405,7 +404,7 @@ def test_ties_are_the_runtimes(kind):
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
     for worker in pipeline.workers.values():
         worker.timeline = []
-    for _ in range(streaming_calls(kind, [1, 1], 4) if kind == "pipedream" else 1):
+    for _ in range(get_schedule(kind).steady_calls([1, 1], 4) if kind == "pipedream" else 1):
         pipeline.train_step((x,), y)
     measured = _ordered(e for w in pipeline.workers.values() for e in w.timeline)
     assert _ordered(sim.timeline) == measured
@@ -499,6 +498,6 @@ def test_simulated_weight_copies_are_the_workers(kind):
             held[rank] = max(held[rank], len(worker.versions.copies))
 
         worker.run = counted
-    for _ in range(streaming_calls(kind, [1, 1, 1], 4)):
+    for _ in range(get_schedule(kind).steady_calls([1, 1, 1], 4)):
         pipeline.train_step((x,), y)
     assert simulated == [held[r] for r in sorted(held)]

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import consecutive_ranks
 from pdcompile.runtime.pipeline import cuts
-from pdcompile.runtime.schedules import build_schedule, rank_orders
 from pdcompile.runtime.stream import RankStream
+from pdcompile.schedules import build_schedule, rank_orders
 
 
 @st.composite

@@ -21,10 +21,13 @@ N nodes, W starts within P T, L levels.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from pdcompile.cluster import Cluster
+from pdcompile.cost_model import CostModel
+from pdcompile.schedules import PipelineSchedule
 
 TOLERANCE = 1e-12
 MAX_PROBES = 15
@@ -34,18 +37,37 @@ NODE_COST_S = 85e-6
 ELEMENT_COST_S = 11e-9
 
 
+Pace = tuple[int, int]  # (k, E): a stage with r replicas updates every E r^k microbatches
+
+
+def ring_pace(
+    prices: CostModel, schedule: PipelineSchedule, total: int, microbatches: int
+) -> Pace | None:
+    """(k, E) with `updates_every` = E r^k for every replica count r up to `total`: k = 0 for
+    a fixed count (the synchronous schedules), k = 1 for one update per round of the replicas.
+    None for any other pace: the crossing stages' closed forms need one of these two."""
+    every = [prices.updates_every(schedule, r, microbatches) for r in range(1, total + 1)]
+    if len(set(every)) == 1:
+        return 0, every[0]
+    if all(e == every[0] * r for r, e in enumerate(every, 1)):
+        return 1, every[0]
+    return None
+
+
 class _Geometry:
     """The T-independent tables: in-group transitions and the bandwidths they run at."""
 
-    def __init__(self, cluster: Cluster, schedule: str, microbatches: int) -> None:
+    def __init__(self, cluster: Cluster, prices: CostModel, pace: Pace) -> None:
         self.total = cluster.num_devices
         self.levels = len(cluster.levels)
         self.top = self.levels - 1
         self.group = self.total // cluster.levels[-1].count  # P
         bandwidth = [lv.bandwidth for lv in cluster.levels]
         self.top_bandwidth = bandwidth[-1]
-        self.pipedream = schedule == "pipedream"
-        self.microbatches = microbatches
+        self.prices, self.power = prices, pace[0]
+        # seconds per gradient byte of a crossing stage's whole ring, per microbatch: spread
+        # over E microbatches, a ring E times as fast
+        self.ring_per_byte = prices.ring_limit_s(1.0, self.top_bandwidth * pace[1])
         rows = []  # (residue, previous level, replicas, span, link level)
         for res in range(self.group):
             boundary = self.top if res == 0 else cluster.level_of(res - 1, res)
@@ -59,12 +81,12 @@ class _Geometry:
         self.res, self.prev, self.replicas, span, link = table[order].T
         self.targets, self.first = np.unique(target[order], return_index=True)
         self.bounds = np.append(self.first, len(order))
-        # time = compute * a + grads * b + cut * c, per transition
-        every = self.replicas if self.pipedream else microbatches
-        self.a = 1.0 / self.replicas
+        # time = compute * a + grads * b + cut * c, per transition (the cost model is linear)
+        every = pace[1] * self.replicas ** pace[0]
         ring = np.array([bandwidth[s] for s in span])
-        self.b = 2 * (self.replicas - 1) / self.replicas / ring / every
-        self.c = 2 / np.array([bandwidth[t] for t in link]) / self.replicas
+        self.a = prices.stage_time(1.0, self.replicas, 0.0, 0.0)
+        self.b = prices.allreduce_s(1.0, self.replicas, ring, every)
+        self.c = prices.transfer_s(1.0, np.array([bandwidth[t] for t in link]), self.replicas)
         self.residues = np.arange(self.group)
 
 
@@ -74,19 +96,20 @@ def _crossing_range(
     """Replicas r >= 2 meeting each limit for stages spanning the top level: [lo, hi], shape
     (starts, limits); lo is inf where none does, hi None or inf where unbounded.
 
-    `work` = compute + 2 cut / bw (top level), `grads` the stage's gradient bytes.
+    `work` = compute + transfers on one replica (top level), `grads` the stage's gradient
+    bytes. With R the whole ring per microbatch, time(r) = work / r + R (r - 1) / r / r^k.
     """
-    bw, limit = geo.top_bandwidth, limits[None, :]
+    limit = limits[None, :]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if geo.pipedream:
+        if geo.power == 1:
             # time(r) = (work + b) / r - b / r^2, decreasing for r >= 2
-            b = ((2 / bw) * grads)[:, None]
+            b = (geo.ring_per_byte * grads)[:, None]
             a = work[:, None] + b
             root = (a + np.sqrt(np.maximum(a * a - 4 * limit * b, 0.0))) / (2 * limit)
             lo = np.where(a / 2 - b / 4 <= limit, 2.0, np.maximum(np.ceil(root - 1e-12), 2.0))
             return lo, None
         # time(r) = c + (work - c) / r: falls towards c if work > c, else rises towards c
-        c = (2 / (bw * geo.microbatches)) * grads
+        c = geo.ring_per_byte * grads
         cc = c[:, None]
         # limit <= c: no replica count will do; a tiny divisor makes lo exceed any cluster
         lo = np.maximum(np.ceil((work - c)[:, None] / np.maximum(limit - cc, 1e-300) - 1e-12), 2.0)
@@ -119,7 +142,7 @@ def _fewest(
     offsets = (np.arange(n + 1) * (P + 2) * S)[:, None] + np.arange(S)  # table.take(j, x, s)
     residues = geo.residues[:, None]
     src = geo.res * L + geo.prev
-    cut2 = 2 * p.cut / geo.top_bandwidth
+    cut2 = geo.prices.transfer_s(p.cut, geo.top_bandwidth, 1)
     widest = P * float(limits.max()) * (1 + 1e-9)
 
     def finish(k: int) -> None:
@@ -244,28 +267,26 @@ def _narrow(p, n: int, geo: _Geometry, lo: float, hi: float, tolerance: float) -
     return hi
 
 
-def _data_parallel_time(p, n: int, cluster: Cluster, schedule: str, microbatches: int) -> float:
-    """The time of one stage replicated on every device (a plan that always fits)."""
-    total = cluster.num_devices
-    every = total if schedule == "pipedream" else microbatches
-    ring = 2 * (total - 1) / total * float(p.grad[n]) / cluster.levels[-1].bandwidth
-    return float(p.compute[n]) / total + ring / every
-
-
 def solve_bisection(
-    p, n: int, cluster: Cluster, schedule: str, microbatches: int
+    p: Any, n: int, cluster: Cluster, prices: CostModel, pace: Pace
 ) -> list[tuple[int, int, int]]:
-    """Stages (start, end, replicas) with the least bottleneck, to `TOLERANCE` relative."""
+    """Stages (start, end, replicas) with the least bottleneck, to `TOLERANCE` relative, stages
+    priced by `prices` with the all-reduce pace `pace` (`ring_pace`)."""
     total_compute = float(p.compute[n])
-    lo = total_compute / cluster.num_devices * (1 - 1e-9)  # no plan beats perfect balance
-    hi = min(total_compute, _data_parallel_time(p, n, cluster, schedule, microbatches))
+    total = cluster.num_devices
+    lo = total_compute / total * (1 - 1e-9)  # no plan beats perfect balance
+    everyone = prices.data_parallel_time(  # one stage on every device: a plan that always fits
+        total_compute, float(p.grad[n]), total, cluster.levels[-1].bandwidth,
+        pace[1] * total ** pace[0],
+    )  # fmt: skip
+    hi = min(total_compute, everyone)
     hi = hi * (1 + TOLERANCE) + 1e-300  # one stage on one device, or on all of them, fits
     if not cluster.is_flat:
         # A plan for the same devices all linked at the slowest level fits here too; its
         # bottleneck (to 1e-2, cheaply: one transition within a group) caps the window of starts
         # the in-group stages must try.
         slowest = Cluster([(cluster.num_devices, min(lv.bandwidth for lv in cluster.levels))])
-        hi = _narrow(p, n, _Geometry(slowest, schedule, microbatches), lo, hi, 1e-2)
-    geo = _Geometry(cluster, schedule, microbatches)
+        hi = _narrow(p, n, _Geometry(slowest, prices, pace), lo, hi, 1e-2)
+    geo = _Geometry(cluster, prices, pace)
     hi = _narrow(p, n, geo, lo, hi, TOLERANCE)
     return _fewest(p, n, geo, np.array([hi]), track=True)[1]

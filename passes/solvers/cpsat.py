@@ -4,19 +4,22 @@ Stages are contiguous runs of one topological order (that of `dp`'s best plan, w
 start, via `AddHint`): slot s covers positions [b_s, b_{s+1}) on r_s replicas, slots used from
 the front, ranks consecutive. Intervals of a topological order are convex; a DAG-wide convexity
 model would need a stage variable per node and cut terms per (node, boundary), too big. The
-objective is `evaluate`'s bottleneck T; with booleans y_{s,r} ("slot s has r replicas") a stage's
-time is linear once r is fixed:
+objective is the bottleneck T under the cost model (`options["cost_model"]`); with booleans
+y_{s,r} ("slot s has r replicas") a stage's time is linear once r is fixed. A stage updates every
+u_r = E q_r microbatches (`updates_every`, E the largest common factor: M for the synchronous
+schedules, with q_r = 1; 1 for pipedream, with q_r = r), so
 
-    sync:      A_s + (r - 1) dG_s <= r T,       A_s = compute_s / sigma + 2 cut_s / bw
-    pipedream: r A_s + (r - 1) dG_s <= r^2 T,   dG_s = 2 grad_s / bw (/ M for sync)
+    q_r A_s + (r - 1) dG_s <= r q_r T,   A_s = compute_s / sigma + transfers on one replica,
+                                         dG_s = the whole ring (`ring_limit_s`) / E
 
 Prefix tables over the order are read at b_s through a thermometer z_{s,v} = [v >= b_s]
 (table[b_s] = table[n] - sum_v (table[v + 1] - table[v]) z_{s,v}: linear, exact). Speeds: one
 compute table per distinct speed, its constraint enforced when the stage holds a device that slow.
-Memory is `evaluate`'s exactly: 1f1b/2bw hold min(S - s, M) microbatches (S one-hot), pipedream
-w_s + 1 with w_s = floor((sum_{t >= s} r_t - 1) / r_s) (one-hot), gpipe M. On one order `dp` is
-exact too, except for memory, where its safe bound can miss plans that fit: that is what `cpsat`
-adds.
+Memory is the schedule's `memory_counts` for the layout exactly: a function of the stages from s
+on, S - s (S one-hot), and of w_s = floor((sum_{t >= s} r_t - 1) / r_s) (one-hot), each encoded
+only if the schedule's counts depend on it (1f1b/2bw: min(S - s, M) in flight; pipedream: w_s + 1
+and w_s versions; gpipe: M). On one order `dp` is exact too, except for memory, where its safe
+bound can miss plans that fit: that is what `cpsat` adds.
 
 Times are integer ticks, `dp`'s bottleneck being 10^6 ticks (fewer if a table would overflow).
 Table entries are rounded to the nearest tick, so a stage's model time is within 1.5 ticks of its
@@ -24,9 +27,9 @@ true time and an optimal model solution is within 4 ticks of the best plan of th
 `plan.options`: `bound` (a proven lower bound, seconds, on every plan of the order, rounding
 included), `gap` ((predicted - bound) / predicted), `status` (OPTIMAL or FEASIBLE), `tick_s`.
 The plan is the better of CP-SAT's and `dp`'s under `evaluate`. Hierarchical clusters, models
-of more than `max_cells` nodes x devices and `pipedream` plans of graphs with tied tensors (whose
-stages holding part of a tie need one replica, which this model does not say) fall back to `dp`
-(`fallback`, `reason` recorded).
+of more than `max_cells` nodes x devices and graphs with tied tensors under a schedule that does
+not replicate ties (`pipedream`: stages holding part of a tie need one replica, which this model
+does not say) fall back to `dp` (`fallback`, `reason` recorded).
 """
 
 from __future__ import annotations
@@ -38,39 +41,52 @@ from ortools.sat.python import cp_model
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
+from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.dp import Prefix, dp, tie_positions
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
+from pdcompile.schedules import PipelineSchedule, get_schedule
 
 TICKS = 10**6  # dp's bottleneck in ticks
 MAX_CELLS = 20_000  # nodes x devices
 _SLACK = 2.5  # ticks between the model's optimum and the true optimum (see the docstring)
-_OPTIONS = ("time_limit_s", "num_workers", "max_cells")
+_OPTIONS = ("time_limit_s", "num_workers", "max_cells", "cost_model")
+_BASE = ("schedule", "num_microbatches", "cost_model")  # what cpsat hands on to dp
 
 
 class _Model:
     """The CP-SAT model of one order on a flat cluster."""
 
     def __init__(
-        self, p: Prefix, n: int, cluster: Cluster, schedule: str, microbatches: int, ref: float
+        self,
+        p: Prefix,
+        n: int,
+        cluster: Cluster,
+        rules: PipelineSchedule,
+        prices: CostModel,
+        microbatches: int,
+        ref: float,
     ) -> None:
         d = self.devices = cluster.num_devices
         self.n, self.slots = n, min(n, d)
-        self.schedule, self.microbatches = schedule, microbatches
+        self.rules, self.microbatches = rules, microbatches
         self.speed = cluster.speed or (1.0,) * d
         self.classes = sorted(set(self.speed))  # slowest first
         bandwidth = cluster.levels[0].bandwidth
-        every = microbatches if schedule != "pipedream" else 1
+        every = [prices.updates_every(rules, r, microbatches) for r in range(1, d + 1)]
+        common = math.gcd(*every)  # E, in the ring table; q_r = u_r / E in the constraints
+        self.paces = [u // common for u in every]
         raw = {
             "compute": [[float(c) / sigma for c in p.compute] for sigma in self.classes],
-            "cut": [2 * float(c) / bandwidth for c in p.cut],
-            "ring": [2 * float(g) / bandwidth / every for g in p.grad],
+            "cut": [prices.transfer_s(float(c), bandwidth, 1) for c in p.cut],
+            "ring": [prices.ring_limit_s(float(g), bandwidth) / common for g in p.grad],
         }
         largest = max(raw["compute"][0][n], max(raw["cut"]), raw["ring"][n], 1e-300)
+        factor = max(d * d, *(r * q for r, q in enumerate(self.paces, 1)))  # of T, at most
         self.scale = min(TICKS / ref if ref > 0 else TICKS / largest,
-                         min(2**40, 2**60 // (d * d)) / (3 * largest))  # fmt: skip
+                         min(2**40, 2**60 // factor) / (3 * largest))  # fmt: skip
         tick = self._tick
         self.compute = [[tick(x) for x in row] for row in raw["compute"]]
         self.cut, self.ring = [tick(x) for x in raw["cut"]], [tick(x) for x in raw["ring"]]
@@ -158,38 +174,47 @@ class _Model:
         ring = self._diff("ring", s)
         for q, mark in enumerate(self._speed_literals(s)):
             work = self._diff("compute", s, q) + self._at("cut", 0, s)
-            for r in range(1, self.devices + 1):
+            for r, q in enumerate(self.paces, 1):
                 when = [self.y[s][r - 1]] + ([mark] if mark is not None else [])
-                if self.schedule == "pipedream":
-                    model.add(r * work + (r - 1) * ring <= r * r * t).only_enforce_if(when)
-                else:
-                    model.add(work + (r - 1) * ring <= r * t).only_enforce_if(when)
+                model.add(q * work + (r - 1) * ring <= r * q * t).only_enforce_if(when)
+
+    def _memory_counts(self) -> None:
+        """`memory_counts` per (stages from here - 1, warm-up w), and whether they depend on the
+        stages from here (then S, the stages used, is one-hot) and on w (encoded per stage)."""
+        model = self.model
+        self.table = [[self.rules.memory_counts(k, w, self.microbatches)
+                       for w in range(self.devices)] for k in range(1, self.slots + 1)]  # fmt: skip
+        self.by_stages = any(row != self.table[0] for row in self.table)
+        self.by_warmup = any(x != row[0] for row in self.table for x in row)
+        if self.by_stages:
+            self.count = [model.new_bool_var(f"S{k}") for k in range(1, self.slots + 1)]
+            model.add_exactly_one(self.count)
+            model.add(sum(k * c for k, c in enumerate(self.count, 1)) == sum(self.a))
+
+    def _warmup_marks(self, s: int) -> list[Any]:
+        """One-hot w_s = floor((devices from s on - 1) / r_s), for a used slot (none otherwise)."""
+        model, d = self.model, self.devices
+        marks = [model.new_bool_var(f"w{s}_{w}") for w in range(d)]
+        model.add(sum(marks) == self.a[s])
+        warm = sum(w * x for w, x in enumerate(marks))
+        after = sum(self.reps[s:])
+        for r in range(1, d + 1):
+            model.add(r * warm <= after - 1).only_enforce_if(self.y[s][r - 1])
+            model.add(after - 1 <= r * warm + r - 1).only_enforce_if(self.y[s][r - 1])
+        return marks
 
     def _stage_memory(self, s: int, memory: int) -> None:
-        model, d, m = self.model, self.devices, self.microbatches
         weights, params = self._diff("weights", s), self._diff("params", s)
         acts = self._diff("activations", s)
-        if self.schedule == "gpipe":
-            model.add(weights + m * acts <= memory)
-        elif self.schedule in ("1f1b", "2bw"):
-            if s == 0:
-                self.count = [model.new_bool_var(f"S{k}") for k in range(1, self.slots + 1)]
-                model.add_exactly_one(self.count)
-                model.add(sum(k * c for k, c in enumerate(self.count, 1)) == sum(self.a))
-            versions = 1 if self.schedule == "2bw" else 0
-            for k in range(s + 1, self.slots + 1):
-                usage = weights + versions * params + min(k - s, m) * acts
-                model.add(usage <= memory).only_enforce_if(self.count[k - 1])
-        else:  # pipedream: w_s = floor((devices from s on - 1) / r_s), one-hot
-            marks = [model.new_bool_var(f"w{s}_{w}") for w in range(d)]
-            model.add(sum(marks) == self.a[s])
-            warm = sum(w * x for w, x in enumerate(marks))
-            after = sum(self.reps[s:])
-            for r in range(1, d + 1):
-                model.add(r * warm <= after - 1).only_enforce_if(self.y[s][r - 1])
-                model.add(after - 1 <= r * warm + r - 1).only_enforce_if(self.y[s][r - 1])
-            for w, x in enumerate(marks):
-                model.add(weights + w * params + (w + 1) * acts <= memory).only_enforce_if(x)
+        if s == 0:
+            self._memory_counts()
+        marks = self._warmup_marks(s) if self.by_warmup else []
+        for used in range(s + 1, self.slots + 1) if self.by_stages else [s + 1]:
+            for w in range(self.devices) if marks else [0]:
+                inflight, versions = self.table[used - s - 1][w]
+                usage = weights + versions * params + inflight * acts
+                when = [self.count[used - 1]] if self.by_stages else []
+                self.model.add(usage <= memory).only_enforce_if(when + marks[w : w + 1])
 
     def hint(self, bounds: list[int], replicas: list[int]) -> None:
         """Warm start from a plan: stage s is positions bounds[s]..bounds[s + 1] on replicas[s]."""
@@ -210,10 +235,8 @@ class _Model:
                 q = self.classes.index(min(self.speed[first : first + r]))
                 work = self.compute[q][k] - self.compute[q][j] + self.cut[j]
                 ring = self.ring[k] - self.ring[j]
-                if self.schedule == "pipedream":
-                    value = max(value, -(-(r * work + (r - 1) * ring) // (r * r)))
-                else:
-                    value = max(value, -(-(work + (r - 1) * ring) // r))
+                q = self.paces[r - 1]
+                value = max(value, -(-(q * work + (r - 1) * ring) // (r * q)))
             first += r
         model.add_hint(self.time, value)
 
@@ -229,7 +252,7 @@ class _Model:
 
 
 def _check_options(options: dict[str, Any]) -> tuple[float, int, int]:
-    unknown = set(options) - {"schedule", "num_microbatches", *_OPTIONS}
+    unknown = set(options) - {*_BASE, *_OPTIONS}
     if unknown:
         raise PartitionError(
             f"cpsat: unknown options {sorted(unknown)}; cpsat takes {', '.join(_OPTIONS)}"
@@ -246,7 +269,7 @@ def _check_options(options: dict[str, Any]) -> tuple[float, int, int]:
 
 def _as_cpsat(plan: Plan, options: dict[str, Any], **extra: Any) -> Plan:
     """`plan` (from dp) labelled as cpsat's, with cpsat's options and `extra` recorded."""
-    own = {k: v for k, v in options.items() if k not in ("schedule", "num_microbatches")}
+    own = {k: v for k, v in options.items() if k not in _BASE}
     return plan.with_(solver="cpsat", options={**own, **plan.options, **extra})
 
 
@@ -254,7 +277,9 @@ def _as_cpsat(plan: Plan, options: dict[str, Any], **extra: Any) -> Plan:
 def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """CP-SAT over one linear order: replicas, speeds, exact memory; warm-started by dp."""
     limit, workers, cells = _check_options(options)
-    base_options = {k: options[k] for k in ("schedule", "num_microbatches")}
+    rules = get_schedule(options["schedule"])
+    prices = get_cost_model(options.get("cost_model", "pdcompile"))
+    base_options = {k: options[k] for k in _BASE if k in options}
     try:
         base: Plan | None = dp(cost_graph, cluster, base_options)
     except PartitionError:
@@ -268,8 +293,8 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
         why = f"cpsat: the cluster has {len(cluster.levels)} levels; cpsat handles flat clusters"
     elif n * d > max(cells, 0):
         why = f"cpsat: {n} nodes x {d} devices = {n * d} > max_cells={cells}; model too large"
-    elif options["schedule"] == "pipedream" and tie_positions(cost_graph, order):
-        why = "cpsat: under pipedream, stages holding part of a tied tensor need one replica"
+    elif not rules.replicates_ties and tie_positions(cost_graph, order):
+        why = f"cpsat: under {rules.name}, stages holding part of a tied tensor need one replica"
     if why is not None:
         if base is None:
             raise PartitionError(f"{why}, and dp finds no plan that fits memory")
@@ -277,7 +302,7 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     p = Prefix(cost_graph, order)
     ref = float(p.compute[n]) / max(cluster.speed or [1.0])  # one device, no communication
     ref = base.predicted_time if base is not None else ref
-    cp = _Model(p, n, cluster, options["schedule"], options["num_microbatches"], ref)
+    cp = _Model(p, n, cluster, rules, prices, options["num_microbatches"], ref)
     if base is not None:
         sizes = [len(s.nodes) for s in base.stages]
         cp.hint([sum(sizes[:i]) for i in range(len(sizes) + 1)], [s.replicas for s in base.stages])

@@ -15,13 +15,15 @@ Two exact algorithms:
   level spanned by it and the stage before, which is max(L, level(m-1, m), L_new), so L is all
   the state it needs. O(N^2 M^2 L) with numpy over the stage end.
 
-Memory (when the cluster has a limit) is checked per stage with a safe bound on the microbatches
-in flight (the stages after a stage are not known yet when it is placed), so `dp` never returns a
-plan that does not fit but may miss one that barely does.
+Stages are priced by the cost model (`options["cost_model"]`, default "pdcompile"). Memory
+(when the cluster has a limit) is checked per stage with the schedule's safe bound on the
+microbatches in flight (`memory_bounds`: the stages after a stage are not known yet when it is
+placed), so `dp` never returns a plan that does not fit but may miss one that barely does.
 
-Under `pipedream` a stage holding some but not all users of a tied tensor (the CostGraph's
-`meta["ties"]`) gets one replica: replicas update once per round of them, so a replicated copy
-would update at another pace than the others. Such graphs take the general DP.
+Under a schedule that does not replicate ties (`replicates_ties`, e.g. `pipedream`) a stage
+holding some but not all users of a tied tensor (the CostGraph's `meta["ties"]`) gets one
+replica: replicas update once per round of them, so a replicated copy would update at another
+pace than the others. Such graphs take the general DP.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ import numpy as np
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
+from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError
-from pdcompile.passes.solvers.bisection import solve_bisection
+from pdcompile.passes.solvers.bisection import ring_pace, solve_bisection
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
+from pdcompile.schedules import PipelineSchedule, get_schedule
 
 
 class Prefix:
@@ -72,19 +76,6 @@ def _stage_memory(p: Prefix, j: int, ks: np.ndarray, inflight: int, versions: in
     )  # fmt: skip
 
 
-def safe_memory_bounds(
-    schedule: str, m: int, r: int, total: int, microbatches: int
-) -> tuple[int, int]:
-    """Safe (in flight, extra weight versions) for a stage on ranks [m, m + r)."""
-    after = total - m  # at most this many devices from this stage on
-    if schedule == "pipedream":
-        warmup = (after - 1) // r
-        return warmup + 1, warmup
-    if schedule == "gpipe":
-        return microbatches, 0
-    return min(after - r + 1, microbatches), 1 if schedule == "2bw" else 0
-
-
 def tie_positions(cost_graph: CostGraph, order: list[str]) -> list[list[int]]:
     """Per tie (a tensor with gradients that several nodes use), its users' positions in
     `order`, where they lie at more than one."""
@@ -115,7 +106,8 @@ def _solve_general(
     p: Prefix,
     n: int,
     cluster: Cluster,
-    schedule: str,
+    rules: PipelineSchedule,
+    prices: CostModel,
     microbatches: int,
     split: np.ndarray | None = None,
 ) -> list[tuple[int, int, int]]:
@@ -130,6 +122,7 @@ def _solve_general(
     best[0, 0, none] = 0.0
     speed = cluster.speed or (1.0,) * total
     memory = cluster.memory
+    every = [0, *(prices.updates_every(rules, r, microbatches) for r in range(1, total + 1))]
     for j in range(n):
         ks = np.arange(j + 1, n + 1)
         compute = p.compute[ks] - p.compute[j]
@@ -141,14 +134,15 @@ def _solve_general(
                     continue
                 for r in range(1, total - m + 1):
                     span = cluster.level_of(m, m + r - 1)
-                    every = r if schedule == "pipedream" else microbatches
-                    ring = 2 * (r - 1) / r * grads / bandwidth[span] if r > 1 else 0.0
-                    time = compute / (min(speed[m : m + r]) * r) + ring / every
+                    comm = 0.0
                     if j > 0:
                         level = max(prev, cluster.level_of(m - 1, m), span)
-                        time = time + 2 * p.cut[j] / bandwidth[level] / r
+                        comm = prices.transfer_s(p.cut[j], bandwidth[level], r)
+                    allreduce = prices.allreduce_s(grads, r, bandwidth[span], every[r])
+                    sigma = min(speed[m : m + r])
+                    time = prices.stage_time(compute / sigma, r, comm, allreduce)
                     if memory is not None:
-                        inflight, versions = safe_memory_bounds(schedule, m, r, total, microbatches)
+                        inflight, versions = rules.memory_bounds(total - m, r, microbatches)
                         fits = _stage_memory(p, j, ks, inflight, versions) <= memory
                         time = np.where(fits, time, np.inf)
                     if split is not None and r > 1:
@@ -188,13 +182,17 @@ def _infeasible_message(p: Prefix, n: int, cluster: Cluster) -> str:
 @register_solver("dp")
 def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """Exact DP over linear orders with replication and device hierarchy (pdcompile's default)."""
-    schedule, microbatches = options["schedule"], options["num_microbatches"]
-    unknown = set(options) - {"schedule", "num_microbatches", "orders"}
+    rules, microbatches = get_schedule(options["schedule"]), options["num_microbatches"]
+    unknown = set(options) - {"schedule", "num_microbatches", "orders", "cost_model"}
     if unknown:
-        raise PartitionError(f"dp: unknown options {sorted(unknown)}; dp takes 'orders'")
+        raise PartitionError(
+            f"dp: unknown options {sorted(unknown)}; dp takes 'orders', 'cost_model'"
+        )
+    prices = get_cost_model(options.get("cost_model", "pdcompile"))
     orders = linear_orders(cost_graph)
     chosen = options.get("orders") or list(orders)
-    fast = cluster.speed is None and cluster.memory is None
+    pace = ring_pace(prices, rules, cluster.num_devices, microbatches)
+    fast = cluster.speed is None and cluster.memory is None and pace is not None
     best: Plan | None = None
     failure: PartitionError | None = None
     for name in chosen:
@@ -206,13 +204,13 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
             )
         order = orders[name]
         p = Prefix(cost_graph, order)
-        ties = tie_positions(cost_graph, order) if schedule == "pipedream" else []
+        ties = [] if rules.replicates_ties else tie_positions(cost_graph, order)
         try:
             if fast and not ties:
-                cuts = solve_bisection(p, len(order), cluster, schedule, microbatches)
+                cuts = solve_bisection(p, len(order), cluster, prices, pace)
             else:
                 split = split_ties(len(order), ties) if ties else None
-                cuts = _solve_general(p, len(order), cluster, schedule, microbatches, split)
+                cuts = _solve_general(p, len(order), cluster, rules, prices, microbatches, split)
         except PartitionError as e:
             failure = e  # another order may fit
             continue

@@ -7,19 +7,20 @@ always convex, and its nodes are listed in the graph's order, which every edge r
 (kind "input", no predecessors) are kept in the first stage, as every pdcompile solver does.
 
 The dynamic program runs over states (ideal I, devices used m) -> smallest bottleneck, and
-reproduces `evaluate`'s stage time term by term on a flat cluster (one bandwidth): a stage J - I
-on ranks [m, m + r) takes compute(J - I) / (sigma r) + 2 cut(I) / bw / r + allreduce / u, where
-cut(I) is the bytes of the tensors produced in I with a consumer outside I (each producer once,
-at its largest out-edge). Sums over J - I are differences of per-ideal sums. Ideals are processed
-by size, with numpy over every (sub-ideal, ideal) pair of a size and every replica count:
-O(P D^2) for P comparable pairs and D devices.
+prices stages with the cost model (`options["cost_model"]`) on a flat cluster (one bandwidth): a
+stage J - I on ranks [m, m + r) takes compute(J - I) / (sigma r) + 2 cut(I) / bw / r +
+allreduce / u by default, where cut(I) is the bytes of the tensors produced in I with a consumer
+outside I (each producer once, at its largest out-edge). Sums over J - I are differences of
+per-ideal sums. Ideals are processed by size, with numpy over every (sub-ideal, ideal) pair of a
+size and every replica count: O(P D^2) for P comparable pairs and D devices.
 
-Memory (when the cluster has a limit) is checked per stage with `dp`'s safe bound on the
-microbatches in flight, so the plan always fits but one that barely fits may be missed. Clusters
-with more than one level, graphs with more than `max_ideals` ideals, problems of more than
-`max_transitions` DP transitions (P D (D + 1) / 2), and `pipedream` plans of graphs with tied
-tensors (a stage holding part of a tie needs one replica, which this DP does not model) fall
-back to `dp`; `plan.options` then holds `fallback` and `reason`.
+Memory (when the cluster has a limit) is checked per stage with the schedule's safe bound on the
+microbatches in flight (`memory_bounds`, as `dp` does), so the plan always fits but one that
+barely fits may be missed. Clusters with more than one level, graphs with more than `max_ideals`
+ideals, problems of more than `max_transitions` DP transitions (P D (D + 1) / 2), and graphs
+with tied tensors under a schedule that does not replicate ties (`pipedream`: a stage holding
+part of a tie needs one replica, which this DP does not model) fall back to `dp`;
+`plan.options` then holds `fallback` and `reason`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ import numpy as np
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.cost_model import producer_bytes
+from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError
-from pdcompile.passes.solvers.dp import dp, safe_memory_bounds, tie_positions
+from pdcompile.evaluation import producer_bytes
+from pdcompile.passes.solvers.dp import dp, tie_positions
 from pdcompile.planning import make_plan, register_solver
 from pdcompile.plans import Plan
+from pdcompile.schedules import PipelineSchedule, get_schedule
 
 MAX_IDEALS = 20_000
 MAX_TRANSITIONS = 3_000_000_000  # about 15 s at ~0.2 G transitions/s
@@ -145,11 +148,20 @@ def _enumerate(cost_graph: CostGraph, limit: int) -> _Lattice | int:
 class _Model:
     """Stage times and memory of ideal differences on a flat cluster, vectorized over pairs."""
 
-    def __init__(self, lattice: _Lattice, cluster: Cluster, schedule: str, microbatches: int):
+    def __init__(
+        self,
+        lattice: _Lattice,
+        cluster: Cluster,
+        rules: PipelineSchedule,
+        prices: CostModel,
+        microbatches: int,
+    ) -> None:
         self.lattice = lattice
         self.total = cluster.num_devices
         self.bandwidth = cluster.levels[0].bandwidth
-        self.schedule, self.microbatches = schedule, microbatches
+        self.prices = prices
+        self.every = [0, *(prices.updates_every(rules, r, microbatches)
+                           for r in range(1, self.total + 1))]  # fmt: skip
         self.memory = cluster.memory
         self.homogeneous = cluster.speed is None or len(set(cluster.speed)) == 1
         speed = cluster.speed or (1.0,) * self.total
@@ -160,26 +172,24 @@ class _Model:
         for m in range(d):
             for r in range(1, d - m + 1):
                 self.speed[m, r] = min(speed[m : m + r])
-                self.inflight[m, r], self.versions[m, r] = safe_memory_bounds(
-                    schedule, m, r, d, microbatches
+                self.inflight[m, r], self.versions[m, r] = rules.memory_bounds(
+                    d - m, r, microbatches
                 )
         self.arrays = dict(zip(_SUMS, np.array(lattice.sums, dtype=float).T, strict=True))
 
     def parts(self, pi: np.ndarray, pj: np.ndarray) -> dict[str, np.ndarray]:
         a = self.arrays
         diff = {name: a[name][pj] - a[name][pi] for name in _SUMS[:5]}
-        diff["comm"] = 2 * a["cut"][pi] / self.bandwidth
+        diff["cut"] = a["cut"][pi]
         return diff
 
     def time(self, parts: dict[str, np.ndarray], r: int, ms: np.ndarray) -> np.ndarray:
         """Stage times (pairs x first ranks `ms`), inf where the safe memory bound is exceeded."""
-        every = r if self.schedule == "pipedream" else self.microbatches
-        ring = 2 * (r - 1) / r * parts["grad"] / self.bandwidth / every if r > 1 else 0.0
-        rest = (parts["comm"] / r + ring)[:, None]
-        if self.homogeneous:
-            time = parts["compute"][:, None] / (self.speed[0, r] * r) + rest
-        else:
-            time = parts["compute"][:, None] / (self.speed[ms, r] * r)[None, :] + rest
+        prices = self.prices
+        comm = prices.transfer_s(parts["cut"], self.bandwidth, r)[:, None]
+        allreduce = prices.allreduce_s(parts["grad"], r, self.bandwidth, self.every[r])[:, None]
+        speed = self.speed[0, r] if self.homogeneous else self.speed[ms, r][None, :]
+        time = prices.stage_time(parts["compute"][:, None] / speed, r, comm, allreduce)
         if self.memory is not None:
             memory = (
                 parts["weights"][:, None]
@@ -264,7 +274,7 @@ def _infeasible(model: _Model) -> str:
 
 
 def _fallback(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any], why: str) -> Plan:
-    base = {k: options[k] for k in ("schedule", "num_microbatches")}
+    base = {k: options[k] for k in ("schedule", "num_microbatches", "cost_model") if k in options}
     plan = dp(cost_graph, cluster, base)
     own = {k: v for k, v in options.items() if k not in base}
     return plan.with_(
@@ -275,11 +285,14 @@ def _fallback(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any], 
 @register_solver("ideal")
 def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """Exact DP over the DAG's ideals (every convex-stage plan) with replicas; flat clusters."""
-    unknown = set(options) - {"schedule", "num_microbatches", "max_ideals", "max_transitions"}
+    own = ("max_ideals", "max_transitions", "cost_model")
+    unknown = set(options) - {"schedule", "num_microbatches", *own}
     if unknown:
         raise PartitionError(
-            f"ideal: unknown options {sorted(unknown)}; ideal takes 'max_ideals', 'max_transitions'"
+            f"ideal: unknown options {sorted(unknown)}; ideal takes {', '.join(map(repr, own))}"
         )
+    rules = get_schedule(options["schedule"])
+    prices = get_cost_model(options.get("cost_model", "pdcompile"))
     limit = int(options.get("max_ideals", MAX_IDEALS))
     max_work = int(options.get("max_transitions", MAX_TRANSITIONS))
     if not cluster.is_flat:
@@ -288,9 +301,9 @@ def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
             "clusters only; used dp"
         )
         return _fallback(cost_graph, cluster, options, why)
-    if options["schedule"] == "pipedream" and tie_positions(cost_graph, cost_graph.nodes):
+    if not rules.replicates_ties and tie_positions(cost_graph, cost_graph.nodes):
         why = (
-            "ideal: under pipedream, stages holding part of a tied tensor need one replica, "
+            f"ideal: under {rules.name}, stages holding part of a tied tensor need one replica, "
             "which ideal's DP does not model; used dp"
         )
         return _fallback(cost_graph, cluster, options, why)
@@ -306,7 +319,7 @@ def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
             f"make {work:.3g} DP transitions > max_transitions={max_work:.3g}; used dp"
         )
         return _fallback(cost_graph, cluster, options, why)
-    model = _Model(lattice, cluster, options["schedule"], options["num_microbatches"])
+    model = _Model(lattice, cluster, rules, prices, options["num_microbatches"])
     nodes = cost_graph.nodes
     groups = []
     for i, j, r in _solve(model):

@@ -3,7 +3,8 @@
 The optimizer (`pipedream_optimizer.py`, docs/pipedream_solver.md) reproduces the original's
 plans and its printed "Time per stage in pipeline", quirks included; that time is the plan's
 `predicted_time` (and `gap`, `data_parallel_time` are PipeDream's too, so the printed speed-up is
-its `speedup_vs_dp`). Stages, `step_time` and memory come from pdcompile's cost model, and
+its `speedup_vs_dp`). The optimizer keeps PipeDream's own stage cost (that is what it
+reproduces); `options["cost_model"]` (default "pdcompile") prices the plan's stages afterwards, and
 `evaluate(plan, ...)` and `pdcompile compare` re-score the whole plan on that common yardstick
 (`options["evaluate_predicted_time"]` keeps it).
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
+from pdcompile.cost_model import get_cost_model
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.pipedream_optimizer import optimize_pipedream
 from pdcompile.planning import make_plan, register_solver
@@ -33,11 +35,13 @@ DEFAULTS = {
 def pipedream(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """PipeDream's hierarchical antichain DP, reproduced exactly (its cost model and quirks)."""
     own = {k: v for k, v in options.items() if k not in ("schedule", "num_microbatches")}
-    unknown = set(own) - set(DEFAULTS)
+    unknown = set(own) - {*DEFAULTS, "cost_model"}
     if unknown:
         raise PartitionError(
-            f"pipedream: unknown options {sorted(unknown)}; it takes {', '.join(DEFAULTS)}"
+            f"pipedream: unknown options {sorted(unknown)}; it takes {', '.join(DEFAULTS)}, "
+            "cost_model"
         )
+    get_cost_model(own.get("cost_model", "pdcompile"))  # an unknown name fails before solving
     settings = {**DEFAULTS, **own}
     if cluster.memory is not None and "memory_size" not in own:
         settings["memory_size"] = cluster.memory

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from pdcompile.schedules import schedules
+
 FORMATS = ("txt", "json", "dot", "svg", "png")
-SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")  # pdcompile.plans.SCHEDULES
 # = pdcompile.capture.tracing.METHODS, repeated so the CLI starts without importing torch
 METHODS = ("auto", "fx", "export")
 
@@ -23,7 +24,9 @@ def _plan_options(parser: argparse.ArgumentParser, plan_file: bool = False) -> N
         help="e.g. 8@300GB/s,16@25Gbit/s or 4" + (" (default: the plan's)" if plan_file else ""),
     )  # fmt: skip
     parser.add_argument("--memory", help="bytes per device, e.g. 80GB")
-    parser.add_argument("--schedule", choices=SCHEDULES, default=None if plan_file else "1f1b")
+    parser.add_argument(
+        "--schedule", choices=list(schedules()), default=None if plan_file else "1f1b"
+    )
     parser.add_argument("--microbatches", type=int, help="microbatches per step")
     parser.add_argument("--analytic", action="store_true", help="a SPEC is costed analytically")
     _capture_options(parser)
@@ -109,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--costs", metavar="FILE", help="the CostGraph a coarsened plan used")
     generate.add_argument("--solver", help="with --cluster: a solver name (default dp)")
     generate.add_argument("--memory", help="with --cluster: bytes per device, e.g. 80GB")
-    generate.add_argument("--schedule", choices=SCHEDULES, help="with --cluster (default 1f1b)")
+    generate.add_argument(
+        "--schedule", choices=list(schedules()), help="with --cluster (default 1f1b)"
+    )
     generate.add_argument("--microbatches", type=int, help="with --cluster: per step")
     generate.add_argument("--out", required=True, metavar="DIR", help="folder to write")
     _capture_options(generate)
@@ -155,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. 16@1.25GB/s or 4@10GB/s,4@1.25GB/s; repeat for several clusters",
     )  # fmt: skip
     bench.add_argument("--memory", help="bytes per device, e.g. 16GB")
-    bench.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    bench.add_argument("--schedule", choices=list(schedules()), default="1f1b")
     bench.add_argument("--microbatches", type=int, help="microbatches per step")
     bench.add_argument("--solvers", help="comma-separated names (default: every registered one)")
     bench.add_argument(

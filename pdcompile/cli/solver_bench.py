@@ -27,8 +27,8 @@ from typing import Any
 from pdcompile.cli.bench_instances import Instance
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.cost_model import evaluate
 from pdcompile.errors import PartitionError, SpecError
+from pdcompile.evaluation import evaluate
 from pdcompile.planning import plan, solvers
 from pdcompile.plans import Plan, Stage
 

@@ -1,14 +1,14 @@
 """A schedule is data: every rank's ordered actions. Torch-free.
 
-Kinds: `F`/`B` (forward/backward of one microbatch at one stage), `send`/`recv` (activations
-`act` forward or gradients `grad` backward, to or from one peer rank), `allreduce` (the
-replicas of a stage average their gradients), `clip` (scale the gradients to a largest norm:
-over every rank for the synchronous schedules, an all-reduce over `group`; per stage, with no
-group, under `pipedream`), `check` (every rank learns whether a loss of the step was NaN or
+Kinds: `F`/`B` (forward/backward of one microbatch at one stage; a split backward is `I`, the
+gradients with respect to the stage's inputs, then `W`, those with respect to its weights),
+`send`/`recv` (activations `act` forward or gradients `grad` backward, to or from one peer rank),
+`allreduce` (the replicas of a stage average their gradients), `clip` (scale the gradients to a
+largest norm: over every rank for the synchronous schedules, an all-reduce over `group`; per stage,
+with no group, under `pipedream`), `check` (every rank learns whether a loss of the step was NaN or
 infinite: an all-reduce of a flag over `group`; the step is then skipped everywhere), `step`
 (optimizer update), `push`/`pop` (a weight version is stashed at a forward and dropped after its
-backward).
-"""
+backward)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         mb = "" if self.microbatch < 0 else str(self.microbatch)
-        if self.kind in ("F", "B"):
+        if self.kind in ("F", "B", "I", "W"):
             return f"{self.kind}{mb}"
         if self.kind == "send":
             return f"{self.stream}{mb}>{self.peer}"
@@ -89,11 +89,13 @@ class Schedule:
     def num_stages(self) -> int:
         return len(self.replicas)
 
-    def stage_of_rank(self, rank: int) -> tuple[int, int]:
-        """(stage, replica index) of `rank`."""
-        for stage, ranks in enumerate(self.ranks):
-            if rank in ranks:
-                return stage, ranks.index(rank)
+    training: bool = True  # False: forwards only (evaluation)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages `rank` runs (a replica of each)."""
+        stages = tuple(s for s, ranks in enumerate(self.ranks) if rank in ranks)
+        if stages:
+            return stages
         raise ScheduleError(
             f"rank {rank} runs no stage of this {self.kind} schedule (ranks per stage: "
             f"{[list(r) for r in self.ranks]}); start as many ranks as the plan uses"

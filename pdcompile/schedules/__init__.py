@@ -1,0 +1,34 @@
+"""Schedules: one object per kind, registered by name, that planner, simulator and runtime all
+derive from. Torch-free.
+
+`base.PipelineSchedule` holds a kind's rules (order, warm-up, accepted microbatch counts,
+weight versions, clipping, closed forms); one file per built-in kind (`gpipe`, `one_f_one_b`,
+`pipedream`, `two_bw`) registers a subclass; `builder` turns any of them and a plan's layout
+into every rank's `actions`; `derived` reads facts off those actions (activations and weight
+versions in flight, messages that carry gradients).
+"""
+
+from __future__ import annotations
+
+from pdcompile.schedules.actions import Action, Schedule
+from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.builder import (
+    build_schedule,
+    check_nonfinite,
+    forward_schedule,
+    rank_orders,
+)
+from pdcompile.schedules.registry import get_schedule, register_schedule, schedules
+
+__all__ = [
+    "Action",
+    "PipelineSchedule",
+    "Schedule",
+    "build_schedule",
+    "check_nonfinite",
+    "forward_schedule",
+    "get_schedule",
+    "rank_orders",
+    "register_schedule",
+    "schedules",
+]

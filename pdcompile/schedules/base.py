@@ -1,0 +1,205 @@
+"""What a schedule is: the rules of one kind of pipeline schedule, in one object. Torch-free.
+
+A schedule (a `PipelineSchedule` subclass registered by name, one file each in this package)
+turns a plan's layout (the ranks of each stage, the stage pairs that exchange tensors, the
+microbatches) into every rank's ordered actions (`builder.build_schedule`), and owns every rule
+of its kind: the order of one replica's forwards and backwards (its warm-up), which microbatch
+counts it accepts, whether its steps are synchronous or stream across calls with stashed weight
+versions, which version a microbatch computes on, how its updates are clipped. Everything else
+(memory in flight, step time, bubble, messages) is derived from the actions it builds
+(`derived.py`, the simulator), never re-stated elsewhere. Nothing outside a schedule's own file
+tests its name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pdcompile.errors import ScheduleError
+
+MAX_MICROBATCHES = 1 << 16  # a documented cap: plans and simulations of more are refused
+
+
+class PipelineSchedule:
+    """The rules of one schedule kind. Subclasses override what differs from these defaults
+    (a synchronous schedule with PipeDream's warm-up: 1F1B's order).
+
+    Attributes:
+        name: the registered name (set by `register_schedule`).
+        meaning: what one `train_step` does, for `PipelinedModule.explain()`.
+        streaming: microbatches stay in flight across `train_step` calls (no flush between
+            steps); each forward stashes a weight version (`push`) its backward drops (`pop`).
+        update_per_microbatch: each microbatch is a minibatch with its own update (its loss is
+            not weighted by its share of the batch; replicas average their gradients).
+        vertical_sync: accepts `vertical_sync=True` (`weight_version` honours it).
+        keeps_previous: an update first keeps a copy of the weights it changes (the next step
+            computes on them: 2BW's two versions).
+        replicates_ties: a stage holding a copy of a tied tensor may have several replicas.
+    """
+
+    name: str = ""
+    meaning: str = ""
+    streaming: bool = False
+    update_per_microbatch: bool = False
+    vertical_sync: bool = False
+    keeps_previous: bool = False
+    replicates_ties: bool = True
+
+    @property
+    def synchronous(self) -> bool:
+        """One update per `train_step` from all its microbatches (so a step can be skipped on
+        every rank, and clipping is global)."""
+        return not self.streaming
+
+    # -- microbatches ---------------------------------------------------------------------
+
+    def check(
+        self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
+    ) -> None:
+        """Raise `ScheduleError` unless this schedule runs `num_microbatches` per step on
+        stages with `replicas` (`ties`: per tied tensor, the stages using it)."""
+        if not replicas or any(r < 1 for r in replicas):
+            raise ScheduleError(f"replica counts must be >= 1 per stage, got {list(replicas)}")
+        if not 1 <= num_microbatches <= MAX_MICROBATCHES:
+            raise ScheduleError(
+                f"num_microbatches must be between 1 and {MAX_MICROBATCHES}, got {num_microbatches}"
+            )
+
+    def accepts(self, replicas: Sequence[int], num_microbatches: int) -> bool:
+        """Whether `check` passes."""
+        try:
+            self.check(replicas, num_microbatches)
+        except ScheduleError:
+            return False
+        return True
+
+    def default_microbatches(self, replicas: Sequence[int], num_devices: int) -> int:
+        """The count `plan()` uses when none is given: twice the devices, rounded up to the
+        next count this schedule accepts."""
+        m = max(1, 2 * num_devices)
+        while not self.accepts(replicas, m):
+            m += 1
+        return m
+
+    # -- the order of one replica's compute ------------------------------------------------
+
+    def warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """Forwards a replica of `stage` runs before its first backward (PipeDream's rule:
+        w_s = (sum_{t>=s} r_t - 1) // r_s)."""
+        return (sum(replicas[stage:]) - 1) // replicas[stage]
+
+    def compute_item(self, warmup: int, mine: Sequence[int], t: int) -> tuple[str, int]:
+        """Item t (of `items_per_microbatch * len(mine)`) of one replica's compute for its
+        microbatches `mine`: (kind, microbatch), kind "F", "B" or the split backward's "I"
+        (input gradients) and "W" (weight gradients). Default: `warmup` forwards, then a
+        forward and a backward alternately, then the remaining backwards. Computed, not
+        listed: `mine` may be endless (a stream)."""
+        n = len(mine)
+        w = min(warmup, n)
+        if t < w:
+            return "F", mine[t]
+        t -= w
+        pairs = n - w  # backwards with a forward before them
+        if t < 2 * pairs:
+            return ("F", mine[t // 2 + w]) if t % 2 == 0 else ("B", mine[t // 2])
+        return "B", mine[pairs + t - 2 * pairs]
+
+    items_per_microbatch: int = 2  # F and B (3 with a split backward: F, I, W)
+
+    # -- updates and weight versions -------------------------------------------------------
+
+    def round_size(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """Streaming: microbatches of `stage` per update (its replicas update together after
+        their last backward of each round)."""
+        return num_microbatches
+
+    def weight_version(
+        self, replicas: Sequence[int], stage: int, microbatch: int, num_microbatches: int,
+        vertical: bool = False,
+    ) -> int | None:  # fmt: skip
+        """Streaming: the updates (counted from the stream's start; below 0: before it, clamped
+        at 0 by the caller) in the weights `microbatch` computes on at `stage`, or None for
+        the newest weights when its forward runs."""
+        return None
+
+    def version(
+        self, replicas: Sequence[int], stage: int, minibatch: int, num_microbatches: int
+    ) -> int:
+        """Updates of `stage` in the weights minibatch `minibatch` runs on
+        (`PipelinedModule.version`): synchronous, the steps before its own."""
+        return minibatch // num_microbatches
+
+    def clip_group(
+        self, stage: int, ranks: Sequence[Sequence[int]], linked: frozenset[int],
+        world: tuple[int, ...],
+    ) -> tuple[int, ...]:  # fmt: skip
+        """The ranks whose gradients share one norm when clipping `stage` (`linked`: the stages
+        tied to it; `()`: the stage alone). Default: every rank (global clipping)."""
+        return world
+
+    # -- streams ---------------------------------------------------------------------------
+
+    def lookahead(self, replicas: Sequence[int], num_microbatches: int) -> int:
+        """Streaming: microbatches that every replica's warm-up fits in, a multiple of every
+        replica count: after them the stream repeats."""
+        deepest = max(self.warmup(replicas, s, num_microbatches) for s in range(len(replicas)))
+        return math.lcm(*replicas) * (deepest + 1) * max(replicas)
+
+    def steady_calls(self, replicas: Sequence[int], num_microbatches: int) -> int:
+        """Streaming: `train_step` calls until one is in the steady state (every replica of
+        stage s has had w_s + 1 microbatches before it starts)."""
+        steady = max(
+            r * (self.warmup(replicas, s, num_microbatches) + 1) for s, r in enumerate(replicas)
+        )
+        return -(-steady // num_microbatches) + 1
+
+    # -- closed forms (fast search; checked against simulating the actions) -----------------
+
+    def in_flight_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """Microbatches whose activations a replica of `stage` holds at most (its warm-up and
+        the one forward after it, no more than it runs)."""
+        mine = -(-num_microbatches // replicas[stage])
+        return min(self.warmup(replicas, stage, num_microbatches) + 1, mine)
+
+    def stashed_versions_bound(
+        self, replicas: Sequence[int], stage: int, num_microbatches: int
+    ) -> int:
+        """Weight copies a replica of `stage` keeps at most besides the live weights."""
+        return 0
+
+    def bubble(self, num_stages: int, num_microbatches: int) -> float:
+        """The idle share of a `train_step` call on equal stages (no communication), one stage
+        per rank: (S - 1) / (M + S - 1) for a synchronous schedule that drains."""
+        return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+    def step_time(self, num_stages: int, num_microbatches: int, stage_s: float) -> float:
+        """Seconds of one `train_step` call on equal stages of `stage_s` seconds of compute per
+        microbatch (no communication, no runtime costs)."""
+        return (num_microbatches + num_stages - 1) * stage_s
+
+    def __repr__(self) -> str:
+        return f"<schedule {self.name!r}>"
+
+    # -- bounds for solvers ----------------------------------------------------------------
+
+    def memory_counts(
+        self, stages_from_here: int, warmup: int, num_microbatches: int
+    ) -> tuple[int, int]:
+        """(microbatches in flight, stashed weight versions) the solvers charge a replica of a
+        stage that is `stages_from_here` stages from the end (itself included), `warmup` being
+        PipeDream's w = (devices from here - 1) // replicas. Non-decreasing in both. Default
+        (1F1B): min(stages_from_here, M) in flight, no copies: what the actions hold with one
+        replica per stage (`in_flight_bound`)."""
+        return min(stages_from_here, num_microbatches), 0
+
+    def memory_bounds(
+        self, devices_from_here: int, replicas: int, num_microbatches: int
+    ) -> tuple[int, int]:
+        """`memory_counts` safe without the later stages' replicas: a stage with `replicas` and
+        `devices_from_here` devices from its first rank on has at most devices_from_here -
+        replicas + 1 stages from here and a warm-up of at most (devices_from_here - 1) //
+        replicas."""
+        return self.memory_counts(
+            devices_from_here - replicas + 1, (devices_from_here - 1) // replicas, num_microbatches
+        )

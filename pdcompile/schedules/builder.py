@@ -1,0 +1,390 @@
+"""Every rank's actions for a plan under a schedule: the one builder all schedules share.
+
+Pure and torch-free. Inputs: the ranks of each stage (a stage's replicas, in order; a rank may
+hold several stages), the stage pairs that exchange tensors (`edges[(src, dst)]` is True when
+gradients flow back along it) and the number of microbatches. Microbatch k runs on replica
+k mod r_s of stage s. Each replica's compute comes from its schedule (`compute_item`: the order
+of its forwards and backwards, fused "B" or split "I"/"W"); receives come right before the
+compute that needs them, sends right after the compute that produced them (executors post
+receives early and never block a sender). Streaming schedules stash a weight version per
+microbatch (`push`/`pop`) and update after each round, in a stream of steps that never drains;
+synchronous ones update once at the end of their one step. A rank holding several stages runs
+their orders merged in an order their messages allow (`_merge`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from pdcompile.errors import ScheduleError
+from pdcompile.schedules.actions import Action, Schedule
+from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.registry import get_schedule
+
+Edges = Mapping[tuple[int, int], bool]
+NONFINITE = ("raise", "skip")  # what a step with a NaN or infinite loss does
+BACKWARD = ("B", "I", "W")  # the fused backward and the split one's two parts
+
+
+def check_nonfinite(schedule: str | PipelineSchedule, nonfinite: str) -> None:
+    """Raise `ScheduleError` unless `nonfinite` is known and `schedule` can honour it."""
+    if nonfinite not in NONFINITE:
+        raise ScheduleError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+    rules = get_schedule(schedule)
+    if nonfinite == "skip" and not rules.synchronous:
+        raise ScheduleError(
+            f"nonfinite='skip' needs a synchronous schedule: under {rules.name} updates of "
+            "different minibatches overlap, so one step cannot be skipped on every stage; use "
+            "nonfinite='raise' or schedule='1f1b'"
+        )
+
+
+def compute_order(
+    schedule: str | PipelineSchedule, warmup: int, mine: Sequence[int]
+) -> list[tuple[str, int]]:
+    """One replica's compute, in order, for its microbatches `mine`."""
+    rules = get_schedule(schedule)
+    count = rules.items_per_microbatch * len(mine)
+    return [rules.compute_item(warmup, mine, t) for t in range(count)]
+
+
+def build_schedule(
+    schedule: str | PipelineSchedule,
+    ranks: Sequence[Sequence[int]],
+    edges: Edges,
+    num_microbatches: int,
+    ties: Sequence[Sequence[int]] = (),
+    clip: bool = False,
+    skip_nonfinite: bool = False,
+    num_steps: int = 1,
+) -> Schedule:
+    """Every rank's actions for `num_steps` steps of `num_microbatches` microbatches.
+
+    Args:
+        schedule: a registered name (`pdcompile.schedules()`) or a `PipelineSchedule`.
+        ranks: per stage, the ranks of its replicas.
+        edges: (source stage, destination stage) -> whether gradients flow back.
+        num_microbatches: microbatches per step (PipeDream minibatches under `pipedream`).
+        ties: per tie group, the stages using the tensor: before each update their ranks sum
+            its gradients.
+        clip: clip the gradients' norm before each update, over the schedule's clip groups.
+        skip_nonfinite: before the update every rank learns whether a loss of the step was NaN
+            or infinite (a `check` all-reduce over all ranks) and, if so, skips it (synchronous
+            schedules only).
+        num_steps: streaming schedules run this many steps as one stream, microbatch k of it in
+            step k // M, without draining between steps. Synchronous ones run exactly one.
+
+    Raises:
+        ScheduleError: unknown schedule, bad stage pairs, a microbatch count the schedule does
+            not accept, `skip_nonfinite` with an asynchronous schedule, several steps of a
+            synchronous one.
+    """
+    rules = get_schedule(schedule)
+    if num_steps < 1 or (num_steps > 1 and not rules.streaming):
+        raise ScheduleError(
+            f"{rules.name} cannot build {num_steps} steps as one schedule: only streaming "
+            "schedules run several steps without draining; build one"
+        )
+    orders = replica_orders(rules, ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
+    total = num_microbatches * num_steps
+    first = next(iter(orders.values())).schedule
+    if len({rank for rank, _ in orders}) == len(orders):  # one stage per rank
+        actions = {rank: order.actions(total) for (rank, _), order in sorted(orders.items())}
+    else:
+        actions = _merge(orders, total)
+    return Schedule(rules.name, total, first.replicas, first.ranks, actions)
+
+
+def rank_orders(
+    schedule: str | PipelineSchedule,
+    ranks: Sequence[Sequence[int]],
+    edges: Edges,
+    num_microbatches: int,
+    ties: Sequence[Sequence[int]] = (),
+    clip: bool = False,
+    skip_nonfinite: bool = False,
+) -> dict[int, RankOrder]:
+    """Per rank, how its actions unfold for any number of microbatches (`build_schedule`'s
+    arguments; the streams of `runtime/stream.py` unfold them without end). Streams run one
+    stage per rank."""
+    orders = replica_orders(schedule, ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
+    return {rank: order for (rank, _), order in orders.items()}
+
+
+def replica_orders(
+    schedule: str | PipelineSchedule,
+    ranks: Sequence[Sequence[int]],
+    edges: Edges,
+    num_microbatches: int,
+    ties: Sequence[Sequence[int]] = (),
+    clip: bool = False,
+    skip_nonfinite: bool = False,
+) -> dict[tuple[int, int], RankOrder]:
+    """Per (rank, stage), how that replica's actions unfold (`build_schedule`'s arguments)."""
+    rules = get_schedule(schedule)
+    check_nonfinite(rules, "skip" if skip_nonfinite else "raise")
+    ranks = tuple(tuple(r) for r in ranks)
+    replicas = tuple(len(r) for r in ranks)
+    stages = len(ranks)
+    ties = [tuple(sorted(set(t))) for t in ties]
+    rules.check(replicas, num_microbatches, ties)
+    for src, dst in edges:
+        if not 0 <= src < dst < stages:
+            raise ScheduleError(
+                f"channel from stage {src} to stage {dst}: tensors must flow to a later stage of "
+                f"the {stages}"
+            )
+    for s, stage_ranks in enumerate(ranks):
+        if len(set(stage_ranks)) < len(stage_ranks):
+            raise ScheduleError(f"stage {s} has two replicas on one rank: {list(stage_ranks)}")
+    shared = len({r for rs in ranks for r in rs}) < sum(replicas)
+    if shared and rules.streaming:
+        raise ScheduleError(
+            f"{rules.name} streams steps without a flush, which pdcompile runs with one stage "
+            "per rank; place each stage on ranks of its own, or use a synchronous schedule"
+        )
+    for i, tie in enumerate(ties):
+        holders = [r for t in tie for r in ranks[t]]
+        if len(set(holders)) < len(holders):
+            raise ScheduleError(
+                f"tied tensor {i} is used by stages {list(tie)}, two of which share a rank; "
+                "place the stages sharing a tensor on different ranks"
+            )
+    schedule_ = Schedule(rules.name, num_microbatches, replicas, ranks)
+    world = tuple(sorted({r for rs in ranks for r in rs}))
+    linked = tie_components(stages, ties)
+    orders = {}
+    for s, stage_ranks in enumerate(ranks):
+        w = rules.warmup(replicas, s, num_microbatches)
+        round_size = rules.round_size(replicas, s, num_microbatches)
+        my_ties = [
+            (i, tuple(sorted(r for t in tie for r in ranks[t])))
+            for i, tie in enumerate(ties)
+            if s in tie
+        ]
+        clip_group = rules.clip_group(s, ranks, linked[s], world) if clip else None
+        update = _update(s, ranks[s], my_ties, clip_group, world if skip_nonfinite else None)
+        peers = Peers(
+            into=tuple(sorted(src for src, dst in edges if dst == s)),
+            out=tuple(sorted(dst for src, dst in edges if src == s)),
+            grads_from=tuple(sorted(d for (a, d), grads in edges.items() if a == s and grads)),
+            grads_to=tuple(sorted(a for (a, d), grads in edges.items() if d == s and grads)),
+        )
+        for i, rank in enumerate(stage_ranks):
+            orders[(rank, s)] = RankOrder(schedule_, rules, peers, s, i, w, update, round_size)
+    return orders
+
+
+def tie_components(stages: int, ties: Sequence[Sequence[int]]) -> list[frozenset[int]]:
+    """Per stage, the stages linked to it through tie groups (itself alone when untied)."""
+    graph = nx.Graph()
+    graph.add_nodes_from(range(stages))
+    for tie in ties:
+        members = sorted(tie)
+        graph.add_edges_from(zip(members, members[1:], strict=False))
+    component = {s: frozenset(c) for c in nx.connected_components(graph) for s in c}
+    return [component[s] for s in range(stages)]
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The stages one stage exchanges messages with: activations come from `into` and go to
+    `out`; gradients come back from `grads_from` and go back to `grads_to`."""
+
+    into: tuple[int, ...]
+    out: tuple[int, ...]
+    grads_from: tuple[int, ...]
+    grads_to: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankOrder:
+    """One replica's actions, unfolded item by item: an item is one compute action (a
+    forward, a backward or a part of a split one) with its communication, stashing and, after
+    a round's last backward, the update (a streaming replica makes update u right after its
+    last backward of round u: microbatches u * round_size to (u + 1) * round_size - 1 of its
+    stage). A synchronous replica updates once, after its last item."""
+
+    schedule: Schedule  # kind, ranks and replicas (its actions unused)
+    rules: PipelineSchedule
+    peers: Peers
+    stage: int
+    replica: int
+    warmup: int
+    update: Callable[[int], list[Action]]
+    round_size: int
+
+    def mine(self, total: int) -> range:
+        """This replica's microbatches among `total` (round-robin)."""
+        return range(self.replica, total, self.schedule.replicas[self.stage])
+
+    def actions(self, total: int) -> tuple[Action, ...]:
+        """Every action for `total` microbatches."""
+        actions: list[Action] = []
+        for _, group in self.items(total):
+            actions += group
+        return tuple(actions)
+
+    def count(self, total: int) -> int:
+        """Compute items for `total` microbatches."""
+        return self.rules.items_per_microbatch * len(self.mine(total))
+
+    def items(self, total: int, start: int = 0) -> Iterator[tuple[int, list[Action]]]:
+        """(item index, its actions) from item `start` on, for `total` microbatches (endless
+        when `total` is: items are computed one at a time). A synchronous replica's update is
+        the item after its last compute."""
+        mine, w, rules = self.mine(total), self.warmup, self.rules
+        count = self.count(total)
+        for t in range(start, count):
+            kind, k = rules.compute_item(w, mine, t)
+            yield t, self._forward(k) if kind == "F" else self._backward(kind, k)
+        if not rules.streaming and start <= count:
+            yield count, self.update(-1)
+
+    def _forward(self, k: int) -> list[Action]:
+        stage, schedule = self.stage, self.schedule
+        actions = [
+            _comm("recv", stage, k, schedule.rank_of(src, k), src, "act") for src in self.peers.into
+        ]
+        if self.rules.streaming:
+            actions.append(Action("push", stage, k))
+        actions.append(Action("F", stage, k))
+        actions += [
+            _comm("send", stage, k, schedule.rank_of(dst, k), dst, "act") for dst in self.peers.out
+        ]
+        return actions
+
+    def _backward(self, kind: str, k: int) -> list[Action]:
+        """A fused backward ("B") or a part of a split one: "I" (input gradients) receives and
+        sends the gradients, "W" (weight gradients) ends the microbatch at this stage."""
+        if kind not in BACKWARD:
+            raise ScheduleError(f"{self.rules.name}: unknown compute kind {kind!r}")
+        stage, schedule = self.stage, self.schedule
+        actions = []
+        if kind != "W":
+            actions += [
+                _comm("recv", stage, k, schedule.rank_of(dst, k), dst, "grad")
+                for dst in self.peers.grads_from
+            ]
+        actions.append(Action(kind, stage, k))
+        if kind != "W":
+            actions += [
+                _comm("send", stage, k, schedule.rank_of(src, k), src, "grad")
+                for src in self.peers.grads_to
+            ]
+        if self.rules.streaming and kind != "I":
+            actions.append(Action("pop", stage, k))
+            group = schedule.replicas[stage]
+            if (k + group) // self.round_size > k // self.round_size:  # its last of the round
+                actions += self.update(k // self.round_size)
+        return actions
+
+
+def _merge(
+    orders: Mapping[tuple[int, int], RankOrder], total: int
+) -> dict[int, tuple[Action, ...]]:
+    """Every rank's actions: the compute items of its stages merged in an order their
+    messages allow.
+
+    Every rank of the schedule is run in rounds of unit time: in each round a rank runs one
+    item whose received messages were sent in an earlier round, the backward parts first, then
+    the lowest microbatch, then the lowest stage. Each stage keeps its own order. The rank's
+    updates come last: every stage's all-reduces, one check and one clip for the rank (its
+    first stage names them), then every stage's optimizer step.
+    """
+    queues: dict[int, dict[int, list[list[Action]]]] = {}
+    finals: dict[int, dict[int, list[Action]]] = {}
+    for (rank, stage), order in orders.items():
+        items = [group for _, group in order.items(total)]
+        finals.setdefault(rank, {})[stage] = items.pop()  # the update
+        queues.setdefault(rank, {})[stage] = items
+    sent: set[tuple] = set()
+    merged: dict[int, list[Action]] = {rank: [] for rank in queues}
+    while any(q for stage_queues in queues.values() for q in stage_queues.values()):
+        ready = {}
+        for rank, stage_queues in queues.items():
+            heads = [
+                (stage, q[0]) for stage, q in stage_queues.items()
+                if q and all(_message(rank, a) in sent for a in q[0] if a.kind == "recv")
+            ]  # fmt: skip
+            if heads:
+                ready[rank] = min(heads, key=lambda h: _priority(h[0], h[1]))
+        if not ready:
+            raise ScheduleError(
+                "the stages sharing a rank cannot be merged: every rank waits for a message "
+                "(a stage's own order needs one that comes later)"
+            )
+        for rank, (stage, group) in ready.items():
+            queues[rank][stage].pop(0)
+            merged[rank] += group
+            sent.update(_message(rank, a) for a in group if a.kind == "send")
+    actions = {}
+    for rank in sorted(merged):
+        updates = [finals[rank][stage] for stage in sorted(finals[rank])]
+        reduces = [a for u in updates for a in u if a.kind == "allreduce"]
+        once = [a for a in updates[0] if a.kind in ("check", "clip")]
+        steps = [a for u in updates for a in u if a.kind == "step"]
+        actions[rank] = tuple(merged[rank] + reduces + once + steps)
+    return actions
+
+
+def _priority(stage: int, group: list[Action]) -> tuple[int, int, int]:
+    compute = next(a for a in group if a.kind in ("F", *BACKWARD))
+    return (compute.kind == "F", compute.microbatch, stage)
+
+
+def _message(rank: int, a: Action) -> tuple:
+    """A message's identity, the same for its send and its receive."""
+    src, dst = (rank, a.peer) if a.kind == "send" else (a.peer, rank)
+    return (src, dst, *a.key)
+
+
+def _update(
+    stage: int,
+    group: tuple[int, ...],
+    ties: list[tuple[int, tuple[int, ...]]],
+    clip_group: tuple[int, ...] | None,
+    check_group: tuple[int, ...] | None = None,
+) -> Callable[[int], list[Action]]:
+    """The actions of one update: sum tied gradients, average the rest among the replicas,
+    agree over `check_group` whether to skip the step (a non-finite loss), clip (over
+    `clip_group`, or per stage when it is empty), step the optimizer."""
+
+    def actions(round_: int) -> list[Action]:
+        out = [Action("allreduce", stage, round_, group=ranks, tie=i) for i, ranks in ties]
+        if len(group) > 1:
+            out.append(Action("allreduce", stage, round_, group=group))
+        if check_group is not None:
+            out.append(Action("check", stage, round_, group=check_group))
+        if clip_group is not None:
+            out.append(Action("clip", stage, round_, group=clip_group))
+        return [*out, Action("step", stage, round_)]
+
+    return actions
+
+
+def _comm(kind: str, stage: int, k: int, peer: int, peer_stage: int, stream: str) -> Action:
+    return Action(kind, stage, k, peer, peer_stage, stream)  # positional: the fastest
+
+
+def forward_schedule(
+    ranks: Sequence[Sequence[int]], edges: Edges, num_microbatches: int
+) -> Schedule:
+    """Forwards only (evaluation): every microbatch on the first replica of each stage, so the
+    last stage's first replica holds every output; no backwards, no updates. A rank holding
+    several stages runs them in stage order per microbatch."""
+    firsts = tuple((tuple(r)[0],) for r in ranks)
+    actions: dict[int, list[Action]] = {}
+    for k in range(num_microbatches):
+        for stage, (rank,) in enumerate(firsts):
+            into = sorted(src for src, dst in edges if dst == stage)
+            out = sorted(dst for src, dst in edges if src == stage)
+            mine = actions.setdefault(rank, [])
+            mine += [_comm("recv", stage, k, firsts[src][0], src, "act") for src in into]
+            mine.append(Action("F", stage, k))
+            mine += [_comm("send", stage, k, firsts[dst][0], dst, "act") for dst in out]
+    frozen = {rank: tuple(a) for rank, a in sorted(actions.items())}
+    return Schedule("forward", num_microbatches, (1,) * len(firsts), firsts, frozen, training=False)

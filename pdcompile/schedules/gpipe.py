@@ -1,0 +1,34 @@
+"""`gpipe`: synchronous, every forward of the step, then every backward (GPipe).
+
+Equal stages, one per rank: step (M + S - 1)(F + B), bubble (S - 1) / (M + S - 1), every one
+of a replica's microbatches in flight at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.registry import register_schedule
+
+
+@register_schedule("gpipe")
+class GPipe(PipelineSchedule):
+    """Synchronous GPipe: all forwards, then all backwards; every microbatch in flight."""
+
+    meaning = (
+        "synchronous: all forwards, then all backwards, one update per step; the same "
+        "optimisation as 1f1b with more activations in flight."
+    )
+
+    def warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """Every microbatch of the replica."""
+        return -(-num_microbatches // replicas[stage])
+
+    # -- bounds for solvers ----------------------------------------------------------------
+
+    def memory_counts(
+        self, stages_from_here: int, warmup: int, num_microbatches: int
+    ) -> tuple[int, int]:
+        """Every microbatch of the step in flight, no copies."""
+        return num_microbatches, 0

@@ -1,0 +1,74 @@
+"""The schedule registry: `register_schedule(name)` and `schedules()`, like the solvers'."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from pdcompile.errors import ScheduleError
+from pdcompile.schedules.base import PipelineSchedule
+
+_REGISTRY: dict[str, PipelineSchedule] = {}
+_BUILTINS = (
+    "pdcompile.schedules.one_f_one_b",
+    "pdcompile.schedules.gpipe",
+    "pdcompile.schedules.pipedream",
+    "pdcompile.schedules.two_bw",
+)
+
+
+def register_schedule(name: str) -> Callable[[type[PipelineSchedule]], type[PipelineSchedule]]:
+    """Register a `PipelineSchedule` subclass under `name` (its docstring's first line is its
+    description in `schedules()`); a name registered again is replaced.
+
+    Example:
+        >>> @pdcompile.register_schedule("1f1b-deep")
+        ... class DeepWarmup(PipelineSchedule):
+        ...     '''1F1B with one more warm-up forward per stage.'''
+        ...     def warmup(self, replicas, stage, num_microbatches):
+        ...         return super().warmup(replicas, stage, num_microbatches) + 1
+    """
+
+    def decorate(cls: type[PipelineSchedule]) -> type[PipelineSchedule]:
+        if not (isinstance(cls, type) and issubclass(cls, PipelineSchedule)):
+            raise ScheduleError(
+                f"register_schedule({name!r}) decorates a PipelineSchedule subclass, got {cls!r}"
+            )
+        instance = cls()
+        instance.name = name
+        _REGISTRY[name] = instance
+        return cls
+
+    return decorate
+
+
+def _load_builtins() -> None:
+    for module in _BUILTINS:
+        importlib.import_module(module)
+
+
+def schedules() -> dict[str, str]:
+    """Registered schedule names -> one-line descriptions."""
+    _load_builtins()
+    return {
+        name: (type(s).__doc__ or "").strip().splitlines()[0] if type(s).__doc__ else ""
+        for name, s in _REGISTRY.items()
+    }
+
+
+def get_schedule(schedule: str | PipelineSchedule) -> PipelineSchedule:
+    """The registered schedule called `schedule` (a schedule object is returned as it is).
+
+    Raises:
+        ScheduleError: no schedule has that name (the message lists them).
+    """
+    if isinstance(schedule, PipelineSchedule):
+        return schedule
+    _load_builtins()
+    found = _REGISTRY.get(schedule) if isinstance(schedule, str) else None
+    if found is None:
+        raise ScheduleError(
+            f"unknown schedule {schedule!r}; registered: {', '.join(_REGISTRY)} "
+            "(pdcompile.register_schedule adds one)"
+        )
+    return found
