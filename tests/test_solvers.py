@@ -215,7 +215,7 @@ def test_dp_gives_up_a_faster_plan_that_would_replicate_a_tie_stage() -> None:
 def test_streaming_plans_default_to_whole_rounds_of_replicas() -> None:
     """Twice the devices (8) is not a multiple of 3 replicas: the default rounds up to 9, as
     pipedream's and 2bw's schedules need; an explicit count is kept."""
-    from pdcompile.runtime import build_schedule
+    from pdcompile.schedules import build_schedule
 
     g = chain([10.0, 1.0, 1.0, 1.0], [0, 1000, 1000, 0], [1] * 4, [10] * 4)
     cluster = Cluster.parse("4@100B/s")

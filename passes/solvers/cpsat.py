@@ -179,13 +179,19 @@ class _Model:
                 model.add(q * work + (r - 1) * ring <= r * q * t).only_enforce_if(when)
 
     def _memory_counts(self) -> None:
-        """`memory_counts` per (stages from here - 1, warm-up w), and whether they depend on the
-        stages from here (then S, the stages used, is one-hot) and on w (encoded per stage)."""
-        model = self.model
-        self.table = [[self.rules.memory_counts(k, w, self.microbatches)
-                       for w in range(self.devices)] for k in range(1, self.slots + 1)]  # fmt: skip
-        self.by_stages = any(row != self.table[0] for row in self.table)
-        self.by_warmup = any(x != row[0] for row in self.table for x in row)
+        """`memory_counts` per (stages from here - 1, warm-up w), and whether the schedule's
+        counts depend on the stages from here (then S, the stages used, is one-hot) and on w
+        (one-hot per stage): probed a size beyond this model's, with a count of microbatches
+        that caps neither, so the model has one shape at every size."""
+        model, rules, m = self.model, self.rules, self.microbatches
+        d, slots = self.devices, self.slots
+        self.table = [[rules.memory_counts(k, w, m) for w in range(d)]
+                      for k in range(1, slots + 1)]  # fmt: skip
+        room = max(m, slots + 1, d + 1)
+        probe = [[rules.memory_counts(k, w, room) for w in range(d + 1)]
+                 for k in range(1, slots + 2)]  # fmt: skip
+        self.by_stages = any(row != probe[0] for row in probe)
+        self.by_warmup = any(x != row[0] for row in probe for x in row)
         if self.by_stages:
             self.count = [model.new_bool_var(f"S{k}") for k in range(1, self.slots + 1)]
             model.add_exactly_one(self.count)
