@@ -273,10 +273,10 @@ def simulated(plan: Plan) -> Plan:
     Raises:
         PartitionError: the schedule cannot run the plan.
     """
-    from pdcompile.runtime.simulator import simulate  # the simulator prices the schedule
+    from pdcompile.runtime.simulator import run  # the simulator prices the schedule
 
     try:
-        sim = simulate(plan)
+        sim = run(plan, get_schedule(plan.schedule), plan.num_microbatches, plan.cluster)
     except ScheduleError as exc:
         raise PartitionError(f"{plan.schedule} cannot run this plan: {exc}") from None
     stages = tuple(replace(s, memory_bytes=sim.stage_memory[s.index]) for s in plan.stages)

@@ -65,7 +65,9 @@ def make_plan(
     options: dict[str, Any],
     solver: str,
 ) -> Plan:
-    """A plan from `(nodes, replicas)` per stage in pipeline order, on consecutive ranks, scored."""
+    """A plan from `(nodes, replicas)` per stage in pipeline order, on consecutive ranks, scored
+    at the first microbatch count from `options["num_microbatches"]` on that the schedule
+    accepts for these replicas (`plan()` refuses a count the caller gave that it does not)."""
     ranks = consecutive_ranks([r for _, r in groups])
     if ranks and ranks[-1] and ranks[-1][-1] >= cluster.num_devices:
         raise PartitionError(
@@ -76,11 +78,15 @@ def make_plan(
         Stage(index=i, nodes=tuple(nodes), replicas=r, ranks=ranks[i])
         for i, (nodes, r) in enumerate(groups)
     )
+    rules = get_schedule(options["schedule"])
+    m = options["num_microbatches"]
+    while not rules.accepts([r for _, r in groups], m):
+        m += 1
     skeleton = Plan(
         stages=stages,
         cluster=cluster,
-        schedule=options["schedule"],
-        num_microbatches=options["num_microbatches"],
+        schedule=rules.name,
+        num_microbatches=m,
         microbatch_size=cost_graph.batch_size,
         solver=solver,
         options={k: v for k, v in options.items() if k not in ("schedule", "num_microbatches")},
@@ -141,8 +147,12 @@ def plan(
     result = _REGISTRY[solver](cost_graph, cluster, options)
     seconds = time.perf_counter() - start
     _check_tied_replicas(result, solver, rules)
-    if num_microbatches is None:
-        result = _accepted_microbatches(result, cost_graph, rules)
+    if num_microbatches is not None and result.num_microbatches != num_microbatches:
+        try:  # the schedule's own reason
+            rules.check([s.replicas for s in result.stages], num_microbatches)
+        except ScheduleError as exc:
+            raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
+                                 f"{exc}") from None  # fmt: skip
     return result.with_(solve_time_s=seconds)
 
 
@@ -161,18 +171,3 @@ def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> No
                     f"under {rules.name} such a stage needs one replica; use solver 'dp', which "
                     "keeps to this, or a schedule that replicates ties (e.g. '2bw')"
                 )
-
-
-def _accepted_microbatches(plan: Plan, cost_graph: CostGraph, rules: PipelineSchedule) -> Plan:
-    """The plan at the default microbatch count: the first at or above the searched one that
-    the schedule accepts for the plan's replicas (re-scored; the solver's own predicted time,
-    such as PipeDream's, stays: it does not depend on the count)."""
-    replicas = [s.replicas for s in plan.stages]
-    m = plan.num_microbatches
-    while not rules.accepts(replicas, m):
-        m += 1
-    if m == plan.num_microbatches:
-        return plan
-    scored = evaluate(plan, cost_graph, num_microbatches=m)
-    return scored.with_(predicted_time=plan.predicted_time, gap=plan.gap,
-                        data_parallel_time=plan.data_parallel_time)  # fmt: skip

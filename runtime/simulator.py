@@ -90,9 +90,22 @@ def simulate(
         ScheduleError: the schedule cannot be built (e.g. `2bw` with fewer microbatches than
             stages) or deadlocks.
     """
-    rules = get_schedule(schedule or plan.schedule)
-    m = num_microbatches or plan.num_microbatches
-    cluster = Cluster.coerce(cluster or plan.cluster)
+    if not plan.rank_memory and not any(
+        s.recv_bytes or s.weight_bytes or s.activation_bytes for s in plan.stages
+    ):
+        raise PartitionError(
+            "the plan has no per-stage byte counts (recv_bytes, activation_bytes, weight_bytes: "
+            "written by an older pdcompile or never scored); re-score it with "
+            "pdcompile.evaluate(plan, cost_graph) or re-plan with `pdcompile plan`"
+        )
+    return run(
+        plan, get_schedule(schedule or plan.schedule), num_microbatches or plan.num_microbatches,
+        Cluster.coerce(cluster or plan.cluster),
+    )  # fmt: skip
+
+
+def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simulation:
+    """`simulate` of a plan `evaluate` is scoring (its byte counts may all be zero)."""
     _check(plan, cluster)
     plan = _on(plan, cluster).with_(schedule=rules.name, num_microbatches=m)
     ranks = [s.ranks for s in plan.stages]
@@ -114,12 +127,6 @@ def simulate(
 
 
 def _check(plan: Plan, cluster: Cluster) -> None:
-    if not any(s.recv_bytes or s.weight_bytes or s.activation_bytes for s in plan.stages):
-        raise PartitionError(
-            "the plan has no per-stage byte counts (recv_bytes, activation_bytes, weight_bytes: "
-            "written by an older pdcompile or never scored); re-score it with "
-            "pdcompile.evaluate(plan, cost_graph) or re-plan with `pdcompile plan`"
-        )
     for stages, _ in plan.ties:
         if len(set(stages)) < 2 or not all(0 <= s < plan.num_stages for s in stages):
             raise PartitionError(

@@ -112,7 +112,8 @@ def test_distributed_training_equals_the_references_and_the_local_executor(confi
             # a streaming call leaves pending only sends its peers receive in the next call
             # (synchronous steps: none); were they never waited on, they would pile up
             assert pending <= (config[4] if config[2] in ("pipedream", "2bw") else 0), config
-            local_params = dict(local[rank].named_parameters())
+            (local_module,) = [m for (r, _), m in local.items() if r == rank]
+            local_params = dict(local_module.named_parameters())
             for name, p in params.items():
                 where = f"{config}, rank {rank}: {name}"
                 torch.testing.assert_close(p, reference[name], msg=where)

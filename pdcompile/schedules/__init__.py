@@ -1,16 +1,16 @@
 """Schedules: one object per kind, registered by name, that planner, simulator and runtime all
 derive from. Torch-free.
 
-`base.PipelineSchedule` holds a kind's rules (order, warm-up, accepted microbatch counts,
-weight versions, clipping, closed forms); one file per built-in kind (`gpipe`, `one_f_one_b`,
-`pipedream`, `two_bw`) registers a subclass; `builder` turns any of them and a plan's layout
-into every rank's `actions`, from which everything else is derived (the simulator reads
-activations and weight versions in flight, step time and bubble off them). The package is callable as the public
-`pdcompile.schedules()`.
-"""
+`base.PipelineSchedule` holds a kind's rules (order, warm-up, accepted microbatch counts, weight
+versions, clipping, closed forms); one file per built-in kind (`gpipe`, `one_f_one_b`, `pipedream`,
+`two_bw`) registers a subclass; `builder` turns any of them and a plan's layout into every rank's
+`actions`, from which everything else is derived (the simulator reads activations and weight
+versions in flight, step time and bubble off them). The package is callable as the public
+`pdcompile.schedules()`."""
 
 from __future__ import annotations
 
+from pdcompile.callable_package import make_callable
 from pdcompile.schedules.actions import Action, Schedule
 from pdcompile.schedules.base import PipelineSchedule
 from pdcompile.schedules.builder import (
@@ -19,7 +19,6 @@ from pdcompile.schedules.builder import (
     forward_schedule,
     rank_orders,
 )
-from pdcompile.callable_package import make_callable
 from pdcompile.schedules.registry import get_schedule, register_schedule, schedules
 
 make_callable(__name__, "pdcompile.schedules.registry:schedules")  # `pdcompile.schedules()`

@@ -157,10 +157,11 @@ class PipelineSchedule:
     # -- closed forms (fast search; checked against simulating the actions) -----------------
 
     def in_flight_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        """Microbatches whose activations a replica of `stage` holds at most (its warm-up and
-        the one forward after it, no more than it runs)."""
-        mine = -(-num_microbatches // replicas[stage])
-        return min(self.warmup(replicas, stage, num_microbatches) + 1, mine)
+        """Microbatches whose activations a replica of `stage` holds at most: its warm-up and
+        the one forward after it (a synchronous step: no more than it runs; a stream never
+        drains, so its steady state holds them all)."""
+        held = self.warmup(replicas, stage, num_microbatches) + 1
+        return held if self.streaming else min(held, -(-num_microbatches // replicas[stage]))
 
     def stashed_versions_bound(
         self, replicas: Sequence[int], stage: int, num_microbatches: int
@@ -168,15 +169,20 @@ class PipelineSchedule:
         """Weight copies a replica of `stage` keeps at most besides the live weights."""
         return 0
 
-    def bubble(self, num_stages: int, num_microbatches: int) -> float:
-        """The idle share of a `train_step` call on equal stages (no communication), one stage
-        per rank: (S - 1) / (M + S - 1) for a synchronous schedule that drains."""
-        return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    def step_time(
+        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float
+    ) -> float:
+        """Seconds of one `train_step` call on equal stages, one per rank, of `forward_s` and
+        `backward_s` per microbatch (no communication, no runtime costs): (M + S - 1)(F + B)
+        for a synchronous schedule that fills and drains within the call."""
+        return (num_microbatches + num_stages - 1) * (forward_s + backward_s)
 
-    def step_time(self, num_stages: int, num_microbatches: int, stage_s: float) -> float:
-        """Seconds of one `train_step` call on equal stages of `stage_s` seconds of compute per
-        microbatch (no communication, no runtime costs)."""
-        return (num_microbatches + num_stages - 1) * stage_s
+    def bubble(
+        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float
+    ) -> float:
+        """The idle share of that call on every rank: 1 - M (F + B) / step_time."""
+        step = self.step_time(num_stages, num_microbatches, forward_s, backward_s)
+        return 1 - num_microbatches * (forward_s + backward_s) / step if step else 0.0
 
     def __repr__(self) -> str:
         return f"<schedule {self.name!r}>"

@@ -99,19 +99,14 @@ class PipeDream(PipelineSchedule):
     def stashed_versions_bound(
         self, replicas: Sequence[int], stage: int, num_microbatches: int
     ) -> int:
-        return self.warmup(replicas, stage, num_microbatches)
+        """One version per minibatch in flight: in the steady state each ran its forward after
+        another update."""
+        return self.in_flight_bound(replicas, stage, num_microbatches)
 
-    def bubble(self, num_stages: int, num_microbatches: int) -> float:
-        return 0.0
-
-    def step_time(self, num_stages: int, num_microbatches: int, stage_s: float) -> float:
-        return num_microbatches * stage_s
-
-    # -- bounds for solvers ----------------------------------------------------------------
-
-    def memory_counts(
-        self, stages_from_here: int, warmup: int, num_microbatches: int
-    ) -> tuple[int, int]:
-        """w + 1 minibatches in flight and w stashed versions (`in_flight_bound` and
-        `stashed_versions_bound` with any replicas)."""
-        return warmup + 1, warmup
+    def step_time(
+        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float
+    ) -> float:
+        """In the steady state a call computes its M microbatches without a drain, but the
+        loss reaches every rank at its end, so the next call's forwards refill the pipeline:
+        M (F + B) + (S - 1) F."""
+        return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
