@@ -48,7 +48,9 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan, Stage
-from pdcompile.plans import SCHEDULES, consecutive_ranks
+from pdcompile.plans import consecutive_ranks
+
+SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")  # PipeDream's family, measured here
 from pdcompile.runtime.calibration import Calibration, calibrate
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline

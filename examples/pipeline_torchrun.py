@@ -22,7 +22,7 @@ from pdcompile.runtime.executor import DistributedPipeline
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=pdcompile.plans.SCHEDULES)
+    parser.add_argument("--schedule", default="1f1b", choices=list(pdcompile.schedules()))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()

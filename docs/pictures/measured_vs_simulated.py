@@ -35,7 +35,7 @@ def mlp(width: int = 1024, depth: int = 4) -> nn.Sequential:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=pdcompile.plans.SCHEDULES)
+    parser.add_argument("--schedule", default="1f1b", choices=list(pdcompile.schedules()))
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6, help="the last one is drawn")
     parser.add_argument("--out", default=os.path.join(HERE, "measured_vs_simulated.png"))
