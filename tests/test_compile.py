@@ -46,6 +46,26 @@ def test_compile_in_one_process_trains_like_gradient_accumulation() -> None:
     assert pipe.version(2, 9) == 9 // pipe.pipeline.num_microbatches
 
 
+def test_compile_runs_the_microbatches_planned_and_rescores_for_the_rows_run() -> None:
+    """Regression: `plan()` scored M = 2 x devices, then `compile` ran 2 x stages, so
+    `explain()` compared the run with a prediction for another M."""
+    model, x, y, loss_fn = mlp_case()
+    pipe = pdcompile.compile(
+        model, (x[:2],), loss_fn=loss_fn, optimizer=SGD, cluster="8", profile=False,
+    )  # fmt: skip
+    planned = pipe.plan
+    assert pipe.pipeline.num_microbatches == planned.num_microbatches == 16
+    assert planned.microbatch_size == 2
+    xs, ys = x.repeat(4, 1), y.repeat(4)  # 48 rows: 3 per microbatch
+    pipe.train_step(xs, ys)
+    rows = xs.shape[0] // planned.num_microbatches
+    scored = pipe.plan
+    assert scored.microbatch_size == rows and scored.num_microbatches == planned.num_microbatches
+    assert [s.nodes for s in scored.stages] == [s.nodes for s in planned.stages]
+    assert scored.step_time == pdcompile.simulate(scored).time_per_step
+    assert scored.predicted_time > planned.predicted_time  # 3 rows, not 2
+
+
 def _train(rank: int, world_size: int, init_file: str, case: str, schedule: str) -> dict:
     init_process_group(rank, world_size, init_file=init_file, timeout_s=120)
     model, x, y, loss_fn = CASES[case]()
