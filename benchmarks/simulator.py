@@ -49,14 +49,13 @@ from rich.table import Table
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan, Stage
 from pdcompile.plans import consecutive_ranks
-
-SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")  # PipeDream's family, measured here
 from pdcompile.runtime.calibration import Calibration, calibrate
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 
 MICROBATCHES = 8
+SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")  # PipeDream's family, measured here
 # glibc: allocations up to 32 MiB from the heap, which is never trimmed (no page faults on reuse)
 KINDS = ("F", "B", "send", "recv", "allreduce", "step", "push")  # compared action by action
 

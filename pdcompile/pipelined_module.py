@@ -167,7 +167,8 @@ class PipelinedModule:
     def _only_worker(self, what: str) -> Any:
         if len(self.pipeline.workers) != 1:
             raise PdcompileError(
-                f"{what}() checkpoints one rank per process (torchrun); in a single process use "
+                f"{what}() checkpoints one stage per process (torchrun, one stage per rank); "
+                f"this process runs {len(self.pipeline.workers)} stage replicas: use "
                 "state_dict() / load_state_dict(), or pdcompile.load_full_state_dict"
             )
         return next(iter(self.pipeline.workers.values()))

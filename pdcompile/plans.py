@@ -106,9 +106,9 @@ class Plan:
     def edges(self) -> dict[tuple[int, int], bool]:
         """(source stage, destination stage) -> whether gradients flow back along it."""
         return {
-            (src, s.index): size > 0 and src not in s.no_grad_from
+            (src, s.index): src not in s.no_grad_from
             for s in self.stages
-            for src, size in s.recv_bytes
+            for src, _ in s.recv_bytes
         }
 
     @property

@@ -18,8 +18,8 @@ from pdcompile.runtime.action_costs import LOSS_BYTES, send_s, stage_costs, tie_
 from pdcompile.runtime.simulated_weights import SimulatedWeights
 from pdcompile.runtime.timeline import Event
 from pdcompile.schedules import Action, Schedule, get_schedule
+from pdcompile.schedules.actions import COMPUTE
 
-COMPUTE = ("F", "B", "I", "W")
 SPLIT = 0.5  # the share of a stage's backward_s its input-gradient part I takes (W the rest)
 
 

@@ -26,9 +26,10 @@ from typing import Any
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError
 from pdcompile.plans import Plan
-from pdcompile.runtime.sim_engine import COMPUTE, Engine
+from pdcompile.runtime.sim_engine import Engine
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 from pdcompile.schedules import PipelineSchedule, Schedule, build_schedule, get_schedule
+from pdcompile.schedules.actions import COMPUTE
 
 __all__ = ["Simulation", "simulate"]
 

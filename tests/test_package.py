@@ -47,7 +47,7 @@ def test_wheel_maps_passes_and_runtime_under_pdcompile(tmp_path: Path) -> None:
     assert tops == {"pdcompile"}
     entry_points = next(f for f in files if f.endswith("entry_points.txt"))
     assert (
-        "pdcompile = pdcompile.cli.handlers:main"
+        "pdcompile = pdcompile.cli:main"
         in zipfile.ZipFile(wheel).read(entry_points).decode()
     )
 

@@ -218,6 +218,7 @@ def test_plan_json_keeps_the_byte_counts_and_old_plans_ask_to_be_rescored(tmp_pa
     assert all(s.activation_bytes and s.weight_bytes and s.param_bytes for s in plan.stages)
     assert Plan.from_json(plan.to_json()) == plan
     old = json.loads(plan.to_json())
+    del old["rank_memory"]  # written since the simulator gives the memory
     for stage in old["stages"]:
         for field in ("recv_bytes", "activation_bytes", "param_bytes", "grad_bytes",
                       "weight_bytes"):  # fmt: skip

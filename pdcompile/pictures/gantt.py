@@ -15,12 +15,14 @@ from typing import Any
 
 from pdcompile.errors import PdcompileError
 from pdcompile.runtime.timeline import Event, shifted
+from pdcompile.schedules.actions import COMPUTE
 
-COMPUTE = ("F", "B")
 # kind -> (legend label, colour); kinds not listed (push, pop) are drawn grey, unlabelled
 KINDS = {
     "F": ("forward", "#4c72b0"),
     "B": ("backward", "#55a868"),
+    "I": ("backward, input part", "#8cc79b"),
+    "W": ("backward, weight part", "#2f7a45"),
     "send": ("send", "#dd8452"),
     "recv": ("receive", "#f2c14e"),
     "allreduce": ("all-reduce", "#c44e52"),

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 from pdcompile.errors import ScheduleError
 
+COMPUTE = ("F", "B", "I", "W")  # the kinds that compute: forward, backward, its two parts
+
 
 class Action(NamedTuple):
     """One step of one rank (a named tuple: schedules of large pipelines hold millions).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.actions import Action, Schedule
+from pdcompile.schedules.actions import COMPUTE, Action, Schedule
 from pdcompile.schedules.base import PipelineSchedule
 from pdcompile.schedules.registry import get_schedule
 
@@ -332,7 +332,7 @@ def _merge(
 
 
 def _priority(stage: int, group: list[Action]) -> tuple[int, int, int]:
-    compute = next(a for a in group if a.kind in ("F", *BACKWARD))
+    compute = next(a for a in group if a.kind in COMPUTE)
     return (compute.kind == "F", compute.microbatch, stage)
 
 
