@@ -287,3 +287,53 @@ def test_both_are_registered() -> None:
     names = pdcompile.solvers()
     assert names["ideal"].startswith("Exact DP over the DAG's ideals")
     assert names["cpsat"].startswith("CP-SAT")
+
+
+@pytest.mark.parametrize("memory", [250, 180])
+def test_cpsat_encodes_memory_counts_of_both_the_stages_and_the_warmup(memory) -> None:
+    """A schedule whose counts depend on both S - s and w = (devices from s on - 1) // r_s
+    (CP-SAT pairs the two one-hots): its optimum is brute force's under the same counts."""
+    from ortools.sat.python import cp_model
+
+    from pdcompile.cost_model import get_cost_model
+    from pdcompile.passes.solvers.cpsat import _Model
+    from pdcompile.passes.solvers.dp import Prefix
+    from pdcompile.schedules.one_f_one_b import OneForwardOneBackward
+
+    class Both(OneForwardOneBackward):
+        def memory_counts(self, stages_from_here, warmup, num_microbatches):
+            return min(stages_from_here, num_microbatches) + warmup, warmup % 2
+
+    rules, prices, m = Both(), get_cost_model(), 4
+    times, params, acts, outs = [3.0, 1.0, 2.0, 1.0], [40, 10, 30, 20], [20, 30, 10, 40], [10] * 4
+    g = chain(times, params, acts, outs)
+
+    def score(cuts: tuple[int, ...], replicas: tuple[int, ...]) -> float:
+        bounds, worst = [0, *cuts, len(times)], 0.0
+        for s, r in enumerate(replicas):
+            j, k = bounds[s], bounds[s + 1]
+            w = (sum(replicas[s:]) - 1) // r
+            inflight, versions = rules.memory_counts(len(replicas) - s, w, m)
+            if (2 + versions) * sum(params[j:k]) + inflight * sum(acts[j:k]) > memory:
+                return math.inf
+            comm = prices.transfer_s(outs[j - 1], 100.0, r) if j else 0.0
+            every = prices.updates_every(rules, r, m)
+            allreduce = prices.allreduce_s(sum(params[j:k]), r, 100.0, every)
+            worst = max(worst, prices.stage_time(sum(times[j:k]), r, comm, allreduce))
+        return worst
+
+    best = min(
+        score(cuts, replicas)
+        for count in range(1, 5)
+        for cuts in itertools.combinations(range(1, 4), count - 1)
+        for replicas in itertools.product(range(1, 5), repeat=count)
+        if sum(replicas) <= 4
+    )
+    cluster = Cluster.parse("4@100B/s", memory=memory)
+    cp = _Model(Prefix(g, g.nodes), len(g.nodes), cluster, rules, prices, m, best)
+    assert cp.by_stages and cp.by_warmup
+    solver = cp_model.CpSolver()
+    assert solver.solve(cp.model) == cp_model.OPTIMAL
+    stages = cp.solution(solver)
+    found = score(tuple(j for j, _, _ in stages[1:]), tuple(r for _, _, r in stages))
+    assert best <= found <= best + 4 / cp.scale

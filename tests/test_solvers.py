@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, evaluate
+from pdcompile.cost_model import CostModel, register_cost_model
 from pdcompile.plans import consecutive_ranks
+from pdcompile.schedules import get_schedule
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 
@@ -351,3 +353,52 @@ def test_dp_is_never_worse_than_a_baseline(g, cluster_text, schedule) -> None:
     for baseline in ("uniform", "params", "blocks"):
         other = pdcompile.plan(g, cluster, solver=baseline, schedule=schedule, num_microbatches=4)
         assert best.predicted_time <= evaluate(other, g).predicted_time * (1 + 1e-9), baseline
+
+
+# -- solvers ask the cost model and the schedule ------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "pipedream", "2bw"])
+def test_memory_bounds_are_the_closed_forms_the_solvers_charge(schedule) -> None:
+    """A stage with r replicas and `after` devices from its first rank on: at most
+    after - r + 1 stages from it on and a warm-up of at most (after - 1) // r."""
+    rules = get_schedule(schedule)
+    for after, r, m in itertools.product(range(1, 9), range(1, 9), (1, 3, 8)):
+        if r > after:
+            continue
+        w, deepest = (after - 1) // r, min(after - r + 1, m)
+        expected = {"1f1b": (deepest, 0), "gpipe": (m, 0), "pipedream": (w + 1, w),
+                    "2bw": (deepest, 1)}[schedule]  # fmt: skip
+        assert rules.memory_bounds(after, r, m) == expected, (after, r, m)
+
+
+@register_cost_model("test-free-links")
+class FreeLinks(CostModel):
+    """Transfers between stages cost nothing."""
+
+    def transfer_s(self, cut_bytes, bandwidth, replicas):
+        return 0.0 * cut_bytes
+
+
+@pytest.mark.parametrize("solver", ["dp", "ideal", "cpsat"])
+@pytest.mark.parametrize("memory", [None, 1e30])  # dp: the bisection, then the general DP
+def test_solvers_price_stages_with_the_chosen_cost_model(solver, memory) -> None:
+    """A cut of 1000 B at 100 B/s costs 20 s, all-reduces 10 s: one device is best (2 s), unless
+    links are free, when two stages of 1 s are."""
+    g = chain([1.0, 1.0], [1000, 1000], [1, 1], [1000, 0])
+    cluster = Cluster.parse("2@100B/s", memory=memory)
+    plain = pdcompile.plan(g, cluster, solver=solver, num_microbatches=2)
+    free = pdcompile.plan(g, cluster, solver=solver, num_microbatches=2,
+                          cost_model="test-free-links")  # fmt: skip
+    assert [s.replicas for s in plain.stages] == [1]
+    assert plain.predicted_time == pytest.approx(2.0)
+    assert [s.replicas for s in free.stages] == [1, 1]
+    assert free.predicted_time == pytest.approx(1.0)
+    assert free.options["cost_model"] == "test-free-links"
+
+
+@pytest.mark.parametrize("solver", ["dp", "ideal", "cpsat", "pipedream"])
+def test_an_unknown_cost_model_is_refused(solver) -> None:
+    g = chain([1.0, 1.0], [10, 10], [1, 1], [4, 4])
+    with pytest.raises(PartitionError, match="unknown cost model 'nope'"):
+        pdcompile.plan(g, Cluster.parse("2"), solver=solver, cost_model="nope")

@@ -150,7 +150,7 @@ class _Model:
         for s in range(slots):
             self._stage_time(s)
             if memory is not None:
-                self._stage_memory(s, int(math.floor(memory)))
+                self._stage_memory(s, min(int(math.floor(memory)), 2**62))  # in int64
         model.minimize(self.time)
 
     def _speed_literals(self, s: int) -> list[Any]:

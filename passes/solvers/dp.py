@@ -16,9 +16,10 @@ Two exact algorithms:
   the state it needs. O(N^2 M^2 L) with numpy over the stage end.
 
 Stages are priced by the cost model (`options["cost_model"]`, default "pdcompile"). Memory
-(when the cluster has a limit) is checked per stage with the schedule's safe bound on the
-microbatches in flight (`memory_bounds`: the stages after a stage are not known yet when it is
-placed), so `dp` never returns a plan that does not fit but may miss one that barely does.
+(when the cluster has a limit) is checked per stage with the schedule's `memory_bounds`: its
+`memory_counts` as large as the devices after the stage allow (the later stages are not placed
+yet), so no plan over the limit under those counts is returned, but one that barely fits may be
+missed.
 
 Under a schedule that does not replicate ties (`replicates_ties`, e.g. `pipedream`) a stage
 holding some but not all users of a tied tensor (the CostGraph's `meta["ties"]`) gets one

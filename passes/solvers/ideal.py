@@ -14,13 +14,13 @@ outside I (each producer once, at its largest out-edge). Sums over J - I are dif
 per-ideal sums. Ideals are processed by size, with numpy over every (sub-ideal, ideal) pair of a
 size and every replica count: O(P D^2) for P comparable pairs and D devices.
 
-Memory (when the cluster has a limit) is checked per stage with the schedule's safe bound on the
-microbatches in flight (`memory_bounds`, as `dp` does), so the plan always fits but one that
-barely fits may be missed. Clusters with more than one level, graphs with more than `max_ideals`
-ideals, problems of more than `max_transitions` DP transitions (P D (D + 1) / 2), and graphs
-with tied tensors under a schedule that does not replicate ties (`pipedream`: a stage holding
-part of a tie needs one replica, which this DP does not model) fall back to `dp`;
-`plan.options` then holds `fallback` and `reason`.
+Memory (when the cluster has a limit) is checked per stage with the schedule's `memory_bounds`
+(as `dp` does), so the plan fits under those counts but one that barely fits may be missed.
+Clusters with more than one level, graphs with more than `max_ideals` ideals, problems of more
+than `max_transitions` DP transitions (P D (D + 1) / 2), and graphs with tied tensors under a
+schedule that does not replicate ties (`pipedream`: a stage holding part of a tie needs one
+replica, which this DP does not model) fall back to `dp`; `plan.options` then holds `fallback`
+and `reason`.
 """
 
 from __future__ import annotations

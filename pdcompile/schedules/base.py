@@ -192,20 +192,21 @@ class PipelineSchedule:
     def memory_counts(
         self, stages_from_here: int, warmup: int, num_microbatches: int
     ) -> tuple[int, int]:
-        """(microbatches in flight, stashed weight versions) the solvers charge a replica of a
-        stage that is `stages_from_here` stages from the end (itself included), `warmup` being
-        PipeDream's w = (devices from here - 1) // replicas. Non-decreasing in both. Default
-        (1F1B): min(stages_from_here, M) in flight, no copies: what the actions hold with one
-        replica per stage (`in_flight_bound`)."""
+        """(microbatches in flight, weight versions besides the live ones) the solvers charge a
+        replica of a stage `stages_from_here` stages from the end (itself included), `warmup`
+        being PipeDream's w = (devices from here - 1) // replicas: a closed form in these two
+        numbers only (what `cpsat` encodes), non-decreasing in both. Default (1F1B):
+        min(stages_from_here, M) in flight and no copies, `in_flight_bound` with one replica
+        per stage (replicated later stages lengthen the warm-up beyond it)."""
         return min(stages_from_here, num_microbatches), 0
 
     def memory_bounds(
         self, devices_from_here: int, replicas: int, num_microbatches: int
     ) -> tuple[int, int]:
-        """`memory_counts` safe without the later stages' replicas: a stage with `replicas` and
-        `devices_from_here` devices from its first rank on has at most devices_from_here -
-        replicas + 1 stages from here and a warm-up of at most (devices_from_here - 1) //
-        replicas."""
+        """`memory_counts` at least as large as for any layout of the later stages (for a
+        search that has not placed them): a stage with `replicas` and `devices_from_here`
+        devices from its first rank on has at most devices_from_here - replicas + 1 stages from
+        here and a warm-up of at most (devices_from_here - 1) // replicas."""
         return self.memory_counts(
             devices_from_here - replicas + 1, (devices_from_here - 1) // replicas, num_microbatches
         )

@@ -110,3 +110,12 @@ class PipeDream(PipelineSchedule):
         loss reaches every rank at its end, so the next call's forwards refill the pipeline:
         M (F + B) + (S - 1) F."""
         return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
+
+    # -- bounds for solvers ----------------------------------------------------------------
+
+    def memory_counts(
+        self, stages_from_here: int, warmup: int, num_microbatches: int
+    ) -> tuple[int, int]:
+        """w + 1 minibatches in flight (`in_flight_bound`) and w stashed versions (one fewer
+        than `stashed_versions_bound`)."""
+        return warmup + 1, warmup

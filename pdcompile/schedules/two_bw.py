@@ -97,3 +97,12 @@ class TwoBW(PipelineSchedule):
         loss reaches every rank at its end, so the next call's forwards refill the pipeline:
         M (F + B) + (S - 1) F."""
         return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
+
+    # -- bounds for solvers ----------------------------------------------------------------
+
+    def memory_counts(
+        self, stages_from_here: int, warmup: int, num_microbatches: int
+    ) -> tuple[int, int]:
+        """1F1B's microbatches in flight and one copy (`stashed_versions_bound` counts two on
+        a stage with a warm-up: the next step's forwards start before this step's update)."""
+        return super().memory_counts(stages_from_here, warmup, num_microbatches)[0], 1
