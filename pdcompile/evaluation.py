@@ -186,6 +186,13 @@ def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str,
     return stage_of
 
 
+def lower_bound(cost_graph: CostGraph, cluster: Cluster) -> float:
+    """Seconds per minibatch no plan beats: the total compute spread over every device at its
+    speed."""
+    speeds = cluster.speed or (1.0,) * cluster.num_devices
+    return node_sums(cost_graph, cost_graph.nodes).compute_s / math.fsum(speeds)
+
+
 def evaluate(
     plan: Plan,
     cost_graph: CostGraph,
@@ -253,7 +260,7 @@ def evaluate(
     predicted = max(s.time_s for s in stages)
     total = node_sums(cost_graph, cost_graph.nodes)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
-    bound = total.compute_s / math.fsum(speeds)
+    bound = lower_bound(cost_graph, cluster)
     everyone = cluster.num_devices
     dp_time = total.compute_s / min(speeds) / everyone + prices.ring_s(
         total.grad_bytes, everyone, cluster.bandwidth(0, everyone - 1)

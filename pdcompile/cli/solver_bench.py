@@ -28,9 +28,9 @@ from pdcompile.cli.bench_instances import Instance
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, SpecError
-from pdcompile.evaluation import evaluate
+from pdcompile.evaluation import evaluate, lower_bound
 from pdcompile.planning import plan, solvers
-from pdcompile.plans import Plan, Stage
+from pdcompile.plans import Plan
 
 __all__ = ["BenchResult", "load_plugin", "run_bench"]
 
@@ -175,15 +175,6 @@ class _SolverProcess:
             self._conn = None
 
 
-def _lower_bound(cost_graph: CostGraph, cluster: Cluster, schedule: str) -> float:
-    """evaluate's bound, from the one-stage plan on every device (the bound is plan-free)."""
-    everyone = tuple(range(cluster.num_devices))
-    stage = Stage(index=0, nodes=tuple(cost_graph.nodes), replicas=len(everyone), ranks=everyone)
-    return evaluate(
-        Plan(stages=(stage,), cluster=cluster, schedule=schedule), cost_graph
-    ).lower_bound
-
-
 def _result(
     base: dict[str, Any], status: str, outcome: Plan | str, cost_graph: CostGraph
 ) -> BenchResult:
@@ -265,7 +256,7 @@ def run_bench(
     try:
         for instance in instances:
             for cluster in clusters:
-                bound = _lower_bound(instance.cost_graph, cluster, schedule)
+                bound = lower_bound(instance.cost_graph, cluster)
                 for name in names:
                     job = (instance.cost_graph, cluster, name, schedule, num_microbatches)
                     status, outcome = (

@@ -36,9 +36,9 @@ def check_nonfinite(schedule: str | PipelineSchedule, nonfinite: str) -> None:
     rules = get_schedule(schedule)
     if nonfinite == "skip" and not rules.synchronous:
         raise ScheduleError(
-            f"nonfinite='skip' needs a synchronous schedule: under {rules.name} updates of "
-            "different minibatches overlap, so one step cannot be skipped on every stage; use "
-            "nonfinite='raise' or schedule='1f1b'"
+            f"nonfinite='skip' needs a synchronous schedule (one update per step): under "
+            f"{rules.name} updates of different minibatches overlap, so one step cannot be "
+            "skipped on every stage; use nonfinite='raise' or schedule='1f1b'"
         )
 
 
