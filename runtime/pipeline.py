@@ -34,7 +34,7 @@ from pdcompile.schedules import (
     build_schedule,
     forward_schedule,
     get_schedule,
-    rank_orders,
+    replica_orders,
 )
 
 
@@ -211,12 +211,12 @@ class Pipeline:
         return total, weight
 
     def _new_stream(self) -> None:
-        orders = rank_orders(
+        orders = replica_orders(
             self.rules, [stage.ranks for stage in self.program.plan.stages],
             program_edges(self.program), self.num_microbatches,
             [tie.stages for tie in self.program.ties], self.clip,
         )  # fmt: skip
-        self.streams = {rank: RankStream(order) for rank, order in orders.items()}
+        self.streams = {rank: RankStream(order) for (rank, _), order in orders.items()}
 
 
 _SPEC = re.compile(r"^(\w+)\[(.*)\]$")

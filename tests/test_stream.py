@@ -13,7 +13,7 @@ from pdcompile.errors import ScheduleError
 from pdcompile.plans import consecutive_ranks
 from pdcompile.runtime.pipeline import cuts
 from pdcompile.runtime.stream import RankStream
-from pdcompile.schedules import build_schedule, rank_orders
+from pdcompile.schedules import build_schedule, replica_orders
 
 
 @st.composite
@@ -34,7 +34,7 @@ def streaming_pipelines(draw):
 
 
 def streams(kind, ranks, edges, m, ties, clip) -> dict[int, RankStream]:
-    orders = rank_orders(kind, ranks, edges, m, ties, clip)
+    orders = {r: o for (r, _), o in replica_orders(kind, ranks, edges, m, ties, clip).items()}
     return {rank: RankStream(order) for rank, order in orders.items()}
 
 

@@ -17,7 +17,7 @@ from pdcompile.schedules.builder import (
     build_schedule,
     check_nonfinite,
     forward_schedule,
-    rank_orders,
+    replica_orders,
 )
 from pdcompile.schedules.registry import get_schedule, register_schedule, schedules
 
@@ -31,7 +31,7 @@ __all__ = [
     "check_nonfinite",
     "forward_schedule",
     "get_schedule",
-    "rank_orders",
+    "replica_orders",
     "register_schedule",
     "schedules",
 ]

@@ -98,22 +98,6 @@ def build_schedule(
     return Schedule(rules.name, total, first.replicas, first.ranks, actions)
 
 
-def rank_orders(
-    schedule: str | PipelineSchedule,
-    ranks: Sequence[Sequence[int]],
-    edges: Edges,
-    num_microbatches: int,
-    ties: Sequence[Sequence[int]] = (),
-    clip: bool = False,
-    skip_nonfinite: bool = False,
-) -> dict[int, RankOrder]:
-    """Per rank, how its actions unfold for any number of microbatches (`build_schedule`'s
-    arguments; the streams of `runtime/stream.py` unfold them without end). Streams run one
-    stage per rank."""
-    orders = replica_orders(schedule, ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
-    return {rank: order for (rank, _), order in orders.items()}
-
-
 def replica_orders(
     schedule: str | PipelineSchedule,
     ranks: Sequence[Sequence[int]],
@@ -123,7 +107,9 @@ def replica_orders(
     clip: bool = False,
     skip_nonfinite: bool = False,
 ) -> dict[tuple[int, int], RankOrder]:
-    """Per (rank, stage), how that replica's actions unfold (`build_schedule`'s arguments)."""
+    """Per (rank, stage), how that replica's actions unfold for any number of microbatches
+    (`build_schedule`'s arguments; the streams of `runtime/stream.py` unfold them without end,
+    one stage per rank)."""
     rules = get_schedule(schedule)
     check_nonfinite(rules, "skip" if skip_nonfinite else "raise")
     ranks = tuple(tuple(r) for r in ranks)
