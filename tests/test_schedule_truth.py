@@ -12,6 +12,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_simulator import ACT, PARAM, WEIGHT, equal_plan
+from test_solvers import random_dags
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan
@@ -102,23 +103,15 @@ CLUSTERS = ["2", "3", "4", "4@10GB/s,2@1GB/s", "2@10GB/s,2@1GB/s"]
 
 @st.composite
 def corpora(draw: st.DrawFn) -> tuple[CostGraph, Cluster]:
-    """A chain or DAG with optional tied parameters, on a flat or 2-level cluster with or
-    without heterogeneous speeds."""
-    n = draw(st.integers(2, 9))
-    g = CostGraph(batch_size=4)
-    for i in range(n):
-        t = draw(st.floats(0.01, 5))
-        p = draw(st.integers(0, 4000))
-        g.add_node(f"n{i}", forward_s=t / 3, backward_s=2 * t / 3, param_bytes=p, grad_bytes=p,
-                   activation_bytes=draw(st.integers(0, 5000)),
-                   output_bytes=draw(st.integers(0, 20000)))  # fmt: skip
-        preds = draw(st.sets(st.integers(0, i - 1), max_size=2)) if i else set()
-        for j in sorted(preds | ({i - 1} if i else set())):
-            g.add_edge(f"n{j}", f"n{i}", g.graph.nodes[f"n{j}"]["output_bytes"],
-                       draw(st.booleans()))  # fmt: skip
+    """A chain or DAG (`random_dags`) whose edges may carry no gradient, with an optional tied
+    parameter, on a flat or 2-level cluster with or without heterogeneous speeds."""
+    g = draw(random_dags())
+    for u, v in g.graph.edges:
+        g.graph.edges[u, v]["grad"] = draw(st.booleans())
     if draw(st.booleans()):  # a tensor the first and the last node share
-        g.meta["ties"] = [{"nodes": ["n0", f"n{n - 1}"], "grad_bytes": 64}]
-        g.meta["param_tensors"] = {f"n{i}": 1 for i in range(n)}
+        last = list(g.nodes)[-1]
+        g.meta["ties"] = [{"nodes": ["n0", last], "grad_bytes": 64}]
+        g.meta["param_tensors"] = dict.fromkeys(g.nodes, 1)
     text = draw(st.sampled_from(CLUSTERS))
     size = Cluster.parse(text).num_devices
     speed = draw(st.none() | st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=size,

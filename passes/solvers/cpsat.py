@@ -77,7 +77,7 @@ class _Model:
         bandwidth = cluster.levels[0].bandwidth
         every = [prices.updates_every(rules, r, microbatches) for r in range(1, d + 1)]
         common = math.gcd(*every)  # E, in the ring table; q_r = u_r / E in the constraints
-        self.paces = [u // common for u in every]
+        self.paces = [u // common for u in every]  # q_r
         raw = {
             "compute": [[float(c) / sigma for c in p.compute] for sigma in self.classes],
             "cut": [prices.transfer_s(float(c), bandwidth, 1) for c in p.cut],
@@ -174,9 +174,9 @@ class _Model:
         ring = self._diff("ring", s)
         for q, mark in enumerate(self._speed_literals(s)):
             work = self._diff("compute", s, q) + self._at("cut", 0, s)
-            for r, q in enumerate(self.paces, 1):
+            for r, pace in enumerate(self.paces, 1):
                 when = [self.y[s][r - 1]] + ([mark] if mark is not None else [])
-                model.add(q * work + (r - 1) * ring <= r * q * t).only_enforce_if(when)
+                model.add(pace * work + (r - 1) * ring <= r * pace * t).only_enforce_if(when)
 
     def _memory_counts(self) -> None:
         """`memory_counts` per (stages from here - 1, warm-up w), and whether the schedule's
@@ -241,8 +241,8 @@ class _Model:
                 q = self.classes.index(min(self.speed[first : first + r]))
                 work = self.compute[q][k] - self.compute[q][j] + self.cut[j]
                 ring = self.ring[k] - self.ring[j]
-                q = self.paces[r - 1]
-                value = max(value, -(-(q * work + (r - 1) * ring) // (r * q)))
+                pace = self.paces[r - 1]
+                value = max(value, -(-(pace * work + (r - 1) * ring) // (r * pace)))
             first += r
         model.add_hint(self.time, value)
 
