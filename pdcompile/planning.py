@@ -22,6 +22,9 @@ from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
+# options `plan()` adds for every solver: the schedule, the microbatches searched with, and the
+# replica counts allowed (absent: all; a count the caller gave may rule some out)
+SEARCH = ("schedule", "num_microbatches", "replica_counts")
 
 _REGISTRY: dict[str, Solver] = {}
 _BUILTINS = (
@@ -79,9 +82,7 @@ def make_plan(
         for i, (nodes, r) in enumerate(groups)
     )
     rules = get_schedule(options["schedule"])
-    m = options["num_microbatches"]
-    while not rules.accepts([r for _, r in groups], m):
-        m += 1
+    m = rules.accepted_microbatches([r for _, r in groups], options["num_microbatches"])
     skeleton = Plan(
         stages=stages,
         cluster=cluster,
@@ -89,7 +90,7 @@ def make_plan(
         num_microbatches=m,
         microbatch_size=cost_graph.batch_size,
         solver=solver,
-        options={k: v for k, v in options.items() if k not in ("schedule", "num_microbatches")},
+        options={k: v for k, v in options.items() if k not in SEARCH},
     )
     return evaluate(skeleton, cost_graph)
 
@@ -140,9 +141,13 @@ def plan(
         cost_graph = cost_graph.scaled(microbatch_size)
     if num_microbatches is not None and num_microbatches < 1:
         raise PartitionError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    # solvers search with twice the devices; the count the plan runs is settled after
+    # solvers search with twice the devices; the count the plan runs is settled after. A
+    # count the caller gave limits the replicas to those the schedule accepts with it
     searched = num_microbatches or 2 * cluster.num_devices
     options = {**options, "schedule": rules.name, "num_microbatches": searched}
+    counts = range(1, cluster.num_devices + 1)
+    if num_microbatches is not None and not all(rules.accepts([r], searched) for r in counts):
+        options["replica_counts"] = tuple(r for r in counts if rules.accepts([r], searched))
     start = time.perf_counter()
     result = _REGISTRY[solver](cost_graph, cluster, options)
     seconds = time.perf_counter() - start

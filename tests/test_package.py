@@ -46,10 +46,7 @@ def test_wheel_maps_passes_and_runtime_under_pdcompile(tmp_path: Path) -> None:
     tops = {f.split("/")[0] for f in files if not f.split("/")[0].endswith(".dist-info")}
     assert tops == {"pdcompile"}
     entry_points = next(f for f in files if f.endswith("entry_points.txt"))
-    assert (
-        "pdcompile = pdcompile.cli:main"
-        in zipfile.ZipFile(wheel).read(entry_points).decode()
-    )
+    assert "pdcompile = pdcompile.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_public_names() -> None:

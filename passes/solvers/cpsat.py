@@ -45,7 +45,7 @@ from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.dp import Prefix, dp, tie_positions
 from pdcompile.passes.solvers.orders import linear_orders
-from pdcompile.planning import make_plan, register_solver
+from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
@@ -53,7 +53,7 @@ TICKS = 10**6  # dp's bottleneck in ticks
 MAX_CELLS = 20_000  # nodes x devices
 _SLACK = 2.5  # ticks between the model's optimum and the true optimum (see the docstring)
 _OPTIONS = ("time_limit_s", "num_workers", "max_cells", "cost_model")
-_BASE = ("schedule", "num_microbatches", "cost_model")  # what cpsat hands on to dp
+_BASE = (*SEARCH, "cost_model")  # what cpsat hands on to dp
 
 
 class _Model:
@@ -309,6 +309,11 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     ref = float(p.compute[n]) / max(cluster.speed or [1.0])  # one device, no communication
     ref = base.predicted_time if base is not None else ref
     cp = _Model(p, n, cluster, rules, prices, options["num_microbatches"], ref)
+    allowed = options.get("replica_counts")
+    for row in cp.y if allowed else ():  # replica counts the schedule refuses at this M
+        for r, chosen in enumerate(row, 1):
+            if r not in allowed:
+                cp.model.add(chosen == 0)
     if base is not None:
         sizes = [len(s.nodes) for s in base.stages]
         cp.hint([sum(sizes[:i]) for i in range(len(sizes) + 1)], [s.replicas for s in base.stages])

@@ -40,7 +40,7 @@ from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.bisection import ring_pace, solve_bisection
 from pdcompile.passes.solvers.orders import linear_orders
-from pdcompile.planning import make_plan, register_solver
+from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
@@ -111,9 +111,11 @@ def _solve_general(
     prices: CostModel,
     microbatches: int,
     split: np.ndarray | None = None,
+    allowed: tuple[int, ...] | None = None,
 ) -> list[tuple[int, int, int]]:
     """Exact DP over (end, devices used, span level); returns (start, end, replicas) per stage.
-    `split[j, k]`: a stage [j, k) may have one replica only."""
+    `split[j, k]`: a stage [j, k) may have one replica only; `allowed`: the replica counts a
+    stage may have (None: any)."""
     total = cluster.num_devices
     levels = len(cluster.levels)
     bandwidth = np.array([lv.bandwidth for lv in cluster.levels])
@@ -134,6 +136,8 @@ def _solve_general(
                 if not math.isfinite(value):
                     continue
                 for r in range(1, total - m + 1):
+                    if allowed and r not in allowed:
+                        continue
                     span = cluster.level_of(m, m + r - 1)
                     comm = 0.0
                     if j > 0:
@@ -184,7 +188,7 @@ def _infeasible_message(p: Prefix, n: int, cluster: Cluster) -> str:
 def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """Exact DP over linear orders with replication and device hierarchy (pdcompile's default)."""
     rules, microbatches = get_schedule(options["schedule"]), options["num_microbatches"]
-    unknown = set(options) - {"schedule", "num_microbatches", "orders", "cost_model"}
+    unknown = set(options) - {*SEARCH, "orders", "cost_model"}
     if unknown:
         raise PartitionError(
             f"dp: unknown options {sorted(unknown)}; dp takes 'orders', 'cost_model'"
@@ -193,7 +197,8 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
     orders = linear_orders(cost_graph)
     chosen = options.get("orders") or list(orders)
     pace = ring_pace(prices, rules, cluster.num_devices, microbatches)
-    fast = cluster.speed is None and cluster.memory is None and pace is not None
+    allowed = options.get("replica_counts")
+    fast = cluster.speed is None and cluster.memory is None and pace is not None and not allowed
     best: Plan | None = None
     failure: PartitionError | None = None
     for name in chosen:
@@ -211,7 +216,9 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
                 cuts = solve_bisection(p, len(order), cluster, prices, pace)
             else:
                 split = split_ties(len(order), ties) if ties else None
-                cuts = _solve_general(p, len(order), cluster, rules, prices, microbatches, split)
+                cuts = _solve_general(
+                    p, len(order), cluster, rules, prices, microbatches, split, allowed
+                )
         except PartitionError as e:
             failure = e  # another order may fit
             continue

@@ -36,7 +36,7 @@ from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError
 from pdcompile.evaluation import producer_bytes
 from pdcompile.passes.solvers.dp import dp, tie_positions
-from pdcompile.planning import make_plan, register_solver
+from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
@@ -163,6 +163,7 @@ class _Model:
         self.every = [0, *(prices.updates_every(rules, r, microbatches)
                            for r in range(1, self.total + 1))]  # fmt: skip
         self.memory = cluster.memory
+        self.allowed: tuple[int, ...] | None = None  # replica counts a stage may have (any)
         self.homogeneous = cluster.speed is None or len(set(cluster.speed)) == 1
         speed = cluster.speed or (1.0,) * self.total
         d = self.total
@@ -184,8 +185,11 @@ class _Model:
         return diff
 
     def time(self, parts: dict[str, np.ndarray], r: int, ms: np.ndarray) -> np.ndarray:
-        """Stage times (pairs x first ranks `ms`), inf where the safe memory bound is exceeded."""
+        """Stage times (pairs x first ranks `ms`), inf where the safe memory bound is exceeded
+        or `r` replicas are not allowed."""
         prices = self.prices
+        if self.allowed and r not in self.allowed:
+            return np.full((len(parts["cut"]), len(ms)), np.inf)
         comm = prices.transfer_s(parts["cut"], self.bandwidth, r)[:, None]
         allreduce = prices.allreduce_s(parts["grad"], r, self.bandwidth, self.every[r])[:, None]
         speed = self.speed[0, r] if self.homogeneous else self.speed[ms, r][None, :]
@@ -274,7 +278,7 @@ def _infeasible(model: _Model) -> str:
 
 
 def _fallback(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any], why: str) -> Plan:
-    base = {k: options[k] for k in ("schedule", "num_microbatches", "cost_model") if k in options}
+    base = {k: options[k] for k in (*SEARCH, "cost_model") if k in options}
     plan = dp(cost_graph, cluster, base)
     own = {k: v for k, v in options.items() if k not in base}
     return plan.with_(
@@ -286,7 +290,7 @@ def _fallback(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any], 
 def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """Exact DP over the DAG's ideals (every convex-stage plan) with replicas; flat clusters."""
     own = ("max_ideals", "max_transitions", "cost_model")
-    unknown = set(options) - {"schedule", "num_microbatches", *own}
+    unknown = set(options) - {*SEARCH, *own}
     if unknown:
         raise PartitionError(
             f"ideal: unknown options {sorted(unknown)}; ideal takes {', '.join(map(repr, own))}"
@@ -320,6 +324,7 @@ def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
         )
         return _fallback(cost_graph, cluster, options, why)
     model = _Model(lattice, cluster, rules, prices, options["num_microbatches"])
+    model.allowed = options.get("replica_counts")
     nodes = cost_graph.nodes
     groups = []
     for i, j, r in _solve(model):

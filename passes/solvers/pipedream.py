@@ -18,7 +18,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import get_cost_model
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.pipedream_optimizer import optimize_pipedream
-from pdcompile.planning import make_plan, register_solver
+from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
 
 # The original's command-line defaults.
@@ -34,7 +34,7 @@ DEFAULTS = {
 @register_solver("pipedream")
 def pipedream(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """PipeDream's hierarchical antichain DP, reproduced exactly (its cost model and quirks)."""
-    own = {k: v for k, v in options.items() if k not in ("schedule", "num_microbatches")}
+    own = {k: v for k, v in options.items() if k not in SEARCH}
     unknown = set(own) - {*DEFAULTS, "cost_model"}
     if unknown:
         raise PartitionError(

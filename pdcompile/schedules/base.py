@@ -74,10 +74,10 @@ class PipelineSchedule:
             return False
         return True
 
-    def default_microbatches(self, replicas: Sequence[int], num_devices: int) -> int:
-        """The count `plan()` uses when none is given: twice the devices, rounded up to the
-        next count this schedule accepts."""
-        m = max(1, 2 * num_devices)
+    def accepted_microbatches(self, replicas: Sequence[int], at_least: int) -> int:
+        """The first microbatch count from `at_least` on this schedule accepts for stages with
+        `replicas` (`plan()` defaults to it from twice the devices)."""
+        m = max(1, at_least)
         while not self.accepts(replicas, m):
             m += 1
         return m
@@ -174,7 +174,11 @@ class PipelineSchedule:
     ) -> float:
         """Seconds of one `train_step` call on equal stages, one per rank, of `forward_s` and
         `backward_s` per microbatch (no communication, no runtime costs): (M + S - 1)(F + B)
-        for a synchronous schedule that fills and drains within the call."""
+        for a synchronous schedule, which fills and drains within the call; M (F + B) +
+        (S - 1) F in a stream's steady state, which does not drain, but every call ends with
+        the loss reaching every rank, so the next call's forwards refill the pipeline."""
+        if self.streaming:
+            return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
         return (num_microbatches + num_stages - 1) * (forward_s + backward_s)
 
     def bubble(
@@ -192,13 +196,17 @@ class PipelineSchedule:
     def memory_counts(
         self, stages_from_here: int, warmup: int, num_microbatches: int
     ) -> tuple[int, int]:
-        """(microbatches in flight, weight versions besides the live ones) the solvers charge a
-        replica of a stage `stages_from_here` stages from the end (itself included), `warmup`
-        being PipeDream's w = (devices from here - 1) // replicas: a closed form in these two
-        numbers only (what `cpsat` encodes), non-decreasing in both. Default (1F1B):
-        min(stages_from_here, M) in flight and no copies, `in_flight_bound` with one replica
-        per stage (replicated later stages lengthen the warm-up beyond it)."""
-        return min(stages_from_here, num_microbatches), 0
+        """(microbatches in flight, weight copies besides the live weights) the solvers charge a
+        replica whose PipeDream warm-up is `warmup` (w = (devices from here - 1) // replicas, at
+        least the one its layout gives): `in_flight_bound` and `stashed_versions_bound` of the
+        first stage of a straight pipeline w + 1 stages long, which has that warm-up. A replica
+        of r > 1 runs M / r of the M microbatches, so this bounds it too; non-decreasing in w
+        (what `cpsat` encodes; `stages_from_here` is there for schedules that need it)."""
+        straight = [1] * (warmup + 1)
+        return (
+            self.in_flight_bound(straight, 0, num_microbatches),
+            self.stashed_versions_bound(straight, 0, num_microbatches),
+        )
 
     def memory_bounds(
         self, devices_from_here: int, replicas: int, num_microbatches: int

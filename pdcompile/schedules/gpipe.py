@@ -24,11 +24,3 @@ class GPipe(PipelineSchedule):
     def warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
         """Every microbatch of the replica."""
         return -(-num_microbatches // replicas[stage])
-
-    # -- bounds for solvers ----------------------------------------------------------------
-
-    def memory_counts(
-        self, stages_from_here: int, warmup: int, num_microbatches: int
-    ) -> tuple[int, int]:
-        """Every microbatch of the step in flight, no copies."""
-        return num_microbatches, 0

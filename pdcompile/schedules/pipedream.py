@@ -102,20 +102,3 @@ class PipeDream(PipelineSchedule):
         """One version per minibatch in flight: in the steady state each ran its forward after
         another update."""
         return self.in_flight_bound(replicas, stage, num_microbatches)
-
-    def step_time(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float
-    ) -> float:
-        """In the steady state a call computes its M microbatches without a drain, but the
-        loss reaches every rank at its end, so the next call's forwards refill the pipeline:
-        M (F + B) + (S - 1) F."""
-        return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
-
-    # -- bounds for solvers ----------------------------------------------------------------
-
-    def memory_counts(
-        self, stages_from_here: int, warmup: int, num_microbatches: int
-    ) -> tuple[int, int]:
-        """w + 1 minibatches in flight (`in_flight_bound`) and w stashed versions (one fewer
-        than `stashed_versions_bound`)."""
-        return warmup + 1, warmup

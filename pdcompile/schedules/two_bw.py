@@ -89,20 +89,3 @@ class TwoBW(PipelineSchedule):
         """The copy the step computes on, and, on a stage with a warm-up, the next step's,
         whose forwards start before this step's last backward."""
         return 2 if self.warmup(replicas, stage, num_microbatches) > 0 else 1
-
-    def step_time(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float
-    ) -> float:
-        """In the steady state a call computes its M microbatches without a drain, but the
-        loss reaches every rank at its end, so the next call's forwards refill the pipeline:
-        M (F + B) + (S - 1) F."""
-        return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
-
-    # -- bounds for solvers ----------------------------------------------------------------
-
-    def memory_counts(
-        self, stages_from_here: int, warmup: int, num_microbatches: int
-    ) -> tuple[int, int]:
-        """1F1B's microbatches in flight and one copy (`stashed_versions_bound` counts two on
-        a stage with a warm-up: the next step's forwards start before this step's update)."""
-        return super().memory_counts(stages_from_here, warmup, num_microbatches)[0], 1
