@@ -167,7 +167,7 @@ class PipelinedModule:
     def _only_worker(self, what: str) -> Any:
         if len(self.pipeline.workers) != 1:
             raise PdcompileError(
-                f"{what}() checkpoints one stage per process (torchrun, one stage per rank); "
+                f"{what}() checkpoints one rank per process, running one stage (torchrun); "
                 f"this process runs {len(self.pipeline.workers)} stage replicas: use "
                 "state_dict() / load_state_dict(), or pdcompile.load_full_state_dict"
             )

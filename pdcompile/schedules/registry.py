@@ -52,7 +52,7 @@ def schedules() -> dict[str, str]:
     _load_builtins()
     return {
         name: (type(s).__doc__ or "").strip().splitlines()[0] if type(s).__doc__ else ""
-        for name, s in _REGISTRY.items()
+        for name, s in sorted(_REGISTRY.items())
     }
 
 
@@ -68,7 +68,7 @@ def get_schedule(schedule: str | PipelineSchedule) -> PipelineSchedule:
     found = _REGISTRY.get(schedule) if isinstance(schedule, str) else None
     if found is None:
         raise ScheduleError(
-            f"unknown schedule {schedule!r}; registered: {', '.join(_REGISTRY)} "
+            f"unknown schedule {schedule!r}; registered: {', '.join(sorted(_REGISTRY))} "
             "(pdcompile.register_schedule adds one)"
         )
     return found
