@@ -22,9 +22,11 @@ one set of numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
@@ -95,3 +97,24 @@ def get_cost_model(name: str | CostModel = "pdcompile") -> CostModel:
     if name not in _REGISTRY:
         raise PartitionError(f"unknown cost model {name!r}; registered: {', '.join(cost_models())}")
     return _REGISTRY[name]
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a solver prices candidate stages with: the cluster, the schedule's rules, the cost
+    model and the microbatches it searches with. Unpacks in that order."""
+
+    cluster: Cluster
+    rules: PipelineSchedule
+    prices: CostModel
+    microbatches: int
+
+    @classmethod
+    def of(cls, cluster: Cluster, options: dict[str, Any]) -> Pricing:
+        """From a solver's `options` (`schedule`, `num_microbatches`, optional `cost_model`)."""
+        rules = get_schedule(options["schedule"])
+        prices = get_cost_model(options.get("cost_model", "pdcompile"))
+        return cls(cluster, rules, prices, options["num_microbatches"])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.cluster, self.rules, self.prices, self.microbatches))

@@ -327,7 +327,7 @@ def test_cpsat_encodes_memory_counts_of_both_the_stages_and_the_warmup(memory) -
     (CP-SAT pairs the two one-hots): its optimum is brute force's under the same counts."""
     from ortools.sat.python import cp_model
 
-    from pdcompile.cost_model import get_cost_model
+    from pdcompile.cost_model import Pricing, get_cost_model
     from pdcompile.passes.solvers.cpsat import _Model
     from pdcompile.passes.solvers.dp import Prefix
     from pdcompile.schedules.one_f_one_b import OneForwardOneBackward
@@ -362,7 +362,7 @@ def test_cpsat_encodes_memory_counts_of_both_the_stages_and_the_warmup(memory) -
         if sum(replicas) <= 4
     )
     cluster = Cluster.parse("4@100B/s", memory=memory)
-    cp = _Model(Prefix(g, g.nodes), len(g.nodes), cluster, rules, prices, m, best)
+    cp = _Model(Prefix(g, g.nodes), len(g.nodes), Pricing(cluster, rules, prices, m), best)
     assert cp.by_stages and cp.by_warmup
     solver = cp_model.CpSolver()
     assert solver.solve(cp.model) == cp_model.OPTIMAL

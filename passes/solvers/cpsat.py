@@ -41,13 +41,12 @@ from ortools.sat.python import cp_model
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.cost_model import CostModel, get_cost_model
+from pdcompile.cost_model import Pricing
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.dp import Prefix, dp, tie_positions
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
-from pdcompile.schedules import PipelineSchedule, get_schedule
 
 TICKS = 10**6  # dp's bottleneck in ticks
 MAX_CELLS = 20_000  # nodes x devices
@@ -63,12 +62,10 @@ class _Model:
         self,
         p: Prefix,
         n: int,
-        cluster: Cluster,
-        rules: PipelineSchedule,
-        prices: CostModel,
-        microbatches: int,
+        pricing: Pricing,
         ref: float,
     ) -> None:
+        cluster, rules, prices, microbatches = pricing
         d = self.devices = cluster.num_devices
         self.n, self.slots = n, min(n, d)
         self.rules, self.microbatches = rules, microbatches
@@ -283,8 +280,8 @@ def _as_cpsat(plan: Plan, options: dict[str, Any], **extra: Any) -> Plan:
 def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """CP-SAT over one linear order: replicas, speeds, exact memory; warm-started by dp."""
     limit, workers, cells = _check_options(options)
-    rules = get_schedule(options["schedule"])
-    prices = get_cost_model(options.get("cost_model", "pdcompile"))
+    pricing = Pricing.of(cluster, options)
+    rules = pricing.rules
     base_options = {k: options[k] for k in _BASE if k in options}
     try:
         base: Plan | None = dp(cost_graph, cluster, base_options)
@@ -308,7 +305,7 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     p = Prefix(cost_graph, order)
     ref = float(p.compute[n]) / max(cluster.speed or [1.0])  # one device, no communication
     ref = base.predicted_time if base is not None else ref
-    cp = _Model(p, n, cluster, rules, prices, options["num_microbatches"], ref)
+    cp = _Model(p, n, pricing, ref)
     allowed = options.get("replica_counts")
     for row in cp.y if allowed else ():  # replica counts the schedule refuses at this M
         for r, chosen in enumerate(row, 1):

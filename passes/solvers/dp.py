@@ -36,13 +36,12 @@ import numpy as np
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.cost_model import CostModel, get_cost_model
+from pdcompile.cost_model import Pricing
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.bisection import ring_pace, solve_bisection
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
-from pdcompile.schedules import PipelineSchedule, get_schedule
 
 
 class Prefix:
@@ -106,16 +105,14 @@ def split_ties(n: int, ties: list[list[int]]) -> np.ndarray:
 def _solve_general(
     p: Prefix,
     n: int,
-    cluster: Cluster,
-    rules: PipelineSchedule,
-    prices: CostModel,
-    microbatches: int,
+    pricing: Pricing,
     split: np.ndarray | None = None,
     allowed: tuple[int, ...] | None = None,
 ) -> list[tuple[int, int, int]]:
     """Exact DP over (end, devices used, span level); returns (start, end, replicas) per stage.
     `split[j, k]`: a stage [j, k) may have one replica only; `allowed`: the replica counts a
     stage may have (None: any)."""
+    cluster, rules, prices, microbatches = pricing
     total = cluster.num_devices
     levels = len(cluster.levels)
     bandwidth = np.array([lv.bandwidth for lv in cluster.levels])
@@ -187,13 +184,13 @@ def _infeasible_message(p: Prefix, n: int, cluster: Cluster) -> str:
 @register_solver("dp")
 def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
     """Exact DP over linear orders with replication and device hierarchy (pdcompile's default)."""
-    rules, microbatches = get_schedule(options["schedule"]), options["num_microbatches"]
+    pricing = Pricing.of(cluster, options)
+    _, rules, prices, microbatches = pricing
     unknown = set(options) - {*SEARCH, "orders", "cost_model"}
     if unknown:
         raise PartitionError(
             f"dp: unknown options {sorted(unknown)}; dp takes 'orders', 'cost_model'"
         )
-    prices = get_cost_model(options.get("cost_model", "pdcompile"))
     orders = linear_orders(cost_graph)
     chosen = options.get("orders") or list(orders)
     pace = ring_pace(prices, rules, cluster.num_devices, microbatches)
@@ -216,9 +213,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
                 cuts = solve_bisection(p, len(order), cluster, prices, pace)
             else:
                 split = split_ties(len(order), ties) if ties else None
-                cuts = _solve_general(
-                    p, len(order), cluster, rules, prices, microbatches, split, allowed
-                )
+                cuts = _solve_general(p, len(order), pricing, split, allowed)
         except PartitionError as e:
             failure = e  # another order may fit
             continue

@@ -32,13 +32,12 @@ import numpy as np
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.cost_model import CostModel, get_cost_model
+from pdcompile.cost_model import Pricing
 from pdcompile.errors import PartitionError
 from pdcompile.evaluation import producer_bytes
 from pdcompile.passes.solvers.dp import dp, tie_positions
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
-from pdcompile.schedules import PipelineSchedule, get_schedule
 
 MAX_IDEALS = 20_000
 MAX_TRANSITIONS = 3_000_000_000  # about 15 s at ~0.2 G transitions/s
@@ -151,11 +150,9 @@ class _Model:
     def __init__(
         self,
         lattice: _Lattice,
-        cluster: Cluster,
-        rules: PipelineSchedule,
-        prices: CostModel,
-        microbatches: int,
+        pricing: Pricing,
     ) -> None:
+        cluster, rules, prices, microbatches = pricing
         self.lattice = lattice
         self.total = cluster.num_devices
         self.bandwidth = cluster.levels[0].bandwidth
@@ -295,8 +292,8 @@ def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
         raise PartitionError(
             f"ideal: unknown options {sorted(unknown)}; ideal takes {', '.join(map(repr, own))}"
         )
-    rules = get_schedule(options["schedule"])
-    prices = get_cost_model(options.get("cost_model", "pdcompile"))
+    pricing = Pricing.of(cluster, options)
+    rules = pricing.rules
     limit = int(options.get("max_ideals", MAX_IDEALS))
     max_work = int(options.get("max_transitions", MAX_TRANSITIONS))
     if not cluster.is_flat:
@@ -323,7 +320,7 @@ def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
             f"make {work:.3g} DP transitions > max_transitions={max_work:.3g}; used dp"
         )
         return _fallback(cost_graph, cluster, options, why)
-    model = _Model(lattice, cluster, rules, prices, options["num_microbatches"])
+    model = _Model(lattice, pricing)
     model.allowed = options.get("replica_counts")
     nodes = cost_graph.nodes
     groups = []
