@@ -28,6 +28,7 @@ from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError
+from pdcompile.registry import Registry
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
 
@@ -72,14 +73,15 @@ class CostModel:
         return self.stage_time(compute_s, replicas, 0.0, allreduce)
 
 
-_REGISTRY: dict[str, CostModel] = {"pdcompile": CostModel()}
+COST_MODELS: Registry[CostModel] = Registry("cost model", (), PartitionError)
+COST_MODELS.add("pdcompile", CostModel())
 
 
 def register_cost_model(name: str) -> Callable[[type[CostModel]], type[CostModel]]:
     """Register a `CostModel` subclass under `name`."""
 
     def decorate(cls: type[CostModel]) -> type[CostModel]:
-        _REGISTRY[name] = cls()
+        COST_MODELS.add(name, cls())
         return cls
 
     return decorate
@@ -87,16 +89,12 @@ def register_cost_model(name: str) -> Callable[[type[CostModel]], type[CostModel
 
 def cost_models() -> list[str]:
     """Registered cost model names."""
-    return sorted(_REGISTRY)
+    return list(COST_MODELS)
 
 
 def get_cost_model(name: str | CostModel = "pdcompile") -> CostModel:
     """The registered cost model called `name` (a CostModel is returned as it is)."""
-    if isinstance(name, CostModel):
-        return name
-    if name not in _REGISTRY:
-        raise PartitionError(f"unknown cost model {name!r}; registered: {', '.join(cost_models())}")
-    return _REGISTRY[name]
+    return name if isinstance(name, CostModel) else COST_MODELS.get(name)
 
 
 @dataclass(frozen=True)

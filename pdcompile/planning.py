@@ -9,7 +9,6 @@ the same yardstick.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.evaluation import evaluate
 from pdcompile.plans import Plan, Stage, consecutive_ranks
+from pdcompile.registry import Registry
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
@@ -26,13 +26,16 @@ Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 # replica counts allowed (absent: all; a count the caller gave may rule some out)
 SEARCH = ("schedule", "num_microbatches", "replica_counts")
 
-_REGISTRY: dict[str, Solver] = {}
-_BUILTINS = (
-    "pdcompile.passes.solvers.baselines",
-    "pdcompile.passes.solvers.dp",
-    "pdcompile.passes.solvers.pipedream",
-    "pdcompile.passes.solvers.ideal",
-    "pdcompile.passes.solvers.cpsat",
+SOLVERS: Registry[Solver] = Registry(
+    "solver",
+    (
+        "pdcompile.passes.solvers.baselines",
+        "pdcompile.passes.solvers.dp",
+        "pdcompile.passes.solvers.pipedream",
+        "pdcompile.passes.solvers.ideal",
+        "pdcompile.passes.solvers.cpsat",
+    ),
+    PartitionError,
 )
 
 
@@ -41,24 +44,15 @@ def register_solver(name: str) -> Callable[[Solver], Solver]:
     line is its description in `solvers()` and `pdcompile solvers`)."""
 
     def decorate(fn: Solver) -> Solver:
-        _REGISTRY[name] = fn
+        SOLVERS.add(name, fn)
         return fn
 
     return decorate
 
 
-def _load_builtins() -> None:
-    for module in _BUILTINS:
-        importlib.import_module(module)
-
-
 def solvers() -> dict[str, str]:
     """Registered solver names -> one-line descriptions."""
-    _load_builtins()
-    return {
-        name: (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        for name, fn in sorted(_REGISTRY.items())
-    }
+    return SOLVERS.describe()
 
 
 def make_plan(
@@ -125,11 +119,7 @@ def plan(
     Raises:
         PartitionError: unknown solver or schedule, or no plan exists (the message says why).
     """
-    _load_builtins()
-    if solver not in _REGISTRY:
-        raise PartitionError(
-            f"unknown solver {solver!r}; registered: {', '.join(sorted(_REGISTRY))}"
-        )
+    solve = SOLVERS.get(solver)
     cluster = Cluster.coerce(cluster)
     try:
         rules = get_schedule(schedule)
@@ -149,7 +139,7 @@ def plan(
     if num_microbatches is not None and not all(rules.accepts([r], searched) for r in counts):
         options["replica_counts"] = tuple(r for r in counts if rules.accepts([r], searched))
     start = time.perf_counter()
-    result = _REGISTRY[solver](cost_graph, cluster, options)
+    result = solve(cost_graph, cluster, options)
     seconds = time.perf_counter() - start
     _check_tied_replicas(result, solver, rules)
     if num_microbatches is not None and result.num_microbatches != num_microbatches:

@@ -64,10 +64,10 @@ def plugin(tmp_path):
     path = tmp_path / "my_solvers.py"
     path.write_text(PLUGIN)
     planning.solvers()  # the built-in solvers register once, on first use: before the snapshot
-    saved, modules = dict(planning._REGISTRY), set(sys.modules)
+    saved, modules = dict(planning.SOLVERS._items), set(sys.modules)
     yield str(path)
-    planning._REGISTRY.clear()
-    planning._REGISTRY.update(saved)
+    planning.SOLVERS._items.clear()
+    planning.SOLVERS._items.update(saved)
     for name in set(sys.modules) - modules:
         if name.startswith("_pdcompile_plugin_"):
             del sys.modules[name]

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from pdcompile.errors import ScheduleError
+from pdcompile.registry import Registry
 from pdcompile.schedules.base import PipelineSchedule
 
-_REGISTRY: dict[str, PipelineSchedule] = {}
-_BUILTINS = (
-    "pdcompile.schedules.one_f_one_b",
-    "pdcompile.schedules.gpipe",
-    "pdcompile.schedules.pipedream",
-    "pdcompile.schedules.two_bw",
+SCHEDULES: Registry[PipelineSchedule] = Registry(
+    "schedule",
+    (
+        "pdcompile.schedules.one_f_one_b",
+        "pdcompile.schedules.gpipe",
+        "pdcompile.schedules.pipedream",
+        "pdcompile.schedules.two_bw",
+    ),
+    ScheduleError,
 )
 
 
@@ -36,24 +39,15 @@ def register_schedule(name: str) -> Callable[[type[PipelineSchedule]], type[Pipe
             )
         instance = cls()
         instance.name = name
-        _REGISTRY[name] = instance
+        SCHEDULES.add(name, instance)
         return cls
 
     return decorate
 
 
-def _load_builtins() -> None:
-    for module in _BUILTINS:
-        importlib.import_module(module)
-
-
 def schedules() -> dict[str, str]:
     """Registered schedule names -> one-line descriptions."""
-    _load_builtins()
-    return {
-        name: (type(s).__doc__ or "").strip().splitlines()[0] if type(s).__doc__ else ""
-        for name, s in sorted(_REGISTRY.items())
-    }
+    return SCHEDULES.describe()
 
 
 def get_schedule(schedule: str | PipelineSchedule) -> PipelineSchedule:
@@ -64,11 +58,4 @@ def get_schedule(schedule: str | PipelineSchedule) -> PipelineSchedule:
     """
     if isinstance(schedule, PipelineSchedule):
         return schedule
-    _load_builtins()
-    found = _REGISTRY.get(schedule) if isinstance(schedule, str) else None
-    if found is None:
-        raise ScheduleError(
-            f"unknown schedule {schedule!r}; registered: {', '.join(sorted(_REGISTRY))} "
-            "(pdcompile.register_schedule adds one)"
-        )
-    return found
+    return SCHEDULES.get(schedule)
