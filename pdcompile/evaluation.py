@@ -211,12 +211,26 @@ def evaluate(
 
     Returns:
         A copy of `plan` with every stage's times and memory and the plan's predictions filled
-        in; `step_time` and `rank_memory` are `simulate(plan)`'s.
+        in (`price`); `step_time` and `rank_memory` are `simulate(plan)`'s (`simulated`).
 
     Raises:
         PartitionError: the plan does not fit the graph or the cluster, or its schedule cannot
             run it (e.g. a microbatch count it does not accept).
     """
+    return simulated(price(plan, cost_graph, cluster, schedule, num_microbatches, cost_model))
+
+
+def price(
+    plan: Plan,
+    cost_graph: CostGraph,
+    cluster: Cluster | str | None = None,
+    schedule: str | PipelineSchedule | None = None,
+    num_microbatches: int | None = None,
+    cost_model: str | CostModel | None = None,
+) -> Plan:
+    """`plan`'s stages priced by the cost model (times, bytes, `predicted_time`, bounds), its
+    schedule not yet simulated (`step_time` 0, no `rank_memory`): what a solver compares its
+    candidates by; `evaluate` also simulates. Arguments and errors as `evaluate`'s."""
     cluster = Cluster.coerce(cluster or plan.cluster)
     try:
         rules = get_schedule(schedule or plan.schedule)
@@ -262,15 +276,16 @@ def evaluate(
     speeds = cluster.speed or (1.0,) * cluster.num_devices
     bound = lower_bound(cost_graph, cluster)
     everyone = cluster.num_devices
-    dp_time = total.compute_s / min(speeds) / everyone + prices.ring_s(
-        total.grad_bytes, everyone, cluster.bandwidth(0, everyone - 1)
-    ) / prices.updates_every(rules.name, everyone, m)
-    scored = plan.with_(
+    dp_time = prices.data_parallel_time(
+        total.compute_s / min(speeds), total.grad_bytes, everyone,
+        cluster.bandwidth(0, everyone - 1), prices.updates_every(rules.name, everyone, m),
+    )  # fmt: skip
+    return plan.with_(
         stages=tuple(stages), cluster=cluster, schedule=rules.name, num_microbatches=m,
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0, data_parallel_time=dp_time, ties=ties,
+        step_time=0.0, rank_memory=(),
     )  # fmt: skip
-    return simulated(scored)
 
 
 def simulated(plan: Plan) -> Plan:

@@ -3,8 +3,8 @@
 A solver is a pure function `fn(cost_graph, cluster, options: dict) -> Plan`. `options` holds the
 caller's solver options plus `schedule` and `num_microbatches`, already resolved. Solvers price
 stages with the cost model (`pdcompile.cost_model`) and build their plan with `make_plan`, which
-places stages on consecutive ranks and scores them (`evaluate`), so every solver is compared on
-the same yardstick.
+places stages on consecutive ranks and prices them with the cost model (`evaluation.price`), so
+every solver is compared on the same yardstick; `plan()` simulates the plan it returns.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, ScheduleError
-from pdcompile.evaluation import evaluate
+from pdcompile.evaluation import price, simulated
 from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.registry import Registry
 from pdcompile.schedules import PipelineSchedule, get_schedule
@@ -62,9 +62,10 @@ def make_plan(
     options: dict[str, Any],
     solver: str,
 ) -> Plan:
-    """A plan from `(nodes, replicas)` per stage in pipeline order, on consecutive ranks, scored
-    at the first microbatch count from `options["num_microbatches"]` on that the schedule
-    accepts for these replicas (`plan()` refuses a count the caller gave that it does not)."""
+    """A plan from `(nodes, replicas)` per stage in pipeline order, on consecutive ranks,
+    priced (`evaluation.price`; `plan()` simulates the one it returns) at the first microbatch
+    count from `options["num_microbatches"]` on that the schedule accepts for these replicas
+    (`plan()` refuses a count the caller gave that it does not)."""
     ranks = consecutive_ranks([r for _, r in groups])
     if ranks and ranks[-1] and ranks[-1][-1] >= cluster.num_devices:
         raise PartitionError(
@@ -86,7 +87,7 @@ def make_plan(
         solver=solver,
         options={k: v for k, v in options.items() if k not in SEARCH},
     )
-    return evaluate(skeleton, cost_graph)
+    return price(skeleton, cost_graph)
 
 
 def plan(
@@ -148,7 +149,7 @@ def plan(
         except ScheduleError as exc:
             raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
                                  f"{exc}") from None  # fmt: skip
-    return result.with_(solve_time_s=seconds)
+    return simulated(result).with_(solve_time_s=seconds)
 
 
 def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> None:

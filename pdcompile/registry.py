@@ -28,11 +28,14 @@ class Registry(Generic[T]):
         """The item called `name`; the error lists the registered names."""
         self._load()
         if not isinstance(name, str) or name not in self._items:
-            raise self.error(
-                f"unknown {self.kind} {name!r}; registered: {', '.join(self)} "
-                f"(pdcompile.register_{self.kind.replace(' ', '_')} adds one)"
-            )
+            raise self._unknown(name)
         return self._items[name]
+
+    def _unknown(self, name: object) -> PdcompileError:
+        return self.error(
+            f"unknown {self.kind} {name!r}; registered: {', '.join(self)} "
+            f"(pdcompile.register_{self.kind.replace(' ', '_')} adds one)"
+        )
 
     def describe(self) -> dict[str, str]:
         """Names -> the first line of each item's docstring (its class's for an instance)."""

@@ -118,7 +118,10 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
         return _result(engine, dict.fromkeys(engine.release, 0.0), engine.release)
     replicas = [s.replicas for s in plan.stages]
     calls = rules.steady_calls(replicas, m)
-    steps = calls + -(-rules.lookahead(replicas, m) // m)
+    # a replica of stage s runs its items in the endless stream's order while r_s w_s more
+    # microbatches follow the last one the calls give (then the finite schedule's drain starts)
+    ahead = max(r * rules.warmup(replicas, s, m) for s, r in enumerate(replicas))
+    steps = calls + -(-ahead // m) + 1
     engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, num_steps=steps))
     start = engine.release
     for call in range(1, calls + 1):

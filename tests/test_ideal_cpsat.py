@@ -13,6 +13,7 @@ from test_solvers import chain
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, evaluate
+from pdcompile.evaluation import price
 from pdcompile.plans import consecutive_ranks
 from pdcompile.schedules import get_schedule
 
@@ -47,7 +48,7 @@ def ideals(g: CostGraph) -> list[frozenset[str]]:
 def brute_force(g: CostGraph, cluster: Cluster, schedule: str, m: int) -> float:
     """The best predicted time that fits memory (`fits`) over every chain of ideals (data
     sources in the first stage) and every replica assignment the schedule accepts with m
-    microbatches, each plan scored with `evaluate`."""
+    microbatches, each plan priced (`evaluation.price`)."""
     kinds = g.graph.nodes
     sources = {n for n in g.nodes if kinds[n]["kind"] == "input" and g.graph.in_degree(n) == 0}
     downsets, everything, d = ideals(g), frozenset(g.nodes), cluster.num_devices
@@ -77,10 +78,7 @@ def brute_force(g: CostGraph, cluster: Cluster, schedule: str, m: int) -> float:
             )  # fmt: skip
             if not rules.accepts(replicas, m):
                 continue
-            try:
-                scored = evaluate(plan, g)
-            except PartitionError:  # the schedule cannot run it (a replicated tie stage)
-                continue
+            scored = price(plan, g)
             if fits(scored, rules, m):
                 best = min(best, scored.predicted_time)
     return best
