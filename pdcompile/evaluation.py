@@ -24,7 +24,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.plans import Plan, Stage
-from pdcompile.schedules import PipelineSchedule, get_schedule
+from pdcompile.schedules import get_schedule
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def evaluate(
     plan: Plan,
     cost_graph: CostGraph,
     cluster: Cluster | str | None = None,
-    schedule: str | PipelineSchedule | None = None,
+    schedule: str | None = None,
     num_microbatches: int | None = None,
     cost_model: str | CostModel | None = None,
 ) -> Plan:
@@ -217,27 +217,29 @@ def evaluate(
         PartitionError: the plan does not fit the graph or the cluster, or its schedule cannot
             run it (e.g. a microbatch count it does not accept).
     """
-    return simulated(price(plan, cost_graph, cluster, schedule, num_microbatches, cost_model))
-
-
-def price(
-    plan: Plan,
-    cost_graph: CostGraph,
-    cluster: Cluster | str | None = None,
-    schedule: str | PipelineSchedule | None = None,
-    num_microbatches: int | None = None,
-    cost_model: str | CostModel | None = None,
-) -> Plan:
-    """`plan`'s stages priced by the cost model (times, bytes, `predicted_time`, bounds), its
-    schedule not yet simulated (`step_time` 0, no `rank_memory`): what a solver compares its
-    candidates by; `evaluate` also simulates. Arguments and errors as `evaluate`'s."""
-    cluster = Cluster.coerce(cluster or plan.cluster)
     try:
-        rules = get_schedule(schedule or plan.schedule)
+        name = get_schedule(schedule or plan.schedule).name
     except ScheduleError as exc:
         raise PartitionError(str(exc)) from None
+    plan = plan.with_(
+        cluster=Cluster.coerce(cluster or plan.cluster), schedule=name,
+        num_microbatches=num_microbatches or plan.num_microbatches,
+    )  # fmt: skip
     prices = get_cost_model(cost_model or plan.options.get("cost_model", "pdcompile"))
-    m = num_microbatches or plan.num_microbatches
+    return simulated(price(plan, cost_graph, prices))
+
+
+def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) -> Plan:
+    """`plan`'s stages priced by the cost model (default: the plan's option, else
+    "pdcompile"): times, bytes, `predicted_time`, bounds, its schedule not yet simulated
+    (`step_time` 0, no `rank_memory`). What a solver compares its candidates by; `evaluate`
+    also simulates. Errors as `evaluate`'s."""
+    cluster, m = plan.cluster, plan.num_microbatches
+    try:
+        rules = get_schedule(plan.schedule)
+    except ScheduleError as exc:
+        raise PartitionError(str(exc)) from None
+    prices = prices or get_cost_model(plan.options.get("cost_model", "pdcompile"))
     stage_of = check_plan(plan, cost_graph, cluster)
     count = len(plan.stages)
     cuts = cut_bytes(cost_graph, stage_of, count)

@@ -36,6 +36,7 @@ from pdcompile.schedules import (
     get_schedule,
     replica_orders,
 )
+from pdcompile.schedules.builder import Layout
 
 
 def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:
@@ -211,11 +212,11 @@ class Pipeline:
         return total, weight
 
     def _new_stream(self) -> None:
-        orders = replica_orders(
-            self.rules, [stage.ranks for stage in self.program.plan.stages],
-            program_edges(self.program), self.num_microbatches,
-            [tie.stages for tie in self.program.ties], self.clip,
+        layout = Layout(
+            [stage.ranks for stage in self.program.plan.stages], program_edges(self.program),
+            self.num_microbatches, [tie.stages for tie in self.program.ties], self.clip,
         )  # fmt: skip
+        orders = replica_orders(self.rules, layout)
         self.streams = {rank: RankStream(order) for (rank, _), order in orders.items()}
 
 

@@ -311,7 +311,7 @@ def test_bisection_equals_the_general_dp_on_hierarchies(data, n, cluster_text, s
     general = pdcompile.plan(g, roomy, schedule=schedule, num_microbatches=m)
     # compared at the count both searched with (the plans may then run different counts)
     at = m or searched
-    fast, general = (price(p, g, num_microbatches=at) for p in (fast, general))
+    fast, general = (price(p.with_(num_microbatches=at), g) for p in (fast, general))
     assert fast.predicted_time == pytest.approx(general.predicted_time, rel=1e-9, abs=1e-12)
 
 

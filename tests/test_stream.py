@@ -14,6 +14,7 @@ from pdcompile.plans import consecutive_ranks
 from pdcompile.runtime.pipeline import cuts
 from pdcompile.runtime.stream import RankStream
 from pdcompile.schedules import build_schedule, replica_orders
+from pdcompile.schedules.builder import Layout
 
 
 @st.composite
@@ -34,7 +35,8 @@ def streaming_pipelines(draw):
 
 
 def streams(kind, ranks, edges, m, ties, clip) -> dict[int, RankStream]:
-    orders = {r: o for (r, _), o in replica_orders(kind, ranks, edges, m, ties, clip).items()}
+    layout = Layout(ranks, edges, m, ties, clip)
+    orders = {r: o for (r, _), o in replica_orders(kind, layout).items()}
     return {rank: RankStream(order) for rank, order in orders.items()}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import networkx as nx
 
@@ -88,7 +89,8 @@ def build_schedule(
             f"{rules.name} cannot build {num_steps} steps as one schedule: only streaming "
             "schedules run several steps without draining; build one"
         )
-    orders = replica_orders(rules, ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
+    layout = Layout(ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
+    orders = replica_orders(rules, layout)
     total = num_microbatches * num_steps
     first = next(iter(orders.values())).schedule
     if len({rank for rank, _ in orders}) == len(orders):  # one stage per rank
@@ -98,18 +100,23 @@ def build_schedule(
     return Schedule(rules.name, total, first.replicas, first.ranks, actions)
 
 
+class Layout(NamedTuple):
+    """What a schedule is built for (`build_schedule`'s arguments but the steps)."""
+
+    ranks: Sequence[Sequence[int]]
+    edges: Edges
+    num_microbatches: int
+    ties: Sequence[Sequence[int]] = ()
+    clip: bool = False
+    skip_nonfinite: bool = False
+
+
 def replica_orders(
-    schedule: str | PipelineSchedule,
-    ranks: Sequence[Sequence[int]],
-    edges: Edges,
-    num_microbatches: int,
-    ties: Sequence[Sequence[int]] = (),
-    clip: bool = False,
-    skip_nonfinite: bool = False,
+    schedule: str | PipelineSchedule, layout: Layout
 ) -> dict[tuple[int, int], RankOrder]:
-    """Per (rank, stage), how that replica's actions unfold for any number of microbatches
-    (`build_schedule`'s arguments; the streams of `runtime/stream.py` unfold them without end,
-    one stage per rank)."""
+    """Per (rank, stage), how that replica's actions unfold for any number of microbatches (the
+    streams of `runtime/stream.py` unfold them without end, one stage per rank)."""
+    ranks, edges, num_microbatches, ties, clip, skip_nonfinite = layout
     rules = get_schedule(schedule)
     check_nonfinite(rules, "skip" if skip_nonfinite else "raise")
     ranks = tuple(tuple(r) for r in ranks)
