@@ -2,18 +2,22 @@
 `StageWorker` per stage, sharing the rank's communication.
 
 Actions go to the worker of their stage. A rank takes part in a rank-wide collective (`check`,
-`clip` over a group) once for all its stages: their flags or squared norms are combined here,
-and one all-reduce gives every worker the result.
+`clip` over a group) once for all its stages, one stage or several: their flags or squared
+norms are combined here, and one all-reduce gives every worker the result.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import torch
 
+from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.worker import StageWorker
 from pdcompile.schedules import Action
+
+RANK_WIDE = ("check", "clip")  # with a group: one all-reduce per rank, however many stages
 
 
 class RankWorkers:
@@ -28,13 +32,13 @@ class RankWorkers:
         return iter(self.by_stage.values())
 
     def run(self, a: Action) -> None:
-        if len(self.by_stage) > 1 and a.kind in ("check", "clip") and a.group:
+        if a.kind in RANK_WIDE and a.group:
             self._together(a)
         else:
             self.by_stage[a.stage].run(a)
 
     def finish(self, a: Action) -> None:
-        if len(self.by_stage) > 1 and a.kind in ("check", "clip") and a.group:
+        if a.kind in RANK_WIDE and a.group:
             for worker in self:
                 worker.finish(a)
         else:
@@ -44,9 +48,10 @@ class RankWorkers:
         self.by_stage[a.stage].expect(a)
 
     def _together(self, a: Action) -> None:
-        """One all-reduce for the rank: any stage's non-finite loss, or the sum of its stages'
-        squared norms."""
-        workers = list(self)
+        """One all-reduce for the rank: whether any of its stages computed a NaN or infinite
+        loss in the step (`check`: the step is then skipped everywhere), or the sum of its
+        stages' squared gradient norms (`clip`); recorded on the timeline of `a`'s stage."""
+        workers, start = list(self), time.perf_counter()
         device = workers[0].tensor_device()
         if a.kind == "check":
             value = float(any(w.nonfinite_loss() for w in workers))
@@ -60,3 +65,8 @@ class RankWorkers:
                 worker.nonfinite_flag = total
             else:
                 worker.norm_squares = total
+        owner = self.by_stage[a.stage]
+        if owner.timeline is not None:
+            owner.timeline.append(Event(
+                self.rank, a.kind, a.stage, a.microbatch, start, time.perf_counter(), a.peer
+            ))  # fmt: skip

@@ -25,6 +25,7 @@ import torch.nn as nn
 from pdcompile.codegen.staged_program import Channel, StagedProgram
 from pdcompile.errors import LossError, PartitionError
 from pdcompile.runtime.comm import Comm, gradient_channels
+from pdcompile.runtime.loss_check import checked_loss
 from pdcompile.runtime.microbatches import Batch, Microbatch
 from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.weight_slots import WeightSlots
@@ -216,22 +217,8 @@ class StageWorker:
         state.outputs = out
 
     def _loss(self, out: Any, mb: Microbatch, k: int) -> torch.Tensor:
-        """`loss_fn(out, target)`, which must give a scalar tensor."""
         where = f"at stage {self.stage} (rank {self.comm.rank}), microbatch {k} of step {mb.step}"
-        try:
-            loss = self.loss_fn(out, mb.target)
-        except Exception as exc:
-            raise LossError(
-                f"loss_fn raised {type(exc).__name__} {where}: {_first_line(exc)}; it was given "
-                f"the model's output ({_describe(out)}) and the microbatch's targets "
-                f"({_describe(mb.target)}): pass train_step the targets loss_fn expects"
-            ) from exc
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise LossError(
-                f"loss_fn returned {_describe(loss)} {where}; it must return a scalar tensor "
-                "(reduce the loss, e.g. with .mean())"
-            )
-        return loss
+        return checked_loss(self.loss_fn, out, mb.target, where)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision on the forward (weights and stashed versions stay in their dtype)."""
@@ -342,18 +329,10 @@ class StageWorker:
             self.comm.all_reduce(self.buffers, a.group, (*a.collective, "buffers"))
 
     def _clip(self, a: Action) -> None:
-        """Scale the gradients so that their norm is at most `clip_grad_norm`: the norm over
-        the ranks of `a.group` (every rank; under `pipedream` the stages tied to this one),
-        each tensor counted once, on first replicas and tie owners, applied by `finish` once
-        the all-reduce is complete; or over this stage (no group, `pipedream`)."""
-        squares = self.clip_squares(a)
-        if not a.group:
-            self._scale(squares)
-            return
-        self.norm_squares = torch.tensor(
-            [squares], dtype=torch.float64, device=self.tensor_device()
-        )
-        self.comm.all_reduce([self.norm_squares], a.group, a.collective)
+        """Scale the gradients so that their norm over this stage is at most `clip_grad_norm`
+        (a `clip` without a group, `pipedream`; a group's norm is all-reduced by the rank,
+        `RankWorkers`, and applied by `finish`)."""
+        self._scale(self.clip_squares(a))
 
     def clip_squares(self, a: Action) -> float:
         """This stage's share of the squared gradient norm of a `clip` (each tensor counted
@@ -366,13 +345,6 @@ class StageWorker:
             return 0.0
         counted = [p.grad for p in self.counted if p.grad is not None]
         return float(sum(g.double().pow(2).sum() for g in counted))
-
-    def _check(self, a: Action) -> None:
-        """Tell every rank whether a loss of this step was NaN or infinite (applied by
-        `finish`: the step is then skipped everywhere)."""
-        flag = float(self.nonfinite_loss())
-        self.nonfinite_flag = torch.tensor([flag], device=self.tensor_device())
-        self.comm.all_reduce([self.nonfinite_flag], a.group, a.collective)
 
     def nonfinite_loss(self) -> bool:
         """Whether a loss this stage computed in the step was NaN or infinite."""
@@ -443,21 +415,6 @@ def _make_optimizer(
             f"optimizer refuses an empty list ({exc}); plan fewer stages (a smaller cluster) or "
             "with a solver that balances compute (solver='dp')"
         ) from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _describe(value: Any) -> str:
-    """`Tensor float32[4, 10]`, `None`, `dict with keys ['logits']`, ..."""
-    if isinstance(value, torch.Tensor):
-        return f"Tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-    if isinstance(value, dict):
-        return f"{type(value).__name__} with keys {list(value)[:6]}"
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} of {len(value)}"
-    return "None" if value is None else type(value).__name__
 
 
 def _as_channel(value: Any, channel: Channel) -> Any:
