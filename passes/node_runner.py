@@ -17,6 +17,7 @@ from torch.fx.node import map_aggregate, map_arg
 
 from pdcompile.errors import CostError
 from pdcompile.ir import iter_tensors
+from pdcompile.passes.mutation import is_inplace
 from pdcompile.passes.state import preserved_state
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
@@ -35,14 +36,6 @@ def record_values(gm: fx.GraphModule, inputs: Mapping[str, torch.Tensor]) -> dic
     with preserved_state(gm), torch.enable_grad():
         Recorder(gm).run(*args)
     return values
-
-
-def is_inplace(node: fx.Node, module: torch.nn.Module | None) -> bool:
-    """Whether the node writes into its first input (`relu_`, `x += y`, `ReLU(inplace=True)`)."""
-    if module is not None:
-        return bool(getattr(module, "inplace", False))
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
 class _Fresh:

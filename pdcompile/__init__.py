@@ -21,6 +21,7 @@ from pdcompile.errors import (
     PartitionError,
     PdcompileError,
     PipelineTimeoutError,
+    PlanWarning,
     ScheduleError,
     SpecError,
     StageCommError,
@@ -73,6 +74,7 @@ __all__ = [
     "PipelineSchedule",
     "PipelineTimeoutError",
     "Plan",
+    "PlanWarning",
     "ScheduleError",
     "Simulation",
     "SpecError",
@@ -101,6 +103,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
+        # importing pdcompile.codegen's module made the (callable) package the attribute: keep it
+        value = globals().get(name, value)
     elif name in _SUBMODULES:
         value = importlib.import_module(f"pdcompile.{name}")
     else:

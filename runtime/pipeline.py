@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pdcompile.capture.inputs import accept_constants
 from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import BatchError
 from pdcompile.runtime.microbatches import Batch, split_batch
@@ -120,7 +121,8 @@ class Pipeline:
         rank: the mean over the microbatches whose losses the last stage computed in this call,
         weighted by their rows. Every schedule computes all of this step's losses in the call
         (streaming ones leave backwards in flight), so this is the step's loss."""
-        check_batch(self.program, args, kwargs or {}, self._input_device())
+        kwargs = accept_constants(self.program.constants, kwargs or {}, self.program.model_name)
+        check_batch(self.program, args, kwargs, self._input_device())
         weighted = not self.rules.update_per_microbatch  # else a microbatch is a whole update
         batch = split_batch(args, kwargs or {}, targets, self.num_microbatches, weighted=weighted)
         first = self.started if self.streaming else 0
@@ -143,7 +145,8 @@ class Pipeline:
         """Forward the batch without gradients (after a flush); returns what the model returns
         for the whole batch on the first replica of the last stage, None elsewhere."""
         self.flush()
-        check_batch(self.program, args, kwargs or {}, self._input_device())
+        kwargs = accept_constants(self.program.constants, kwargs or {}, self.program.model_name)
+        check_batch(self.program, args, kwargs, self._input_device())
         batch = split_batch(args, kwargs or {}, None, self.num_microbatches, weighted=False)
         if self._forward is None:
             ranks = [stage.ranks for stage in self.program.plan.stages]

@@ -24,6 +24,7 @@ from pdcompile.capture.fx_capture import describe_failure
 from pdcompile.capture.graph_module import CapturedGraphModule
 from pdcompile.capture.inputs import BoundInputs
 from pdcompile.errors import TraceError
+from pdcompile.passes.mutation import written_input
 from pdcompile.passes.state import preserved_state
 
 
@@ -118,6 +119,28 @@ def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) ->
             pending.extend(value)
 
 
+def _writes_activations(gm: fx.GraphModule) -> bool:
+    """Whether a node writes in place into anything but a parameter or buffer (which export
+    lifts to placeholders named by the graph signature, not by the user's inputs)."""
+    for node in gm.graph.nodes:
+        target = written_input(node)
+        if isinstance(target, fx.Node) and target.op != "placeholder":
+            return True
+    return False
+
+
+def _hoist_state_updates(graph: fx.Graph) -> None:
+    """Move each buffer update (`copy_` into a `get_attr`, which functionalization appends at
+    the end) to right after the value it writes, so it stays in the stage computing it."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        target = written_input(node)
+        if isinstance(target, fx.Node) and target.op == "get_attr" and not node.users:
+            latest = max(node.all_input_nodes, key=order.__getitem__)
+            if latest.op != "get_attr":
+                latest.append(node)
+
+
 def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule:
     """Export `model` with a dynamic batch dimension and return its fx graph.
 
@@ -143,10 +166,13 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
                 "x.shape[0] instead of a number"
             )
         raise TraceError(
-            f"torch.export of {type(model).__name__} failed: {describe_failure(e)}{hint}"
+            f"torch.export of {type(model).__name__} failed: {describe_failure(e, model)}{hint}"
         ) from e
+    if _writes_activations(program.graph_module):
+        program = program.run_decompositions({})  # functional ATen: writes through views replayed
     exported = program.module()
     graph = exported.graph
+    _hoist_state_updates(graph)
     for node in list(graph.nodes):
         # The export guards are replaced by _check_inputs, whose errors say what to do.
         if node.op == "call_module" and node.target == "_guards_fn":

@@ -33,9 +33,11 @@ class _Untraceable(Exception):
         self.reason = reason
 
 
-def describe_failure(error: BaseException) -> str:
-    """One line: the error and the innermost source line outside torch that led to it."""
-    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+def describe_failure(error: BaseException, model: nn.Module | None = None) -> str:
+    """One line: where (the innermost submodule of `model` running, if given and not the
+    model itself), the error, and the innermost source line outside torch that led to it."""
+    text = str(error).strip()
+    message = f"{type(error).__name__}: {text.splitlines()[0] if text else '(no message)'}"
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
@@ -44,7 +46,24 @@ def describe_failure(error: BaseException) -> str:
     if frames:
         f = frames[-1]
         message += f" (at {f.filename}:{f.lineno}: {(f.line or '').strip()})"
-    return message
+    where = failing_submodule(model, error) if model is not None else None
+    if where is None:
+        return message
+    return f"in submodule {where!r} ({type(model.get_submodule(where)).__name__}): {message}"
+
+
+def failing_submodule(model: nn.Module, error: BaseException) -> str | None:
+    """The qualified name of the innermost submodule of `model` whose code was running when
+    `error` was raised (read off the traceback's `self`), or None for the model's own code."""
+    names = {id(m): name for name, m in model.named_modules() if name}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names and isinstance(owner, nn.Module):
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
 
 
 class _Tracer(fx.Tracer):
@@ -107,7 +126,8 @@ def capture_fx(
             continue
         except Exception as e:
             raise TraceError(
-                f"symbolic tracing of {type(model).__name__}.forward failed: {describe_failure(e)}"
+                f"symbolic tracing of {type(model).__name__}.forward failed: "
+                f"{describe_failure(e, model)}"
             ) from e
         name = type(model).__name__
         return CapturedGraphModule(model, graph, name, model.training), dict(policy.auto)

@@ -13,12 +13,14 @@ import torch.fx as fx
 import torch.nn as nn
 
 from pdcompile.capture.export_capture import capture_export
+from pdcompile.capture.functionalize import functionalize, inplace_nodes
 from pdcompile.capture.fx_capture import capture_fx
 from pdcompile.capture.inputs import BoundInputs, bind_inputs
 from pdcompile.capture.leaf_policy import LeafPolicy
 from pdcompile.errors import TraceError, TraceWarning
 from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter_tensors
-from pdcompile.passes.node_runner import is_inplace
+from pdcompile.passes.mutation import is_inplace
+from pdcompile.passes.node_runner import record_values
 from pdcompile.passes.params import annotate_params
 from pdcompile.passes.scope import annotate_scope
 from pdcompile.passes.shapes import annotate_shapes
@@ -106,10 +108,13 @@ def trace(
             raise
         failures.append(f"export: {e}")
         raise TraceError(
-            f"no path could capture {type(model).__name__}:\n  - "
-            + "\n  - ".join(failures)
-            + "\nRemedies: make the failing module traceable (no control flow on tensor values), "
-            "name it in leaf_modules, or pass example inputs the model accepts"
+            f"no path could capture {type(model).__name__}: "
+            + "; ".join(f.splitlines()[0] for f in failures)
+            + ".\nRemedies: make the failing submodule traceable (no control flow on tensor "
+            "values, no Python objects built from tensor values), make it a leaf "
+            "(leaf_modules=[name]: it then runs whole inside one stage), cut the model before it "
+            "(pipeline the part that captures and run the rest outside the pipeline), or pass "
+            "example inputs the model accepts. In full:\n  - " + "\n  - ".join(failures)
         ) from e
 
 
@@ -139,6 +144,7 @@ def _finish(
     gm.meta[TRAINING] = model.training
     gm.meta[INPUTS] = tuple(inputs.tensors)
     gm.meta[CONSTANTS] = tuple((k, repr(v)) for k, v in inputs.constants.items())
+    gm.bind_constants(gm.meta[CONSTANTS])
     gm.meta[AUTO_LEAVES] = tuple(auto.items())
     gm.graph.lint()
     annotate_scope(gm)
@@ -153,6 +159,8 @@ def _finish(
                 f"{type(model).__name__} accepts (a batch of the shape, dtype and device it "
                 "trains on)"
             ) from e
+        if capture == "fx" and inplace_nodes(gm):
+            functionalize(gm, record_values(gm, inputs.tensors))
         annotate_params(gm)
         if check:
             _check_outputs(gm, model, inputs, capture)

@@ -14,7 +14,6 @@ The lowering, top to bottom (docs/codegen.md has the details):
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +35,9 @@ from pdcompile.codegen.stage_values import ValueInfo, describe_values
 from pdcompile.codegen.staged_program import Channel, StagedProgram, StageSignature, TieGroup
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CodegenError
-from pdcompile.ir import PARAM_TABLE, TRAINING, ParamInfo
-from pdcompile.passes.node_runner import COMPUTE_OPS, is_inplace
+from pdcompile.ir import CONSTANTS, PARAM_TABLE, TRAINING, ParamInfo
+from pdcompile.passes.mutation import written_input
+from pdcompile.passes.node_runner import COMPUTE_OPS
 from pdcompile.plans import Plan
 
 
@@ -113,16 +113,17 @@ def codegen(
     return StagedProgram(
         stages, signatures, routes.channels, ties, plan=plan, input_specs=input_specs,
         model_name=type(gm).__name__, training=bool(gm.meta.get(TRAINING, gm.training)),
+        constants=gm.meta.get(CONSTANTS, ()),
     )  # fmt: skip
 
 
-def _writes_into(node: fx.Node, gm: fx.GraphModule) -> bool:
+def _written(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The graph value `node` writes into in place, if any."""
+    if node.op not in COMPUTE_OPS:
+        return None
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
-    return (
-        is_inplace(node, module)
-        or node.target is operator.setitem
-        or node.kwargs.get("inplace") is True
-    )
+    target = written_input(node, module)
+    return target if isinstance(target, fx.Node) else None
 
 
 def _check_writes(gm: fx.GraphModule, pinned: Mapping[str, int]) -> None:
@@ -132,10 +133,8 @@ def _check_writes(gm: fx.GraphModule, pinned: Mapping[str, int]) -> None:
     also use would be seen by some of them only (the in-process program would hide that).
     """
     for node in gm.graph.nodes:
-        if node.op not in COMPUTE_OPS or not node.args or not _writes_into(node, gm):
-            continue
-        target = node.args[0]
-        if not isinstance(target, fx.Node):
+        target = _written(gm, node)
+        if target is None:
             continue
         stages = sorted({pinned[user.name] for user in target.users})
         if len(stages) > 1:
@@ -237,8 +236,12 @@ def _build_stage(
         for node in gm.graph.find_nodes(op="placeholder"):
             env[node] = graph.node_copy(node)
     else:
+        written = {w.name for n in gm.graph.nodes if pinned.get(n.name) == index
+                   if (w := _written(gm, n)) is not None}  # fmt: skip
         for name in routes.inputs[index]:
             env[by_name[name]] = graph.placeholder(name)
+            if name in written:  # a received tensor is a leaf: write into a copy of it
+                env[by_name[name]] = graph.call_method("clone", (env[by_name[name]],))
     for name, literal in routes.constants[index].items():
         env[by_name[name]] = literal
     last = index == num_stages - 1
@@ -267,6 +270,8 @@ def _build_stage(
     root = assemble_root(graph, lambda target: fetch(gm, target), replace)
     training = bool(gm.meta.get(TRAINING, gm.training))
     stage = CapturedGraphModule(root, graph, f"{type(gm).__name__}Stage{index}", training)
+    if index == 0:
+        stage.bind_constants(gm.meta.get(CONSTANTS, ()))
     state = [(info.names, replace.get(id(t), t)) for info, t in zip(held, tensors, strict=True)]
     finish_state(stage, state, non_persistent(gm))
     return stage

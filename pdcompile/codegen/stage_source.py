@@ -192,6 +192,7 @@ def write_program(program: StagedProgram, directory: Path) -> Path:
         "model": program.model_name,
         "training": program.training,
         "input_specs": program.input_specs,
+        "constants": [list(pair) for pair in program.constants],
         "stages": entries,
         "channels": [c.to_dict() for c in program.channels],
         "ties": [t.to_dict() for t in program.ties],
@@ -300,6 +301,8 @@ def load_program(directory: Path, model: nn.Module) -> StagedProgram:
             f"call model.{mode}() before StagedProgram.load"
         )
     stages = [_load_stage(e, directory, model, data["training"]) for e in data["stages"]]
+    constants = [tuple(pair) for pair in data.get("constants", ())]
+    stages[0].bind_constants(constants)
     return StagedProgram(
         stages,
         [StageSignature.from_dict(e["signature"]) for e in data["stages"]],
@@ -309,4 +312,5 @@ def load_program(directory: Path, model: nn.Module) -> StagedProgram:
         input_specs=data["input_specs"],
         model_name=data["model"],
         training=data["training"],
+        constants=constants,
     )

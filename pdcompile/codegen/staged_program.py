@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from pdcompile.capture.inputs import accept_constants
 from pdcompile.errors import CodegenError
 from pdcompile.plans import Plan
 from pdcompile.text import human_bytes
@@ -144,6 +145,8 @@ class StagedProgram:
         ties: tensors used by several stages.
         plan: the plan the stages come from (its predicted costs are in the written source).
         input_specs: the graph inputs and their shapes (`int64[batch, 16]`), which stage 0 takes.
+        constants: the constant arguments the model was captured with, `(name, repr(value))`:
+            a call may pass them again by keyword, with the same value.
         model_name, training: the captured model's class name and mode.
     """
 
@@ -158,6 +161,7 @@ class StagedProgram:
         input_specs: Mapping[str, str],
         model_name: str,
         training: bool,
+        constants: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.stages = list(stages)
         self.signatures = tuple(signatures)
@@ -167,6 +171,7 @@ class StagedProgram:
         self.input_specs = dict(input_specs)
         self.model_name = model_name
         self.training = training
+        self.constants = tuple(constants)
 
     @property
     def num_stages(self) -> int:
@@ -181,8 +186,10 @@ class StagedProgram:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run every stage in order in this process; returns what the captured model returns.
 
-        Args are the graph inputs, as for the captured GraphModule (by position or by name).
+        Args are the graph inputs, as for the captured GraphModule (by position or by name),
+        and the constants it was captured with (by name, same value).
         """
+        kwargs = accept_constants(self.constants, kwargs, self.model_name)
         inbox: list[dict[str, Any]] = [{} for _ in self.stages]
         last = self.num_stages - 1
         for index, stage in enumerate(self.stages):
