@@ -141,19 +141,43 @@ def analyze(
 
 
 def _pass_failure(name: str, gm: fx.GraphModule, error: Exception) -> str:
-    """What failed, at which node (from fx's "While executing" note), and the way out."""
+    """What failed, at which node (fx's "While executing" note, else the innermost `node` the
+    pass was working on when it raised), and the way out."""
     text = str(error).strip()
-    match = re.search(r"While executing %(\w+)", text)
-    where = ""
-    for node in gm.graph.nodes if match else ():
-        if node.name == match.group(1):
-            module = gm.get_submodule(node.target) if node.op == "call_module" else None
-            what = type(module).__name__ if module is not None else f"{node.op} {node.target}"
-            where = f" at node {node.name} ({what})"
+    node = _failing_node(gm, error, text)
+    where, remedy = (
+        "",
+        (
+            "the cost passes run every node again, alone, on the example's values; "
+            "capture the model with pdcompile.trace (it rewrites in-place operations) and pass "
+            "example inputs the model accepts"
+        ),
+    )
+    if node is not None:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        what = type(module).__name__ if module is not None else f"{node.op} {node.target}"
+        where = f" at node {node.name} ({what})"
+        if module is not None:
+            remedy = (
+                f"the cost passes run every node again on the values of the example: leaf "
+                f"module {node.target!r} must compute the same way on every call (no state that "
+                "changes between calls); trace through it (leave it out of leaf_modules) or make "
+                "it repeatable"
+            )
     return (
         f"cost pass {name!r} failed on {type(gm).__name__}{where}: {type(error).__name__}: "
-        f"{(text.splitlines() or [''])[0]}; the cost passes run every node again on the "
-        "values of the example: a leaf module must compute the same way on every call (no "
-        "state that changes between calls); trace through it (leave it out of leaf_modules) "
-        "or make it repeatable"
+        f"{(text.splitlines() or [''])[0]}; {remedy}"
     )
+
+
+def _failing_node(gm: fx.GraphModule, error: Exception, text: str) -> fx.Node | None:
+    match = re.search(r"While executing %(\w+)", text)
+    if match:
+        return next((n for n in gm.graph.nodes if n.name == match.group(1)), None)
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("node")
+        if isinstance(candidate, fx.Node) and candidate.graph is gm.graph:
+            found = candidate
+        tb = tb.tb_next
+    return found

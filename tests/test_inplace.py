@@ -259,3 +259,28 @@ def test_inplace_models_on_two_ranks_train_like_gradient_accumulation() -> None:
         state = {**per_rank[0][name]["state"], **per_rank[1][name]["state"]}
         for key, tensor in ref.state_dict().items():
             torch.testing.assert_close(state[key], tensor, msg=f"{name}: {key}")
+
+
+class _Once(nn.Module):
+    """A leaf that, once armed, refuses to run: the cost passes, which re-run it, name it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise RuntimeError("ran again")
+        return x * 2
+
+
+def test_a_failing_cost_pass_names_the_node_and_the_way_out() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Once(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    gm = pdcompile.trace(model, (x,), leaf_modules=[_Once])
+    model[1].armed = True
+    with pytest.raises(pdcompile.CostError) as info:
+        pdcompile.analyze(gm, (x,), profile=False, progress=False)
+    message = str(info.value)
+    assert "at node _1 (_Once): RuntimeError: ran again" in message
+    assert "leaf module '1' must compute the same way on every call" in message
