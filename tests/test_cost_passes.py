@@ -120,6 +120,9 @@ def test_analytic_costs_on_the_meta_device() -> None:
 
 
 def test_profile_times_every_compute_node_and_caches(tmp_path, monkeypatch) -> None:
+    # this tests caching, not settling: a loaded machine may scatter repeats, and an unsettled
+    # profile is (rightly) not cached; tests/test_profile_cache.py covers settling
+    monkeypatch.setattr(profile_pass, "MAX_SLOWDOWN", math.inf)
     _, gm, inputs = fresh("gpt")
     annotate_profile(gm, inputs, warmup=1, repeats=3, cache=tmp_path, progress=False)
     first = {n.name: n.meta[MEASURED_S] for n in gm.graph.nodes}

@@ -1,0 +1,161 @@
+"""The profile cache: measured times kept between runs, and where a profile's times came from.
+
+A settled profile is written to `profile-<key>.json` in `$PDCOMPILE_CACHE_DIR` (default
+`~/.cache/pdcompile`). The key hashes what decides the measurement (the graph's code, modules and
+output shapes, the input shapes, train/eval mode and the measuring fields of `ProfileSettings`),
+never the provenance. `ProfileSettings` holds both, and `.origin()` says in one line where the
+times came from and how old they are. Whether cached times are still settled is the measuring
+pass's judgement (`read_cache`'s `settled`). The file format is in docs/costs.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from pdcompile.ir import OUTPUTS
+
+log = logging.getLogger(__name__)
+
+# Cache files carry this; files without it (older pdcompile: no record that their repeats
+# agreed) are measured again and overwritten.
+CACHE_FORMAT = 2
+_KEYED = ("device", "num_threads", "warmup", "repeats", "torch_version")  # ProfileSettings
+
+Times = dict[str, list[float]]  # node -> [forward, backward] (seconds, or median / fastest)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How a profile was measured (the fields up to `torch_version` key the cache) and where it
+    came from.
+
+    Attributes:
+        cached: read from the cache file `cache_path` rather than measured in this run.
+        cache_path: the cache file read or written; None when none was.
+        measured_at: when the times were measured, ISO 8601 in UTC.
+        unsettled: `(node, "forward" | "backward", median over fastest repeat)` of the times
+            still above `MAX_SLOWDOWN` after the extra rounds; such a profile is not cached.
+    """
+
+    device: str
+    num_threads: int
+    warmup: int
+    repeats: int
+    torch_version: str
+    cached: bool = False
+    cache_path: str | None = None
+    measured_at: str | None = None
+    unsettled: tuple[tuple[str, str, float], ...] = ()
+
+    def origin(self, now: datetime | None = None) -> str:
+        """One line for people: where the times came from and how old they are.
+
+        Example:
+            >>> gm.meta["pdcompile.profile"].origin()
+            'profile from cache /home/me/.cache/pdcompile/profile-3f2a.json, measured 3 h ago'
+        """
+        if self.cached:
+            return f"profile from cache {self.cache_path}, measured {_age(self.measured_at, now)}"
+        if self.unsettled:
+            return (
+                f"profile measured in this run, {len(self.unsettled)} times unsettled, not cached"
+            )
+        where = f"cached in {self.cache_path}" if self.cache_path else "not cached"
+        return f"profile measured in this run, {where}"
+
+
+def _age(measured_at: str | None, now: datetime | None) -> str:
+    """'3 h ago' (a time without a zone is taken as UTC)."""
+    if measured_at is None:
+        return "at an unknown time"
+    then = datetime.fromisoformat(measured_at)
+    then = then if then.tzinfo else then.replace(tzinfo=timezone.utc)
+    seconds = max(((now or datetime.now(timezone.utc)) - then).total_seconds(), 0.0)
+    for unit, size, below in (("s", 1, 90), ("min", 60, 90 * 60), ("h", 3600, 48 * 3600)):
+        if seconds < below:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds / 86400:.0f} days ago"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PDCOMPILE_CACHE_DIR") or Path.home() / ".cache" / "pdcompile")
+
+
+def cache_key(
+    gm: fx.GraphModule, inputs: Mapping[str, torch.Tensor], settings: ProfileSettings
+) -> str:
+    nodes = []
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        nodes.append(
+            [node.name, node.op, str(node.target), repr(module), str(node.meta.get(OUTPUTS))]
+        )
+    shapes = {k: [list(v.shape), str(v.dtype)] for k, v in inputs.items()}
+    # What decides the measurement only; `"cached": False` keeps the file names of old versions.
+    measured = {**{name: getattr(settings, name) for name in _KEYED}, "cached": False}
+    fields = [gm.code, nodes, shapes, gm.training, measured]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def cache_file(cache: bool | str | Path, key: str) -> Path | None:
+    """The file for `key`: in the default directory (`cache=True`), in `cache`, or None (False)."""
+    if not cache:
+        return None
+    directory = default_cache_dir() if cache is True else Path(cache)
+    return directory / f"profile-{key[:24]}.json"
+
+
+def read_cache(
+    path: Path, key: str, settled: Callable[[Times, Times], bool]
+) -> tuple[Times, str] | None:
+    """The cached `(times, measured_at)` under `key`, or None to measure: no file, another key,
+    an older format, or times that `settled(times, slowdown)` finds unsettled by today's
+    thresholds."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("key") != key:
+            return None
+        if doc.get("format") != CACHE_FORMAT:
+            log.info("profile cache %s predates settled-profile checks; measuring again", path)
+            return None
+        times = {name: [float(t) for t in pair] for name, pair in doc["nodes"].items()}
+        slowdown = {name: [float(s) for s in pair] for name, pair in doc["slowdown"].items()}
+        measured_at = str(doc["measured_at"])
+        datetime.fromisoformat(measured_at)
+        if not settled(times, slowdown):
+            log.info("profile cache %s holds unsettled times; measuring again", path)
+            return None
+        return times, measured_at
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("ignoring unreadable profile cache %s (%s); profiling again", path, e)
+    return None
+
+
+def write_cache(
+    path: Path, key: str, settings: ProfileSettings, times: Times, slowdown: Times
+) -> None:
+    """Write a settled profile: its medians, each time's median / fastest and `measured_at`."""
+    doc = {
+        "format": CACHE_FORMAT,
+        "key": key,
+        "settings": asdict(replace(settings, cache_path=None)),
+        "measured_at": settings.measured_at,
+        "nodes": times,
+        "slowdown": slowdown,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)
