@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_aggregate, map_arg
+import torch.utils._pytree as pytree
+from torch.fx.node import map_arg
 
 from pdcompile.errors import CostError
 from pdcompile.ir import iter_tensors
@@ -70,7 +71,7 @@ class NodeCall:
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
         """Fresh copies of the node's arguments, and the leaves its backward differentiates."""
         fresh = _Fresh(is_inplace(self.node, self.module))
-        args, kwargs = map_aggregate((self.args, self.kwargs), fresh)
+        args, kwargs = pytree.tree_map(fresh, (self.args, self.kwargs))  # keeps container types
         params = [p for p in self.module.parameters() if p.requires_grad] if self.module else []
         return args, kwargs, fresh.leaves + params
 

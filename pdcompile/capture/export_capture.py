@@ -9,8 +9,10 @@ fixed, and a call with another size gets a `TraceError` instead of a failed guar
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,12 +22,14 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
+from pdcompile.capture.functionalize import functionalize, inplace_nodes
 from pdcompile.capture.fx_capture import describe_failure
 from pdcompile.capture.graph_module import CapturedGraphModule
 from pdcompile.capture.inputs import BoundInputs
+from pdcompile.capture.outputs import model_output
 from pdcompile.errors import TraceError
 from pdcompile.passes.mutation import written_input
-from pdcompile.passes.state import preserved_state
+from pdcompile.passes.node_runner import record_values
 
 
 class ExportedGraphModule(CapturedGraphModule):
@@ -78,10 +82,10 @@ def _dynamic_shapes(inputs: BoundInputs, batch: Dim) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for name, value in inputs.arguments.items():
         kind = inputs.signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            spec[name] = {
-                k: {0: batch} if isinstance(v, torch.Tensor) else None for k, v in value.items()
-            }
+        if kind is inspect.Parameter.VAR_KEYWORD:  # constants are bound by `_keyword_constants`
+            tensors = {k: {0: batch} for k, v in value.items() if isinstance(v, torch.Tensor)}
+            if tensors:
+                spec[name] = tensors
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             spec[name] = tuple({0: batch} if isinstance(v, torch.Tensor) else None for v in value)
         else:
@@ -102,33 +106,6 @@ def _widened(inputs: BoundInputs) -> BoundInputs:
     return BoundInputs(inputs.signature, dict(bound.arguments), tensors, inputs.constants)
 
 
-def _register_output_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Register the model's dataclass outputs as pytrees, which export needs to flatten them."""
-    with preserved_state(model), torch.no_grad():
-        output = model(*args, **kwargs)
-    pending = [output]
-    while pending:
-        value = pending.pop()
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            if type(value) not in pytree.SUPPORTED_NODES:
-                torch.export.register_dataclass(type(value))
-            pending.extend(getattr(value, f.name) for f in dataclasses.fields(value))
-        elif isinstance(value, dict):
-            pending.extend(value.values())
-        elif isinstance(value, (tuple, list)):
-            pending.extend(value)
-
-
-def _writes_activations(gm: fx.GraphModule) -> bool:
-    """Whether a node writes in place into anything but a parameter or buffer (which export
-    lifts to placeholders named by the graph signature, not by the user's inputs)."""
-    for node in gm.graph.nodes:
-        target = written_input(node)
-        if isinstance(target, fx.Node) and target.op != "placeholder":
-            return True
-    return False
-
-
 def _hoist_state_updates(graph: fx.Graph) -> None:
     """Move each buffer update (`copy_` into a `get_attr`, which functionalization appends at
     the end) to right after the value it writes, so it stays in the stage computing it."""
@@ -141,6 +118,30 @@ def _hoist_state_updates(graph: fx.Graph) -> None:
                 latest.append(node)
 
 
+@contextlib.contextmanager
+def _keyword_constants(model: nn.Module, inputs: BoundInputs) -> Iterator[dict[str, Any]]:
+    """Bind the constants passed through `**kwargs` into `model.forward` while exporting (torch's
+    matching of `dynamic_shapes` fails on a constant there); yields the remaining kwargs."""
+    args, kwargs = inputs.call(inputs.tensors)
+    keyword = [n for n, p in inputs.signature.parameters.items()
+               if p.kind is inspect.Parameter.VAR_KEYWORD]  # fmt: skip
+    extra = inputs.arguments.get(keyword[0], {}) if keyword else {}
+    bound = {k: v for k, v in extra.items() if not isinstance(v, torch.Tensor)}
+    if not bound:
+        yield kwargs
+        return
+    had = "forward" in vars(model)
+    previous = model.forward
+    model.forward = functools.partial(previous, **bound)
+    try:
+        yield {k: v for k, v in kwargs.items() if k not in bound}
+    finally:
+        if had:
+            model.forward = previous
+        else:
+            del model.forward
+
+
 def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule:
     """Export `model` with a dynamic batch dimension and return its fx graph.
 
@@ -148,16 +149,17 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
         TraceError: export fails, or the model fixes the batch dimension.
     """
     inputs = _widened(inputs)
-    args, kwargs = inputs.call(inputs.tensors)
+    args, _ = inputs.call(inputs.tensors)
     try:
-        _register_output_dataclasses(model, args, kwargs)  # runs the model: it may fail here
-        program = torch.export.export(
-            model,
-            args,
-            kwargs,
-            dynamic_shapes=_dynamic_shapes(inputs, Dim("batch")),
-            strict=False,
-        )
+        with _keyword_constants(model, inputs) as kwargs:
+            model_output(model, args, kwargs)  # registers output dataclasses; may fail here
+            program = torch.export.export(
+                model,
+                args,
+                kwargs,
+                dynamic_shapes=_dynamic_shapes(inputs, Dim("batch")),
+                strict=False,
+            )
     except Exception as e:
         hint = ""
         if "batch" in str(e):
@@ -168,8 +170,21 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
         raise TraceError(
             f"torch.export of {type(model).__name__} failed: {describe_failure(e, model)}{hint}"
         ) from e
-    if _writes_activations(program.graph_module):
-        program = program.run_decompositions({})  # functional ATen: writes through views replayed
+    gm = _graph_module(program, inputs, model)
+    if not inplace_nodes(gm):
+        return gm
+    try:  # the same out-of-place rewrite as the fx path keeps the graph as exported
+        functionalize(gm, record_values(gm, inputs.tensors))
+        return gm
+    except TraceError:  # a write through a view: functional ATen replays it
+        return _graph_module(program.run_decompositions({}), inputs, model)
+
+
+def _graph_module(
+    program: torch.export.ExportedProgram, inputs: BoundInputs, model: nn.Module
+) -> ExportedGraphModule:
+    """The program's fx graph called with the tensor inputs by name, returning what `model`
+    returns, with buffer updates beside their values and export's guards removed."""
     exported = program.module()
     graph = exported.graph
     _hoist_state_updates(graph)

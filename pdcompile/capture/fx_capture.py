@@ -18,6 +18,7 @@ import torch.nn as nn
 from pdcompile.capture.graph_module import CapturedGraphModule
 from pdcompile.capture.inputs import BoundInputs
 from pdcompile.capture.leaf_policy import TRACEABLE_FORWARDS, LeafPolicy
+from pdcompile.capture.outputs import keep_output_structure, model_output, returns_dict
 from pdcompile.errors import TraceError
 
 _TORCH_DIR = os.path.dirname(os.path.dirname(fx.__file__))
@@ -129,8 +130,10 @@ def capture_fx(
                 f"symbolic tracing of {type(model).__name__}.forward failed: "
                 f"{describe_failure(e, model)}"
             ) from e
-        name = type(model).__name__
-        return CapturedGraphModule(model, graph, name, model.training), dict(policy.auto)
+        gm = CapturedGraphModule(model, graph, type(model).__name__, model.training)
+        if returns_dict(gm):
+            keep_output_structure(gm, model_output(model, *inputs.call(inputs.tensors)))
+        return gm, dict(policy.auto)
     raise TraceError(
         f"symbolic tracing of {type(model).__name__} needed more than {_MAX_AUTO_LEAVES} automatic "
         "leaves; use method='export' or name leaf modules"

@@ -289,7 +289,13 @@ def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, ca
         torch.manual_seed(0)
         expected = list(iter_tensors(model(*args, **kwargs)))
         torch.manual_seed(0)
-        actual = list(iter_tensors(gm(**inputs.tensors)))
+        try:
+            actual = list(iter_tensors(gm(**inputs.tensors)))
+        except Exception as e:
+            raise TraceError(
+                f"the graph captured by {capture} fails where {type(model).__name__} runs: "
+                f"{_failure(e)}"
+            ) from e
     name = type(model).__name__
     if [p for p, _ in actual] != [p for p, _ in expected]:
         raise TraceError(

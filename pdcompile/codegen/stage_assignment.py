@@ -20,6 +20,7 @@ import torch.fx as fx
 from pdcompile.codegen.stage_values import ValueInfo
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CodegenError
+from pdcompile.passes.mutation import written_input
 from pdcompile.plans import Plan
 
 _SHOWN = 8  # names listed in an error before "... and N more"
@@ -188,23 +189,43 @@ def pin_nodes(
     """The stage of every node as code generation places it.
 
     Graph inputs go to stage 0 (which takes the model's inputs and forwards what later stages
-    need), the output to the last stage, and a `getitem` that picks a value out of a tuple, list
-    or dict holding tensors to the stage that made the container (when its other inputs come
-    from no later stage), so only tensors and small metadata cross stage boundaries. Every
-    other node stays where the plan put it. The result keeps edges going forward.
+    need) and the output to the last stage. So that only tensors and small metadata cross
+    stage boundaries, a `getitem` or `getattr` picking a value out of a tuple, list, dict or
+    output object holding tensors joins the stage that made the container (when its other
+    inputs come from no later stage), and a container the output returns joins the last stage.
+    A buffer update joins the stage using the buffer. Every other node stays where the plan
+    put it.
+    The result keeps edges going forward.
     """
     last = num_stages - 1
     pinned = dict(stage_of)
+    output = gm.graph.output_node()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             pinned[node.name] = 0
         elif node.op == "output":
             pinned[node.name] = last
-        elif node.op == "call_function" and node.target is operator.getitem:
+        elif node.op == "call_function" and node.target in (operator.getitem, getattr):
             source = node.args[0]
             if not isinstance(source, fx.Node) or values[source.name].kind != "container":
                 continue
             home = pinned[source.name]
             if all(pinned[arg.name] <= home for arg in node.all_input_nodes):
                 pinned[node.name] = home
+        elif not node.users and node.op == "call_function":
+            _pin_state_update(node, pinned)
+        elif list(node.users) == [output] and values[node.name].kind == "container":
+            pinned[node.name] = last  # builds what the model returns (a ModelOutput)
     return pinned
+
+
+def _pin_state_update(node: fx.Node, pinned: dict[str, int]) -> None:
+    """A write into a parameter or buffer (a BatchNorm statistic's `copy_`) joins the stage of
+    the tensor's other user, where its new value is computed."""
+    target = written_input(node)
+    if not isinstance(target, fx.Node) or target.op != "get_attr":
+        return
+    others = [pinned[u.name] for u in target.users if u is not node]
+    computed = [pinned[a.name] for a in node.all_input_nodes if a.op != "get_attr"]
+    if others and all(stage <= min(others) for stage in computed):
+        pinned[node.name] = min(others)
