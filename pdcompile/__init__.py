@@ -27,6 +27,7 @@ from pdcompile.errors import (
     StageCommError,
     TraceError,
     TraceWarning,
+    UnsettledProfileWarning,
 )
 
 __version__ = "0.1.0"
@@ -83,6 +84,7 @@ __all__ = [
     "StagedProgram",
     "TraceError",
     "TraceWarning",
+    "UnsettledProfileWarning",
     "analyze",
     "codegen",
     "evaluate",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,7 +13,7 @@ import torch.fx as fx
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
-from pdcompile.ir import CAPTURE, INPUTS, OPTIMIZER
+from pdcompile.ir import CAPTURE, INPUTS, OPTIMIZER, PROFILE
 from pdcompile.passes.analytic import annotate_analytic
 from pdcompile.passes.coarsening import coarsen as coarsen_layers
 from pdcompile.passes.cost_view import to_cost_graph
@@ -135,6 +136,8 @@ def analyze(
         "optimizer": gm.meta[OPTIMIZER],
         "num_threads": num_threads if profile and target.type == "cpu" else None,
         "torch_version": torch.__version__,
+        # how, when and from which cache file the times came (`gm` is the graph profiled)
+        "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
     }
     graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta, measured=profile)
     return coarsen_layers(graph, coarsen) if coarsen else graph

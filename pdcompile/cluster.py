@@ -4,7 +4,9 @@ the runtime's own costs per device.
 Devices are numbered innermost level first: with `8@300GB/s,16@25Gbit/s`, ranks 0-7 share a
 server (300 GB/s between them), ranks 8-15 the next one, and servers talk at 25 Gbit/s. A transfer
 or all-reduce among a set of ranks runs at the bandwidth of the slowest level the set spans, and
-each message also waits that level's latency (`2@1GB/s+100us`). Torch-free.
+each message also waits that level's latency (`2@1GB/s+100us`). Every public function taking a
+cluster takes the same spellings (`Cluster.coerce`, `SPELLINGS`): a `Cluster`, its text, or a
+number of devices. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from pdcompile.errors import PartitionError
 
 # Bandwidth of a level given as a bare count ("4"): 100 Gbit/s, a common NIC and NVLink floor.
 DEFAULT_BANDWIDTH = 1.25e10
+# What every public function taking a cluster accepts (`Cluster.coerce`)
+SPELLINGS = (
+    "a pdcompile.Cluster, its text such as '4' or '8@300GB/s,2@25Gbit/s+5us' "
+    "(COUNT[@BANDWIDTH][+LATENCY] per level, innermost first), or a number of devices >= 1 "
+    "such as 4"
+)
 
 _UNITS = {
     "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -238,21 +246,33 @@ class Cluster:
         return len(self.levels) == 1
 
     @classmethod
-    def coerce(cls, cluster: Cluster | str, what: str = "cluster") -> Cluster:
-        """`cluster` itself, or the Cluster its text describes (`parse`): every public
-        function taking a cluster takes either.
+    def coerce(cls, cluster: Cluster | str | int, what: str = "cluster") -> Cluster:
+        """The cluster `cluster` spells: the one spelling rule of every public function taking a
+        cluster (`plan`, `evaluate`, `simulate`, `compile`, `lower_bound`, `make_plan`, `Plan`).
+
+        Accepted (`SPELLINGS`): a `Cluster` (itself); its text, read by `parse` ("4",
+        "8@300GB/s,2@25Gbit/s+5us"); or a number of devices, an int >= 1 (`4` is `"4"`: one
+        level at `DEFAULT_BANDWIDTH`).
 
         Raises:
-            PartitionError: neither a Cluster nor a string.
+            PartitionError: anything else, or text `parse` cannot read; the message names
+                `what` (the argument), the value given and the accepted spellings.
+
+        Example:
+            >>> Cluster.coerce(4) == Cluster.coerce("4") == Cluster.parse("4")
+            True
         """
         if isinstance(cluster, Cluster):
             return cluster
         if isinstance(cluster, str):
-            return cls.parse(cluster)
-        raise PartitionError(
-            f"{what} must be a pdcompile.Cluster or its text such as '4' or "
-            f"'8@300GB/s,2@25Gbit/s', got {type(cluster).__name__} {cluster!r}"
-        )
+            try:
+                return cls.parse(cluster)
+            except PartitionError as exc:
+                raise PartitionError(f"{what}={cluster!r}: {exc}") from None
+        if isinstance(cluster, int) and not isinstance(cluster, bool) and cluster >= 1:
+            return cls([(cluster, DEFAULT_BANDWIDTH)])
+        shown = repr(cluster) if len(repr(cluster)) <= 80 else repr(cluster)[:77] + "..."
+        raise PartitionError(f"{what} must be {SPELLINGS}; got {type(cluster).__name__} {shown}")
 
     @classmethod
     def parse(
@@ -264,6 +284,11 @@ class Cluster:
     ) -> Cluster:
         """Read `"8@300GB/s,16@25Gbit/s+5us"`, innermost first: `COUNT[@BANDWIDTH][+LATENCY]`
         per level (no bandwidth: `DEFAULT_BANDWIDTH`; no latency: 0)."""
+        if not isinstance(text, str):
+            raise PartitionError(
+                f"Cluster.parse reads text such as '8@300GB/s,16@25Gbit/s', got "
+                f"{type(text).__name__} {text!r}; for other spellings use Cluster.coerce"
+            )
         levels = []
         for part in text.split(","):
             match = _LEVEL.match(part)

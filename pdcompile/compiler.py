@@ -38,7 +38,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     example_kwargs: dict[str, Any] | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    cluster: Cluster | str | None = None,
+    cluster: Cluster | str | int | None = None,
     schedule: str | PipelineSchedule = "1f1b",
     num_microbatches: int | None = None,
     solver: str = "dp",
@@ -62,8 +62,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
         example_kwargs: its keyword inputs.
         loss_fn: `loss_fn(output, target) -> scalar`, run on the last stage.
         optimizer: a factory `params -> torch.optim.Optimizer`, applied to each stage.
-        cluster: the devices (`Cluster` or its text); None: the job's ranks on one level (one
-            device in a single process).
+        cluster: the devices (a `Cluster`, its text or a number of devices:
+            `Cluster.coerce`); None: the job's ranks on one level (one device in a single
+            process).
         schedule: a name from `pdcompile.schedules()`: "1f1b" (default: synchronous, equal to
             single-process gradient accumulation), "gpipe", "pipedream" (asynchronous, weight
             stashing), "2bw", or one registered with `pdcompile.register_schedule`.
@@ -91,8 +92,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
         A `PipelinedModule`.
 
     Raises:
-        PdcompileError: (a subclass saying which phase) the model cannot be captured, no plan
-            fits, the ranks disagree on the model, or the plan needs more ranks than the job.
+        PdcompileError: (a subclass saying which phase) `cluster` is no cluster, the model
+            cannot be captured, no plan fits, the ranks disagree on the model, or the plan
+            needs more ranks than the job.
     """
     from pdcompile.analysis import analyze
     from pdcompile.capture.tracing import trace
@@ -107,6 +109,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
 
     schedule = get_schedule(schedule).name
     check_nonfinite(schedule, nonfinite)
+    cluster = None if cluster is None else Cluster.coerce(cluster)  # every rank, before joining
     distributed = dist.is_initialized() or {"RANK", "WORLD_SIZE"} <= set(os.environ)
     rank, world_size, device = 0, 1, _local_device(model)
     if distributed:
@@ -139,8 +142,6 @@ def compile(  # noqa: A001 - the public name API.md gives it
     failure: Exception | None = None
     if plan is None and rank == 0:
         try:
-            if isinstance(cluster, str):
-                cluster = Cluster.parse(cluster)
             cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
             costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,

@@ -112,7 +112,7 @@ class Pricing:
         """From a solver's `options` (`schedule`, `num_microbatches`, optional `cost_model`)."""
         rules = get_schedule(options["schedule"])
         prices = get_cost_model(options.get("cost_model", "pdcompile"))
-        return cls(cluster, rules, prices, options["num_microbatches"])
+        return cls(Cluster.coerce(cluster), rules, prices, options["num_microbatches"])
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.cluster, self.rules, self.prices, self.microbatches))

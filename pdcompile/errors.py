@@ -14,11 +14,13 @@ __all__ = [
     "PartitionError",
     "PdcompileError",
     "PipelineTimeoutError",
+    "PlanWarning",
     "ScheduleError",
     "SpecError",
     "StageCommError",
     "TraceError",
     "TraceWarning",
+    "UnsettledProfileWarning",
 ]
 
 
@@ -75,3 +77,14 @@ class LossError(PdcompileError, ValueError):
 
 class TraceWarning(UserWarning):
     """Capture succeeded with a compromise (for example a submodule turned into a leaf)."""
+
+
+class PlanWarning(UserWarning):
+    """A plan was made with a compromise (for example microbatches that do not split evenly
+    over a stage's replicas, so some replicas idle)."""
+
+
+class UnsettledProfileWarning(UserWarning):
+    """A profile was measured with a compromise: some times were still unsettled (their median
+    far above their fastest repeat, a busy machine) after the extra measuring rounds; they are
+    used, and not cached."""

@@ -186,9 +186,10 @@ def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str,
     return stage_of
 
 
-def lower_bound(cost_graph: CostGraph, cluster: Cluster) -> float:
+def lower_bound(cost_graph: CostGraph, cluster: Cluster | str | int) -> float:
     """Seconds per minibatch no plan beats: the total compute spread over every device at its
-    speed."""
+    speed (`cluster`: any spelling `Cluster.coerce` takes)."""
+    cluster = Cluster.coerce(cluster)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
     return node_sums(cost_graph, cost_graph.nodes).compute_s / math.fsum(speeds)
 
@@ -196,7 +197,7 @@ def lower_bound(cost_graph: CostGraph, cluster: Cluster) -> float:
 def evaluate(
     plan: Plan,
     cost_graph: CostGraph,
-    cluster: Cluster | str | None = None,
+    cluster: Cluster | str | int | None = None,
     schedule: str | None = None,
     num_microbatches: int | None = None,
     cost_model: str | CostModel | None = None,
@@ -206,7 +207,8 @@ def evaluate(
     Args:
         plan: stages (nodes, ranks) from any solver.
         cost_graph: the costs the plan is scored on.
-        cluster, schedule, num_microbatches: override the plan's.
+        cluster, schedule, num_microbatches: override the plan's (`cluster`: any spelling
+            `Cluster.coerce` takes).
         cost_model: a registered cost model (default: the plan's option, else "pdcompile").
 
     Returns:
@@ -215,14 +217,15 @@ def evaluate(
 
     Raises:
         PartitionError: the plan does not fit the graph or the cluster, or its schedule cannot
-            run it (e.g. a microbatch count it does not accept).
+            run it (e.g. a microbatch count it does not accept), or `cluster` is no cluster.
     """
+    cluster = plan.cluster if cluster is None else Cluster.coerce(cluster)
     try:
         name = get_schedule(schedule or plan.schedule).name
     except ScheduleError as exc:
         raise PartitionError(str(exc)) from None
     plan = plan.with_(
-        cluster=Cluster.coerce(cluster or plan.cluster), schedule=name,
+        cluster=cluster, schedule=name,
         num_microbatches=num_microbatches or plan.num_microbatches,
     )  # fmt: skip
     prices = get_cost_model(cost_model or plan.options.get("cost_model", "pdcompile"))
@@ -232,8 +235,8 @@ def evaluate(
 def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) -> Plan:
     """`plan`'s stages priced by the cost model (default: the plan's option, else
     "pdcompile"): times, bytes, `predicted_time`, bounds, its schedule not yet simulated
-    (`step_time` 0, no `rank_memory`). What a solver compares its candidates by; `evaluate`
-    also simulates. Errors as `evaluate`'s."""
+    (`step_time` 0, no `rank_memory` nor `rank_idle`). What a solver compares its candidates
+    by; `evaluate` also simulates. Errors as `evaluate`'s."""
     cluster, m = plan.cluster, plan.num_microbatches
     try:
         rules = get_schedule(plan.schedule)
@@ -286,13 +289,13 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         stages=tuple(stages), cluster=cluster, schedule=rules.name, num_microbatches=m,
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0, data_parallel_time=dp_time, ties=ties,
-        step_time=0.0, rank_memory=(),
+        step_time=0.0, rank_memory=(), rank_idle=(),
     )  # fmt: skip
 
 
 def simulated(plan: Plan) -> Plan:
     """`plan` with what its schedule's actions give on the simulator: `step_time`,
-    `rank_memory`, each stage's `memory_bytes` and `fits_memory`.
+    `rank_memory`, `rank_idle`, each stage's `memory_bytes` and `fits_memory`.
 
     Raises:
         PartitionError: the schedule cannot run the plan.
@@ -308,8 +311,9 @@ def simulated(plan: Plan) -> Plan:
     memory = plan.cluster.memory
     fits = memory is None or all(b <= memory for b in rank_memory)
     return plan.with_(
-        stages=stages, step_time=sim.time_per_step, rank_memory=rank_memory, fits_memory=fits
-    )
+        stages=stages, step_time=sim.time_per_step, rank_memory=rank_memory, fits_memory=fits,
+        rank_idle=tuple(sim.bubble_fraction),
+    )  # fmt: skip
 
 
 def rescore(

@@ -7,13 +7,15 @@ Values are frozen dataclasses, tuples and strings, because fx copies `meta` shal
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from pdcompile.errors import TraceError
 
 # node.meta keys
 SCOPE = "pdcompile.scope"  # tuple[(qualified name, module type), ...], outermost module first
@@ -151,3 +153,28 @@ def target_name(node: fx.Node) -> str:
     if module == "builtins":
         return name
     return f"{module.replace('_operator', 'operator')}.{name}" if module else name
+
+
+def accept_constants(
+    constants: Sequence[tuple[str, str]], kwargs: Mapping[str, Any], owner: str
+) -> dict[str, Any]:
+    """`kwargs` without the constant arguments bound at capture (`(name, repr(value))` pairs).
+
+    A graph takes the call its model was captured with: a constant may be passed again by
+    keyword, with the same value.
+
+    Raises:
+        TraceError: a constant is passed with another value.
+    """
+    bound = dict(constants)
+    rest = {}
+    for name, value in kwargs.items():
+        if name not in bound:
+            rest[name] = value
+        elif repr(value) != bound[name]:
+            raise TraceError(
+                f"{owner} was captured with {name}={bound[name]}, and that value is part of the "
+                f"graph; it cannot take {name}={value!r}. Call it with {name}={bound[name]} (or "
+                f"without {name}), or capture again with example_kwargs={{{name!r}: {value!r}}}"
+            )
+    return rest

@@ -174,7 +174,8 @@ class PipelinedModule:
         return next(iter(self.pipeline.workers.values()))
 
     def explain(self) -> str:
-        """The plan, what the schedule means for the optimisation, and measured against
+        """The plan (with its notes, e.g. on microbatches split unevenly over a stage's
+        replicas), what the schedule means for the optimisation, and measured against
         predicted time per stage so far."""
         rules = self.pipeline.rules
         lines = [str(self.plan), "", f"schedule {rules.name}: {rules.meaning}", ""]
@@ -206,6 +207,14 @@ class PipelinedModule:
             f"{human_seconds(predicted.forward_s + predicted.backward_s)}/minibatch of "
             f"{self.plan.microbatch_size or 'the profiled'} rows)"
         ]
+        uneven = {u.stage: u for u in self.plan.uneven_splits}
+        if stage in uneven:  # the plan's note says why and the way out
+            split = uneven[stage]
+            mine = split.counts[split.ranks.index(rank)]
+            parts.append(
+                f"runs {mine} of the step's {split.num_microbatches} microbatches (stage "
+                f"{stage}'s replicas: {'/'.join(map(str, split.counts))})"
+            )
         if "send" in seconds or "recv" in seconds:
             parts.append(f"send+receive {per(('send', 'recv'), microbatches)}/microbatch")
         if "allreduce" in seconds or "clip" in seconds:

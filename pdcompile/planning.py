@@ -9,22 +9,25 @@ every solver is compared on the same yardstick; `plan()` simulates the plan it r
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PartitionError, ScheduleError
+from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
 from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.registry import Registry
 from pdcompile.schedules import PipelineSchedule, get_schedule
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
-# options `plan()` adds for every solver: the schedule, the microbatches searched with, and the
-# replica counts allowed (absent: all; a count the caller gave may rule some out)
-SEARCH = ("schedule", "num_microbatches", "replica_counts")
+# options `plan()` adds for every solver: the schedule, the microbatches searched with, the
+# replica counts allowed (absent: all; the caller's `replica_counts` or microbatch count may rule
+# some out), and whether plan() chooses the count (`settled_microbatches` may then round it up)
+SEARCH = ("schedule", "num_microbatches", "replica_counts", "even_microbatches")
 
 SOLVERS: Registry[Solver] = Registry(
     "solver",
@@ -57,15 +60,16 @@ def solvers() -> dict[str, str]:
 
 def make_plan(
     cost_graph: CostGraph,
-    cluster: Cluster,
+    cluster: Cluster | str | int,
     groups: Sequence[tuple[Sequence[str], int]],
     options: dict[str, Any],
     solver: str,
 ) -> Plan:
     """A plan from `(nodes, replicas)` per stage in pipeline order, on consecutive ranks,
-    priced (`evaluation.price`; `plan()` simulates the one it returns) at the first microbatch
-    count from `options["num_microbatches"]` on that the schedule accepts for these replicas
-    (`plan()` refuses a count the caller gave that it does not)."""
+    priced (`evaluation.price`; `plan()` simulates the one it returns) at the microbatch count
+    `settled_microbatches` gives from `options["num_microbatches"]` (`plan()` refuses a count
+    the caller gave that the schedule does not accept)."""
+    cluster = Cluster.coerce(cluster)
     ranks = consecutive_ranks([r for _, r in groups])
     if ranks and ranks[-1] and ranks[-1][-1] >= cluster.num_devices:
         raise PartitionError(
@@ -77,7 +81,10 @@ def make_plan(
         for i, (nodes, r) in enumerate(groups)
     )
     rules = get_schedule(options["schedule"])
-    m = rules.accepted_microbatches([r for _, r in groups], options["num_microbatches"])
+    m = settled_microbatches(
+        rules, [r for _, r in groups], options["num_microbatches"],
+        even=options.get("even_microbatches", False),
+    )  # fmt: skip
     skeleton = Plan(
         stages=stages,
         cluster=cluster,
@@ -90,35 +97,73 @@ def make_plan(
     return price(skeleton, cost_graph)
 
 
+def settled_microbatches(
+    rules: PipelineSchedule, replicas: Sequence[int], at_least: int, *, even: bool = False
+) -> int:
+    """The microbatch count a plan with stages of `replicas` runs: the first from `at_least` on
+    that the schedule accepts. With `even` (`plan()` chooses the count), the first of those
+    that every replica count divides, if it is less than one round of the largest count
+    further: then every replica of a stage runs as many microbatches (replica k mod r runs
+    microbatch k, so 8 over 3 replicas split 3/3/2 and the third idles; 9 split 3/3/3). Past
+    that the split stays uneven, and `plan()` warns.
+
+    >>> settled_microbatches(get_schedule("1f1b"), [1, 3], 8, even=True)
+    9
+    """
+    m = rules.accepted_microbatches(replicas, at_least)
+    if not even or all(m % r == 0 for r in replicas):
+        return m
+    step = math.lcm(*replicas)
+    limit = m + max(replicas)
+    even_m = -(-m // step) * step
+    while even_m < limit and not rules.accepts(replicas, even_m):
+        even_m += step
+    return even_m if even_m < limit else m
+
+
 def plan(
     cost_graph: CostGraph,
-    cluster: Cluster | str,
+    cluster: Cluster | str | int,
     *,
     solver: str = "dp",
     schedule: str | PipelineSchedule = "1f1b",
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
+    replica_counts: Sequence[int] | None = None,
     **options: Any,
 ) -> Plan:
     """Cut `cost_graph` into pipeline stages with replica counts for `cluster`.
 
     Args:
         cost_graph: costs per node (from `analyze`, `CostGraph.load` or `from_pipedream`).
-        cluster: the devices (a `Cluster` or its text, e.g. "8@300GB/s,2@25Gbit/s").
+        cluster: the devices: a `Cluster`, its text (e.g. "8@300GB/s,2@25Gbit/s") or a number
+            of devices (`Cluster.coerce`).
         solver: a name from `solvers()`.
         schedule: a name from `pdcompile.schedules()` ("1f1b", "gpipe", "pipedream", "2bw", ...).
         num_microbatches: microbatches per step (default: twice the number of devices, rounded
-            up to the next count the schedule accepts for the plan's replicas). `compile` runs
-            what is chosen here.
+            up to the next count the schedule accepts for the plan's replicas, and to one that
+            every replica count divides if that is less than one round of the largest count
+            further: `settled_microbatches`). `compile` runs what is chosen here.
         microbatch_size: rows per microbatch; the costs are scaled linearly from the graph's
             batch size.
+        replica_counts: the replica counts a stage may have (default: any); e.g. the divisors
+            of `num_microbatches`, so that every replica runs as many microbatches. Solvers
+            `dp`, `ideal` and `cpsat` search within them; a plan from another solver that
+            breaks them is refused.
         options: the solver's own options.
 
     Returns:
         The Plan, with `solve_time_s` set.
 
+    Warns:
+        PlanWarning: a stage's replicas run different numbers of microbatches per step (the
+            microbatch count is not a multiple of its replica count): the message gives the
+            split, what the short replicas idle and the way out (`Plan.uneven_splits`; the
+            same text closes `str(plan)`).
+
     Raises:
-        PartitionError: unknown solver or schedule, or no plan exists (the message says why).
+        PartitionError: unknown solver or schedule, `cluster` is no cluster, bad
+            `replica_counts`, or no plan exists (the message says why).
     """
     solve = SOLVERS.get(solver)
     cluster = Cluster.coerce(cluster)
@@ -135,21 +180,59 @@ def plan(
     # solvers search with twice the devices; the count the plan runs is settled after. A
     # count the caller gave limits the replicas to those the schedule accepts with it
     searched = num_microbatches or 2 * cluster.num_devices
-    options = {**options, "schedule": rules.name, "num_microbatches": searched}
-    counts = range(1, cluster.num_devices + 1)
-    if num_microbatches is not None and not all(rules.accepts([r], searched) for r in counts):
-        options["replica_counts"] = tuple(r for r in counts if rules.accepts([r], searched))
+    options = {**options, "schedule": rules.name, "num_microbatches": searched,
+               "even_microbatches": num_microbatches is None}  # fmt: skip
+    counts = tuple(range(1, cluster.num_devices + 1))
+    allowed = counts if replica_counts is None else _replica_counts(replica_counts, counts)
+    if num_microbatches is not None:
+        allowed = tuple(r for r in allowed if rules.accepts([r], searched))
+        if not allowed:
+            raise PartitionError(
+                f"{rules.name} accepts none of replica_counts={tuple(replica_counts or ())} "
+                f"with {num_microbatches} microbatches; add 1 or counts dividing "
+                f"{num_microbatches}"
+            )
+    if allowed != counts:
+        options["replica_counts"] = allowed
     start = time.perf_counter()
     result = solve(cost_graph, cluster, options)
     seconds = time.perf_counter() - start
     _check_tied_replicas(result, solver, rules)
+    if replica_counts is not None and any(s.replicas not in allowed for s in result.stages):
+        raise PartitionError(
+            f"solver {solver!r} gave stages {[s.replicas for s in result.stages]} replicas, "
+            f"outside replica_counts={tuple(replica_counts)}; it does not search within them: "
+            "use solver 'dp', 'ideal' or 'cpsat'"
+        )
     if num_microbatches is not None and result.num_microbatches != num_microbatches:
         try:  # the schedule's own reason
             rules.check([s.replicas for s in result.stages], num_microbatches)
         except ScheduleError as exc:
             raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
                                  f"{exc}") from None  # fmt: skip
-    return simulated(result).with_(solve_time_s=seconds)
+    result = simulated(result).with_(solve_time_s=seconds)
+    for split in result.uneven_splits:
+        warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
+    return result
+
+
+def _replica_counts(given: Any, counts: tuple[int, ...]) -> tuple[int, ...]:
+    """The caller's `replica_counts`, checked: integers >= 1 (those above the devices drop)."""
+    values = tuple(given) if isinstance(given, (list, tuple, range, set, frozenset)) else None
+    if not values or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in values
+    ):
+        raise PartitionError(
+            f"replica_counts must be a non-empty sequence of integers >= 1 (e.g. (1, 2, 4) for "
+            f"8 microbatches), got {given!r}"
+        )
+    allowed = tuple(r for r in counts if r in set(values))
+    if not allowed:
+        raise PartitionError(
+            f"replica_counts={tuple(values)}: no stage of a cluster of {len(counts)} devices "
+            "can have that many replicas; add smaller counts (1 always fits)"
+        )
+    return allowed
 
 
 def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> None:

@@ -74,6 +74,11 @@ class Plan:
     `data_parallel_time`: the same devices as one data-parallel stage, for speed-ups.
     `ties`: per tensor that several stages use, `(stages, gradient bytes)`: before each update
     their ranks sum its gradients.
+    `rank_idle[r]`: the share of the simulated step rank r spends outside compute (its bubble,
+    `simulate(plan).bubble_fraction[r]`).
+    `uneven_splits`: the stages whose replicas run different numbers of microbatches per step
+    (M not a multiple of the replica count; `str(plan)` and `plan()`'s `PlanWarning` say so).
+    `cluster` may be given in any spelling `Cluster.coerce` takes.
     """
 
     stages: tuple[Stage, ...]
@@ -92,6 +97,10 @@ class Plan:
     solve_time_s: float = 0.0
     ties: tuple[tuple[tuple[int, ...], int], ...] = ()
     rank_memory: tuple[int, ...] = ()
+    rank_idle: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cluster", Cluster.coerce(self.cluster))
 
     @property
     def num_stages(self) -> int:
@@ -115,6 +124,21 @@ class Plan:
     def stage_of(self) -> dict[str, int]:
         """Node name -> stage index."""
         return {node: s.index for s in self.stages for node in s.nodes}
+
+    @property
+    def uneven_splits(self) -> tuple[UnevenSplit, ...]:
+        """The stages whose replicas run different numbers of microbatches per step, in stage
+        order (none when every replica count divides `num_microbatches`)."""
+        splits = (
+            UnevenSplit(s.index, s.ranks, replica_split(self.num_microbatches, s.replicas))
+            for s in self.stages
+        )
+        return tuple(u for u in splits if len(set(u.counts)) > 1)
+
+    def uneven_note(self, split: UnevenSplit) -> str:
+        """`split.describe` with the plan's simulated idle shares (`rank_idle`): the text of
+        `str(plan)`'s notes and of the `PlanWarning` `plan()` gives."""
+        return split.describe(self.rank_idle)
 
     @property
     def speedup_over_data_parallel(self) -> float:
@@ -154,6 +178,7 @@ class Plan:
             f"(gap {self.gap:.1%}), speed-up over data parallelism {speedup}"
             + ("" if self.fits_memory else "; DOES NOT FIT device memory")
         )
+        lines += [f"note: {self.uneven_note(u)}" for u in self.uneven_splits]
         return "\n".join(lines)
 
     # -- JSON ------------------------------------------------------------------------------
@@ -313,6 +338,87 @@ def check_schedule(schedule: str) -> str:
         return get_schedule(schedule).name
     except ScheduleError as exc:
         raise PartitionError(str(exc)) from None
+
+
+def replica_split(num_microbatches: int, replicas: int) -> tuple[int, ...]:
+    """Microbatches each replica of a stage runs per step: microbatch k goes to replica
+    k mod r (`schedules.builder`), so the first M mod r replicas run one more.
+
+    >>> replica_split(8, 3)
+    (3, 3, 2)
+    """
+    whole, extra = divmod(num_microbatches, replicas)
+    return tuple(whole + (i < extra) for i in range(replicas))
+
+
+@dataclass(frozen=True)
+class UnevenSplit:
+    """A stage whose replicas run different numbers of microbatches per step: the busiest run
+    ceil(M / r), the others floor(M / r), and wait for them (the step, its all-reduce and the
+    next stage's inputs do)."""
+
+    stage: int
+    ranks: tuple[int, ...]
+    counts: tuple[int, ...]  # microbatches per replica, in the order of `ranks`
+
+    @property
+    def num_microbatches(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def short_ranks(self) -> tuple[int, ...]:
+        """The ranks of the replicas that run fewer microbatches than the busiest."""
+        most = max(self.counts)
+        return tuple(r for r, c in zip(self.ranks, self.counts, strict=True) if c < most)
+
+    @property
+    def idle_share(self) -> float:
+        """The share of the busiest replica's compute time a short replica idles,
+        1 - floor(M / r) / ceil(M / r)."""
+        return 1 - min(self.counts) / max(self.counts)
+
+    def fixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(the next two microbatch counts the replica count divides, the replica counts that
+        divide the microbatch count)."""
+        m, r = self.num_microbatches, len(self.counts)
+        above = -(-m // r) * r
+        return (above, above + r), tuple(d for d in range(1, m + 1) if m % d == 0)
+
+    def describe(self, rank_idle: Sequence[float] = ()) -> str:
+        """One sentence: the split, the short replicas' idle share (with the simulated idle of
+        the short and the other ranks, from `rank_idle` per rank, when given) and the way
+        out."""
+        m, r = self.num_microbatches, len(self.counts)
+        (one, two), divisors = self.fixes()
+        shown = divisors if len(divisors) <= 8 else (*divisors[:7], "...")
+        short = self.short_ranks
+        simulated = ""
+        if max(self.ranks) < len(rank_idle):
+            full = tuple(rank for rank in self.ranks if rank not in short)
+            parts = [
+                f"{_rank_list(ranks)} {max(rank_idle[rank] for rank in ranks):.0%}"
+                for ranks in (short, full)
+                if ranks
+            ]
+            simulated = f" (simulated idle: {' against '.join(parts)})"
+        return (
+            f"stage {self.stage}'s {r} replicas ({_rank_list(self.ranks)}) split {m} "
+            f"microbatch{'es' if m != 1 else ''} {'/'.join(map(str, self.counts))}: "
+            f"{_rank_list(short)} {'runs' if len(short) == 1 else 'run'} {min(self.counts)} to "
+            f"the others' {max(self.counts)} and {'idles' if len(short) == 1 else 'idle'} "
+            f"{self.idle_share:.0%} of the stage's compute time{simulated}; "
+            f"use a multiple of {r} microbatches (e.g. num_microbatches={one} or {two}), or "
+            f"replica counts dividing {m} (replica_counts=({', '.join(map(str, shown))}))"
+        )
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """`rank 3`, `ranks 1-2` or `ranks 1, 4`."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def consecutive_ranks(replicas: Sequence[int]) -> list[tuple[int, ...]]:

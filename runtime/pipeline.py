@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from pdcompile.capture.inputs import accept_constants
 from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import BatchError
+from pdcompile.ir import accept_constants
 from pdcompile.runtime.microbatches import Batch, split_batch
 from pdcompile.runtime.rank_workers import RankWorkers
 from pdcompile.runtime.stream import RankStream

@@ -75,19 +75,19 @@ def simulate(
     *,
     schedule: str | PipelineSchedule | None = None,
     num_microbatches: int | None = None,
-    cluster: Cluster | str | None = None,
+    cluster: Cluster | str | int | None = None,
 ) -> Simulation:
     """Simulate one `train_step` of `plan` (for `pipedream` and `2bw`, enough calls to reach
     their steady state) under `schedule` with `num_microbatches` on `cluster` (defaults: the
-    plan's).
+    plan's; `cluster`: any spelling `Cluster.coerce` takes).
 
     A stage's `forward_s`/`backward_s` are taken per microbatch (plan at the microbatch size).
     Tie groups (`plan.ties`) add their all-reduces before each update of their stages.
 
     Raises:
         PartitionError: the plan has no per-stage byte counts (not scored by this version's
-            `pdcompile.evaluate`), the cluster has too few devices for its ranks, or a tie
-            group names stages the plan does not have.
+            `pdcompile.evaluate`), `cluster` is no cluster or has too few devices for its
+            ranks, or a tie group names stages the plan does not have.
         ScheduleError: the schedule cannot be built (e.g. `2bw` with fewer microbatches than
             stages) or deadlocks.
     """
@@ -101,7 +101,7 @@ def simulate(
         )
     return run(
         plan, get_schedule(schedule or plan.schedule), num_microbatches or plan.num_microbatches,
-        Cluster.coerce(cluster or plan.cluster),
+        plan.cluster if cluster is None else Cluster.coerce(cluster),
     )  # fmt: skip
 
 

@@ -54,9 +54,11 @@ def test_compile_runs_the_microbatches_planned_and_rescores_for_the_rows_run() -
         model, (x[:2],), loss_fn=loss_fn, optimizer=SGD, cluster="8", profile=False,
     )  # fmt: skip
     planned = pipe.plan
-    assert pipe.pipeline.num_microbatches == planned.num_microbatches == 16
+    # 2 x 8 devices, rounded up to whole rounds of the plan's 7 replicas (no replica idles)
+    assert [s.replicas for s in planned.stages] == [1, 7]
+    assert pipe.pipeline.num_microbatches == planned.num_microbatches == 21
     assert planned.microbatch_size == 2
-    xs, ys = x.repeat(4, 1), y.repeat(4)  # 48 rows: 3 per microbatch
+    xs, ys = x.repeat(6, 1)[:63], y.repeat(6)[:63]  # 63 rows: 3 per microbatch
     pipe.train_step(xs, ys)
     rows = xs.shape[0] // planned.num_microbatches
     scored = pipe.plan

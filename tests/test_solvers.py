@@ -222,7 +222,8 @@ def test_dp_gives_up_a_faster_plan_that_would_replicate_a_tie_stage() -> None:
 
 def test_streaming_plans_default_to_whole_rounds_of_replicas() -> None:
     """Twice the devices (8) is not a multiple of 3 replicas: the default rounds up to 9, as
-    pipedream's and 2bw's schedules need; an explicit count is kept."""
+    pipedream's and 2bw's schedules need (and as 1f1b, which accepts 8, gets too, so no replica
+    idles: tests/test_replica_balance.py); an explicit count is kept."""
     from pdcompile.schedules import build_schedule
 
     g = chain([10.0, 1.0, 1.0, 1.0], [0, 1000, 1000, 0], [1] * 4, [10] * 4)
@@ -235,7 +236,7 @@ def test_streaming_plans_default_to_whole_rounds_of_replicas() -> None:
         build_schedule(schedule, ranks, {(0, 1): True}, plan.num_microbatches)
     explicit = pdcompile.plan(g, cluster, schedule="pipedream", num_microbatches=8)
     assert explicit.num_microbatches == 8
-    assert pdcompile.plan(g, cluster, schedule="1f1b").num_microbatches == 8
+    assert pdcompile.plan(g, cluster, schedule="1f1b").num_microbatches == 9
 
 
 def test_split_ties_marks_the_stages_holding_part_of_a_tie() -> None:

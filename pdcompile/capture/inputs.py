@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,28 +113,3 @@ def bind_inputs(
             "example batch as a tensor"
         )
     return BoundInputs(signature, dict(bound.arguments), tensors, constants)
-
-
-def accept_constants(
-    constants: Sequence[tuple[str, str]], kwargs: Mapping[str, Any], owner: str
-) -> dict[str, Any]:
-    """`kwargs` without the constant arguments bound at capture (`(name, repr(value))` pairs).
-
-    A graph takes the call its model was captured with: a constant may be passed again by
-    keyword, with the same value.
-
-    Raises:
-        TraceError: a constant is passed with another value.
-    """
-    bound = dict(constants)
-    rest = {}
-    for name, value in kwargs.items():
-        if name not in bound:
-            rest[name] = value
-        elif repr(value) != bound[name]:
-            raise TraceError(
-                f"{owner} was captured with {name}={bound[name]}, and that value is part of the "
-                f"graph; it cannot take {name}={value!r}. Call it with {name}={bound[name]} (or "
-                f"without {name}), or capture again with example_kwargs={{{name!r}: {value!r}}}"
-            )
-    return rest

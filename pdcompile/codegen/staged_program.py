@@ -15,8 +15,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from pdcompile.capture.inputs import accept_constants
 from pdcompile.errors import CodegenError
+from pdcompile.ir import accept_constants
 from pdcompile.plans import Plan
 from pdcompile.text import human_bytes
 
