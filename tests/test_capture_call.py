@@ -105,3 +105,53 @@ def test_no_capture_path_names_each_paths_submodule_and_construct_on_the_first_l
     assert "x.nonzero()" in first
     message = str(info.value)
     assert "leaf_modules=" in message and "cut the model before it" in message
+
+
+class _KeywordBag(nn.Module):
+    """Takes its options through `**kwargs`, as GPT-2 takes `return_dict`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs):
+        scale = 2.0 if kwargs.get("double") else 1.0
+        return {"out": self.fc(x) * scale + kwargs.get("bias", 0)}
+
+
+def test_export_takes_constants_passed_through_kwargs() -> None:
+    torch.manual_seed(0)
+    model, x, bias = _KeywordBag(), torch.randn(3, 4), torch.randn(3, 4)
+    call = {"double": True, "bias": bias}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = pdcompile.trace(model, (x,), example_kwargs=call, method="export")
+    assert "forward" not in vars(model)  # the binding is undone
+    torch.testing.assert_close(gm(x, **call)["out"], model(x, **call)["out"])
+    with pytest.raises(pdcompile.TraceError, match="captured with double=True"):
+        gm(x, bias=bias, double=False)
+
+
+class _Output(dict):
+    """A dict subclass output, like a Hugging Face ModelOutput."""
+
+
+class _ReturnsOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(logits=self.b(torch.relu(self.a(x))))
+
+
+def test_symbolic_tracing_keeps_dict_subclass_outputs_through_codegen() -> None:
+    torch.manual_seed(0)
+    model, x = _ReturnsOutput(), torch.randn(6, 4)
+    gm = pdcompile.trace(model, (x,))
+    assert gm.meta["pdcompile.capture"] == "fx" and type(gm(x)) is _Output
+    costs = pdcompile.analyze(gm, (x,), profile=False, progress=False)
+    program = pdcompile.codegen(gm, pdcompile.plan(costs, "2", solver="uniform"))
+    out = program(x)
+    assert type(out) is _Output
+    torch.testing.assert_close(out["logits"], model(x)["logits"])

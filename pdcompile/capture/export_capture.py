@@ -10,7 +10,6 @@ fixed, and a call with another size gets a `TraceError` instead of a failed guar
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -82,10 +81,8 @@ def _dynamic_shapes(inputs: BoundInputs, batch: Dim) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for name, value in inputs.arguments.items():
         kind = inputs.signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:  # constants are bound by `_keyword_constants`
-            tensors = {k: {0: batch} for k, v in value.items() if isinstance(v, torch.Tensor)}
-            if tensors:
-                spec[name] = tensors
+        if kind is inspect.Parameter.VAR_KEYWORD:  # parameters of their own: `_explicit_keywords`
+            spec |= {k: {0: batch} for k, v in value.items() if isinstance(v, torch.Tensor)}
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             spec[name] = tuple({0: batch} if isinstance(v, torch.Tensor) else None for v in value)
         else:
@@ -119,20 +116,29 @@ def _hoist_state_updates(graph: fx.Graph) -> None:
 
 
 @contextlib.contextmanager
-def _keyword_constants(model: nn.Module, inputs: BoundInputs) -> Iterator[dict[str, Any]]:
-    """Bind the constants passed through `**kwargs` into `model.forward` while exporting (torch's
-    matching of `dynamic_shapes` fails on a constant there); yields the remaining kwargs."""
+def _explicit_keywords(model: nn.Module, inputs: BoundInputs) -> Iterator[dict[str, Any]]:
+    """While exporting, give `model.forward` a signature without `**kwargs`: its tensors become
+    keyword parameters of their own and its constants are bound (torch's matching of
+    `dynamic_shapes` asserts on `**kwargs`). Yields the keyword arguments to export with."""
     args, kwargs = inputs.call(inputs.tensors)
-    keyword = [n for n, p in inputs.signature.parameters.items()
-               if p.kind is inspect.Parameter.VAR_KEYWORD]  # fmt: skip
+    parameters = inputs.signature.parameters
+    keyword = [n for n, p in parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
     extra = inputs.arguments.get(keyword[0], {}) if keyword else {}
-    bound = {k: v for k, v in extra.items() if not isinstance(v, torch.Tensor)}
-    if not bound:
+    if not extra:
         yield kwargs
         return
-    had = "forward" in vars(model)
+    bound = {k: v for k, v in extra.items() if not isinstance(v, torch.Tensor)}
     previous = model.forward
-    model.forward = functools.partial(previous, **bound)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return previous(*args, **kwargs, **bound)
+
+    explicit = [p for p in parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    explicit += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in extra
+                 if k not in bound]  # fmt: skip
+    forward.__signature__ = inspect.Signature(explicit)  # type: ignore[attr-defined]
+    had = "forward" in vars(model)
+    model.forward = forward
     try:
         yield {k: v for k, v in kwargs.items() if k not in bound}
     finally:
@@ -151,7 +157,7 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
     inputs = _widened(inputs)
     args, _ = inputs.call(inputs.tensors)
     try:
-        with _keyword_constants(model, inputs) as kwargs:
+        with _explicit_keywords(model, inputs) as kwargs:
             model_output(model, args, kwargs)  # registers output dataclasses; may fail here
             program = torch.export.export(
                 model,
