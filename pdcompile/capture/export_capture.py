@@ -183,7 +183,19 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
         functionalize(gm, record_values(gm, inputs.tensors))
         return gm
     except TraceError:  # a write through a view: functional ATen replays it
-        return _graph_module(program.run_decompositions({}), inputs, model)
+        functional = program.run_decompositions({})
+        _views_as_reshapes(functional.graph_module)
+        return _graph_module(functional, inputs, model)
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """`aten.view` -> `aten.reshape` in a functional graph, where nothing writes through a view
+    so the two agree: re-tracing drops `.contiguous()` and records `reshape` as `view` wherever
+    the fake strides say the input is contiguous, and a kernel whose real output strides differ
+    (scaled_dot_product_attention after a transpose, T5) then fails the view at run time."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default
+    gm.recompile()
 
 
 def _graph_module(
