@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 _LOOPBACK = "127.0.0.1"
 _DEFAULT_PORT = 29500  # torch's
 _STREAMS = {"act": 0, "grad": 1}
+LINGER_S = 2.0  # how long a failing rank waits for its error messages to be delivered
 EXCHANGE_MAX = 4  # on gloo, groups up to this size all-reduce by exchanging whole tensors
 
 
@@ -170,6 +171,8 @@ class DistributedComm:
         self._gloo = dist.get_backend() == "gloo"
         # buffers of failed waits: the backend may still write into them, so they stay alive
         self._abandoned: list[tuple[Any, torch.Tensor]] = []
+        # error messages sent in place of owed ones, not yet known to be delivered (`linger`)
+        self._told: list[tuple[Any, torch.Tensor]] = []
         # receives posted early (`expect`), by (peer, key)
         self._posted: dict[tuple[int, Key], tuple[Any, torch.Tensor, wire.Layout, str]] = {}
         # the wait in progress (what, peer, since), which a watchdog thread reports every
@@ -238,7 +241,21 @@ class DistributedComm:
         except Exception as exc:  # never mask the error being reported
             logger.warning("rank %d: could not tell rank %d: %s", self.rank, peer, exc)
             return
-        self._abandoned.append((work, buffer))
+        self._told.append((work, buffer))
+
+    def linger(self, within_s: float = LINGER_S) -> None:
+        """Give the error messages `send_error` started up to `within_s` in all to reach peers
+        that wait for them, before this rank's process may exit and close its connections (a
+        peer would then hear of a closed connection instead of the error). Best effort."""
+        deadline = time.monotonic() + within_s
+        told, self._told = self._told, []
+        for work, buffer in told:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0 or work.wait(timeout=timedelta(seconds=left)) is False:
+                    self._abandoned.append((work, buffer))
+            except Exception:  # the peer is gone too: nothing to tell
+                self._abandoned.append((work, buffer))
 
     def recv(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> list[Any]:
         """Wait for the message of `key` from `peer` (posted by `expect`, or now).

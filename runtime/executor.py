@@ -162,6 +162,8 @@ class DistributedPipeline(Pipeline):
                     key = self._loss_key(self.owed_loss, peer)
                     self.loss_comm.send_error(peer, key, LOSS, 0, text, timeout)
             self.owed_loss = None
+        self.comm.linger()
+        self.loss_comm.linger()
 
     def _loss(self, batch: Batch, first: int) -> float:
         """Every last-stage rank sends its (weighted sum, weights) to every other rank."""
