@@ -1,7 +1,8 @@
 """Derive the torch-free CostGraph from an annotated graph (one way: never written back).
 
 Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.flops`,
-`pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other),
+`pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other;
+the split backward's from `pdcompile.analytic_split_s` or `pdcompile.measured_split_s`),
 and `gm.meta["pdcompile.param_table"]` for the CostGraph's `meta["param_tensors"]` and
 `meta["ties"]` (docs/simulator.md) and for which edges carry gradients (`pdcompile.outputs`'
 dtypes too).
@@ -17,14 +18,17 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.ir import (
     ACTIVATION_BYTES,
     ANALYTIC_S,
+    ANALYTIC_SPLIT_S,
     FLOPS,
     GRAD_BYTES,
     MEASURED_S,
+    MEASURED_SPLIT_S,
     OPTIMIZER_BYTES,
     OUTPUT_BYTES,
     OUTPUTS,
     PARAM_BYTES,
     PARAM_TABLE,
+    WEIGHT_GRAD_ACTIVATION_BYTES,
     module_path,
     target_name,
 )
@@ -37,24 +41,29 @@ def to_cost_graph(
 ) -> CostGraph:
     """One CostGraph node per graph node (same names, same order), one edge per data dependency.
 
-    Times are the profiled ones when `measured`, else the analytic ones. `meta` gains
+    Times (with the split backward's parts) are the profiled ones when `measured`, else the
+    analytic ones. `meta` gains
     `param_tensors` (node -> parameter tensors it owns, as `param_bytes` counts them) and `ties`
     (per parameter with gradients that several nodes use: `{"nodes": [...], "grad_bytes": n}`).
     """
     graph = CostGraph(batch_size=batch_size, meta={**meta, **parameter_layout(gm)})
-    times = MEASURED_S if measured else ANALYTIC_S
+    times, split = (MEASURED_S, MEASURED_SPLIT_S) if measured else (ANALYTIC_S, ANALYTIC_SPLIT_S)
     for node in gm.graph.nodes:
         forward_s, backward_s = node.meta[times]
+        backward_input_s, backward_weight_s = node.meta[split]
         flops_forward, flops_backward = node.meta[FLOPS]
         graph.add_node(
             node.name,
             kind=_KIND.get(node.op, "compute"),
             forward_s=float(forward_s),
             backward_s=float(backward_s),
+            backward_input_s=float(backward_input_s),
+            backward_weight_s=float(backward_weight_s),
             param_bytes=node.meta[PARAM_BYTES],
             grad_bytes=node.meta[GRAD_BYTES],
             optimizer_bytes=node.meta[OPTIMIZER_BYTES],
             activation_bytes=node.meta[ACTIVATION_BYTES],
+            weight_grad_activation_bytes=node.meta[WEIGHT_GRAD_ACTIVATION_BYTES],
             output_bytes=node.meta[OUTPUT_BYTES],
             flops_forward=float(flops_forward),
             flops_backward=float(flops_backward),

@@ -10,9 +10,15 @@ charged to the node running at that moment. A storage saved twice (by a producer
 consumer) is charged once, to the first node that saves it; parameters and buffers are not
 activations. Works on the `meta` device.
 
+Of those, the storages some node's weight gradient reads stay alive after the input-gradient
+part I of a split backward, until its weight-gradient part W: a Linear's input, a LayerNorm's
+input and statistics (`weight_grad_reads`). They are charged, like the activations, to the node
+they are charged to (so a node's share is at most its `activation_bytes`).
+
 Reads `pdcompile.params`, `pdcompile.param_table`. Writes on every node `pdcompile.param_bytes`,
 `pdcompile.grad_bytes`, `pdcompile.optimizer_bytes`, `pdcompile.buffer_bytes`,
-`pdcompile.activation_bytes` (ints), and `gm.meta["pdcompile.optimizer"]`.
+`pdcompile.activation_bytes`, `pdcompile.weight_grad_activation_bytes` (ints), and
+`gm.meta["pdcompile.optimizer"]`.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ from pdcompile.ir import (
     OPTIMIZER,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
+    WEIGHT_GRAD_ACTIVATION_BYTES,
     param_table,
 )
+from pdcompile.passes.node_runner import COMPUTE_OPS, NodeCall, weight_nodes
 from pdcompile.passes.state import preserved_state
+from pdcompile.passes.weight_grad import weight_grad_reads
 
 # Optimizer state bytes per byte of trainable parameter.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -68,21 +77,26 @@ def annotate_memory(
     gm.meta[OPTIMIZER] = optimizer
 
     state = {_storage_key(t) for t in [*gm.parameters(), *gm.buffers()]}
-    charged: set[int] = set()
+    charged: dict[int, tuple[fx.Node, int]] = {}  # storage -> (node charged, bytes)
+    saved_by: dict[str, list[int]] = {}  # node -> storages of what it saves, in order
+    values: dict[str, Any] = {}  # node -> its value, to run nodes alone afterwards
     current: list[fx.Node] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
+        if current:
+            saved_by.setdefault(current[-1].name, []).append(key)
         if current and key not in state and key not in charged:
-            charged.add(key)
-            current[-1].meta[ACTIVATION_BYTES] += tensor.untyped_storage().nbytes()
+            charged[key] = (current[-1], tensor.untyped_storage().nbytes())
+            current[-1].meta[ACTIVATION_BYTES] += charged[key][1]
         return tensor
 
     class Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             current.append(n)
             try:
-                return super().run_node(n)
+                values[n.name] = result = super().run_node(n)
+                return result
             finally:
                 current.pop()
 
@@ -90,4 +104,30 @@ def annotate_memory(
     with preserved_state(gm), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             Recorder(gm).run(*args)
+        kept = _kept_for_weight_grads(gm, values, saved_by)
+    for node in gm.graph.nodes:
+        node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] = 0
+    for key in kept - state:
+        if key in charged:
+            node, nbytes = charged[key]
+            node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] += nbytes
     return gm
+
+
+def _kept_for_weight_grads(
+    gm: fx.GraphModule, values: dict[str, Any], saved_by: dict[str, list[int]]
+) -> set[int]:
+    """The storages (of those the whole run saved) that some node's weight gradient reads:
+    each node is run alone and its saves matched to the whole run's by their order."""
+    weights = weight_nodes(gm)
+    kept: set[int] = set()
+    for node in gm.graph.nodes:
+        keys = saved_by.get(node.name, [])
+        if node.op not in COMPUTE_OPS or not keys:
+            continue
+        count, reads = weight_grad_reads(NodeCall(gm, node, values, weights))
+        if reads and count != len(keys):  # alone it saves other tensors: W keeps them all
+            kept.update(keys)
+        else:
+            kept.update(keys[i] for i in reads)
+    return kept

@@ -3,8 +3,11 @@
 Every compute node runs alone on the values a full forward pass produced: its forward (autograd
 on, as in training) is timed `warmup + repeats` times, then its backward (`torch.autograd.grad`
 from its outputs to its inputs and parameters, graph retained) likewise, and the medians of the
-repeats are kept. On CPU the wall clock times it at a fixed thread count (one by default); on CUDA,
-CUDA events do. Placeholders, parameters (`get_attr`) and the output cost nothing.
+repeats are kept. A node with both activation inputs and weights (`node_runner.split_inputs`)
+also has the two parts of a split backward timed alone: the input gradients only (I) and the
+weight gradients only (W); a node with one kind has its whole backward in that part. On CPU the
+wall clock times it at a fixed thread count (one by default); on CUDA, CUDA events do.
+Placeholders, parameters (`get_attr`) and the output cost nothing.
 
 A time whose median is far above its fastest repeat (another process took the device during
 part of the repeats) is measured again, at most `EXTRA_ROUNDS` times; a profile still unsettled
@@ -15,8 +18,9 @@ Settled profiles are cached (`profile_cache`), so a second run on the same model
 profile served from the cache says so (file and age: `ProfileSettings.origin()`, a log record,
 and a console line when `progress` is on).
 
-Reads `pdcompile.outputs`. Writes `pdcompile.measured_s` (`(forward, backward)` seconds) on
-every node and `gm.meta["pdcompile.profile"]` (the `ProfileSettings`).
+Reads `pdcompile.outputs`. Writes `pdcompile.measured_s` (`(forward, backward)` seconds) and
+`pdcompile.measured_split_s` (`(backward_input, backward_weight)` seconds) on every node and
+`gm.meta["pdcompile.profile"]` (the `ProfileSettings`).
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ from rich.console import Console
 from rich.progress import Progress
 
 from pdcompile.errors import UnsettledProfileWarning
-from pdcompile.ir import MEASURED_S, PROFILE
+from pdcompile.ir import MEASURED_S, MEASURED_SPLIT_S, PROFILE
 from pdcompile.passes.node_runner import (
     COMPUTE_OPS,
     NodeCall,
     differentiable_outputs,
     invoke,
     record_values,
+    weight_nodes,
 )
 from pdcompile.passes.profile_cache import (
     ProfileSettings,
@@ -71,6 +76,8 @@ MIN_SHARE = 0.01
 # Bounded: a machine that stays loaded does not settle; its user is better told than kept waiting.
 EXTRA_ROUNDS = 2
 _WHOLE = "(whole graph)"  # in `slowdown`: the forward and backward of the whole graph per run
+# What a node's times (and slowdowns) are, in order; `_WHOLE` has the first two.
+DIRECTIONS = ("forward", "backward", "backward_input", "backward_weight")
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -95,11 +102,24 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
 
 
 @dataclass
+class _Alone:
+    """A node's backward timed alone: the fixed cost of a grad call, the repeats of the whole
+    backward, and for a node with both kinds those of its input-gradient part I and its
+    weight-gradient part W (else None: `kind` says which part the whole is)."""
+
+    overhead: float
+    whole: list[float]
+    kind: str  # "both", "input" or "weight"
+    input: list[float] | None = None
+    weight: list[float] | None = None
+
+
+@dataclass
 class _Samples:
     """Timed repeats in seconds."""
 
     forward: dict[str, list[float]]  # node -> its forward in context
-    backward: dict[str, tuple[float, list[float]]]  # node -> (grad call's fixed cost, alone)
+    backward: dict[str, _Alone]  # node -> its backward alone
     whole: tuple[list[float], list[float]]  # the graph's forward (node sum), backward, in context
 
 
@@ -107,18 +127,17 @@ class _Samples:
 class _Profile:
     """What the samples say: the times used, and how far each median is above its fastest."""
 
-    times: dict[str, list[float]]  # node -> [forward, backward] seconds
-    slowdown: dict[str, list[float]]  # node or _WHOLE -> [forward, backward]: median / fastest
+    times: dict[str, list[float]]  # node -> seconds, in the order of `DIRECTIONS`
+    slowdown: dict[str, list[float]]  # node or _WHOLE -> median / fastest, same order
 
     def unsettled(self) -> list[tuple[str, str, float]]:
         """`(node, direction, slowdown)` of the times above `MAX_SLOWDOWN` by more than
         `MIN_SHARE` of the total, the largest error first."""
         found = []
-        total = math.fsum(f + b for f, b in self.times.values())
+        total = math.fsum(t[0] + t[1] for t in self.times.values())
         for name, slowdowns in self.slowdown.items():
-            for direction, median, s in zip(
-                ("forward", "backward"), self._medians(name), slowdowns, strict=True
-            ):
+            medians = self._medians(name)  # as many as `slowdowns` (2 for _WHOLE)
+            for direction, median, s in zip(DIRECTIONS, medians, slowdowns, strict=False):
                 if s > MAX_SLOWDOWN and median * (1 - 1 / s) >= MIN_SHARE * total:
                     found.append((median * (1 - 1 / s), name, direction, round(s, 2)))
         return [(name, direction, s) for _, name, direction, s in sorted(found, reverse=True)]
@@ -128,7 +147,7 @@ class _Profile:
         parts = []
         for name, direction, s in unsettled[:5]:
             what = f"the whole {direction}" if name == _WHOLE else f"{name} {direction}"
-            median = self._medians(name)[direction == "backward"]
+            median = self._medians(name)[DIRECTIONS.index(direction)]
             parts.append(f"{what} ({median * 1e3:.3g} ms median, {s:.1f}x its fastest repeat)")
         more = f" and {len(unsettled) - 5} more" if len(unsettled) > 5 else ""
         return ", ".join(parts) + more
@@ -146,16 +165,26 @@ def _slowdown(times: list[float]) -> float:
 
 
 def _summarize(samples: _Samples) -> _Profile:
-    alone = {n: max(statistics.median(t) - o, 0.0) for n, (o, t) in samples.backward.items()}
-    # The whole backward, measured in context, is shared out in proportion to the isolated runs.
-    scale = statistics.median(samples.whole[1]) / (math.fsum(alone.values()) or 1.0)
-    times = {
-        n: [statistics.median(t), alone.get(n, 0.0) * scale] for n, t in samples.forward.items()
-    }
-    slowdown = {
-        n: [_slowdown(samples.forward[n]), _slowdown(samples.backward.get(n, (0.0, []))[1])]
-        for n in times
-    }
+    def alone(b: _Alone, repeats: list[float] | None) -> float:
+        return max(statistics.median(repeats) - b.overhead, 0.0) if repeats else 0.0
+
+    # The whole backward, measured in context, is shared out in proportion to the isolated runs;
+    # the parts of a split backward, timed alone too, are scaled alike (they need not add up to
+    # the whole: the two calls may each do work the fused one shares).
+    total = math.fsum(alone(b, b.whole) for b in samples.backward.values())
+    scale = statistics.median(samples.whole[1]) / (total or 1.0)
+    times, slowdown = {}, {}
+    for n, forward in samples.forward.items():
+        times[n] = [statistics.median(forward), 0.0, 0.0, 0.0]
+        slowdown[n] = [_slowdown(forward), 1.0, 1.0, 1.0]
+        b = samples.backward.get(n)
+        if b is None:
+            continue
+        parts = (b.input, b.weight) if b.kind == "both" else (None, None)
+        times[n][1:] = [alone(b, b.whole) * scale, *(alone(b, p) * scale for p in parts)]
+        slowdown[n][1:] = [_slowdown(b.whole), *(_slowdown(p or []) for p in parts)]
+        if b.kind != "both":  # the whole backward is the one part the node has
+            times[n][2 if b.kind == "input" else 3] = times[n][1]
     slowdown[_WHOLE] = [_slowdown(samples.whole[0]), _slowdown(samples.whole[1])]
     return _Profile(times, slowdown)
 
@@ -184,21 +213,37 @@ class _TimedInterpreter(fx.Interpreter):
 
 
 def _isolated_backward(
-    gm: fx.GraphModule, values: dict, node: fx.Node, timer: Callable, warmup: int, repeats: int
-) -> list[float] | None:
-    """The timed repeats of the node's backward alone; None when it has no backward."""
-    call = NodeCall(gm, node, values)
-    args, kwargs, targets = call.inputs()
+    gm: fx.GraphModule,
+    values: dict,
+    node: fx.Node,
+    timer: Callable,
+    warmup: int,
+    repeats: int,
+    weights: frozenset[str],
+    overhead: float,
+) -> _Alone | None:
+    """The timed repeats of the node's backward alone, and of each part of a split backward
+    when the node has both kinds of gradient; None when it has no backward."""
+    call = NodeCall(gm, node, values, weights)
+    args, kwargs, activations, params = call.split_inputs()
     with torch.enable_grad():
         outputs = differentiable_outputs(call.forward(args, kwargs))
-    if not (outputs and targets):
+    if not (outputs and (activations or params)):
         return None
     grads = [torch.ones_like(t) for t in outputs]
 
-    def grad() -> object:
-        return torch.autograd.grad(outputs, targets, grads, retain_graph=True, allow_unused=True)
+    def timed(targets: list[torch.Tensor]) -> list[float]:
+        def grad() -> object:
+            return torch.autograd.grad(
+                outputs, targets, grads, retain_graph=True, allow_unused=True
+            )
 
-    return [timer(grad) for _ in range(warmup + repeats)][warmup:]
+        return [timer(grad) for _ in range(warmup + repeats)][warmup:]
+
+    whole = timed(activations + params)
+    if not (activations and params):
+        return _Alone(overhead, whole, "input" if activations else "weight")
+    return _Alone(overhead, whole, "both", timed(activations), timed(params))
 
 
 def _grad_call_overhead(device: torch.device, timer: Callable, repeats: int) -> float:
@@ -256,10 +301,11 @@ def _measure(
             bar.advance(task)
         values = record_values(gm, inputs)
         overhead = _grad_call_overhead(device, timer, warmup + repeats)
+        weights = weight_nodes(gm)
         for node in alone:
-            times = _isolated_backward(gm, values, node, timer, warmup, repeats)
-            if times is not None:
-                samples.backward[node.name] = (overhead, times)
+            timed = _isolated_backward(gm, values, node, timer, warmup, repeats, weights, overhead)
+            if timed is not None:
+                samples.backward[node.name] = timed
             bar.advance(task)
     for p, grad in zip(params, saved_grads, strict=True):
         p.grad = grad
@@ -284,7 +330,7 @@ def _measure_settled(
             break
         log.info("profile: %s unsettled; measuring again (round %d of %d)",
                  profile.describe(unsettled), extra + 1, EXTRA_ROUNDS + 1)  # fmt: skip
-        again = [name for name, direction, _ in unsettled if direction == "backward"]
+        again = [name for name, direction, _ in unsettled if direction != "forward"]
         fresh = _measure(gm, inputs, device, warmup, repeats, progress, again)
         for name, direction, _ in unsettled:
             if name == _WHOLE and direction == "forward":
@@ -293,7 +339,7 @@ def _measure_settled(
                 samples.whole[1][:] = fresh.whole[1]
             elif direction == "forward":
                 samples.forward[name] = fresh.forward[name]
-            else:
+            else:  # the whole backward and its parts are measured again together
                 samples.backward[name] = fresh.backward[name]
         profile = _summarize(samples)
     return profile, profile.unsettled()
@@ -371,6 +417,8 @@ def annotate_profile(
             settings = replace(settings, cache_path=str(path))
             write_cache(path, key, settings, profile.times, profile.slowdown)
     for node in gm.graph.nodes:
-        node.meta[MEASURED_S] = tuple(times.get(node.name, (0.0, 0.0)))
+        measured = times.get(node.name, (0.0,) * len(DIRECTIONS))
+        node.meta[MEASURED_S] = tuple(measured[:2])
+        node.meta[MEASURED_SPLIT_S] = tuple(measured[2:])
     gm.meta[PROFILE] = settings
     return gm

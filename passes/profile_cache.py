@@ -26,12 +26,14 @@ from pdcompile.ir import OUTPUTS
 
 log = logging.getLogger(__name__)
 
-# Cache files carry this; files without it (older pdcompile: no record that their repeats
-# agreed) are measured again and overwritten.
-CACHE_FORMAT = 2
+# Cache files carry this; files of another (older pdcompile: 2 had no split backward, files
+# without one no record that their repeats agreed) are measured again and overwritten.
+CACHE_FORMAT = 3
+TIMES_PER_NODE = 4  # forward, backward, and the split backward's input and weight parts
 _KEYED = ("device", "num_threads", "warmup", "repeats", "torch_version")  # ProfileSettings
 
-Times = dict[str, list[float]]  # node -> [forward, backward] (seconds, or median / fastest)
+# node -> [forward, backward, backward_input, backward_weight] (seconds, or median / fastest)
+Times = dict[str, list[float]]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class ProfileSettings:
         cached: read from the cache file `cache_path` rather than measured in this run.
         cache_path: the cache file read or written; None when none was.
         measured_at: when the times were measured, ISO 8601 in UTC.
-        unsettled: `(node, "forward" | "backward", median over fastest repeat)` of the times
+        unsettled: `(node, direction, median over fastest repeat)` (direction: "forward",
+            "backward", "backward_input" or "backward_weight") of the times
             still above `MAX_SLOWDOWN` after the extra rounds; such a profile is not cached.
     """
 
@@ -126,7 +129,10 @@ def read_cache(
         if doc.get("key") != key:
             return None
         if doc.get("format") != CACHE_FORMAT:
-            log.info("profile cache %s predates settled-profile checks; measuring again", path)
+            log.info(
+                "profile cache %s predates format %d (settled-profile checks, split backward); "
+                "measuring again", path, CACHE_FORMAT,
+            )  # fmt: skip
             return None
         times = {name: [float(t) for t in pair] for name, pair in doc["nodes"].items()}
         slowdown = {name: [float(s) for s in pair] for name, pair in doc["slowdown"].items()}
@@ -134,6 +140,12 @@ def read_cache(
         datetime.fromisoformat(measured_at)
         if not settled(times, slowdown):
             log.info("profile cache %s holds unsettled times; measuring again", path)
+            return None
+        if any(len(t) != TIMES_PER_NODE or len(slowdown[n]) != len(t) for n, t in times.items()):
+            log.warning(
+                "ignoring profile cache %s: a node lacks its %d times; profiling again",
+                path, TIMES_PER_NODE,
+            )  # fmt: skip
             return None
         return times, measured_at
     except FileNotFoundError:

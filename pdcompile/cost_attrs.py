@@ -12,21 +12,30 @@ from typing import Any
 from pdcompile.errors import CostError
 
 KINDS = ("input", "compute", "output")
-FLOAT_ATTRS = ("forward_s", "backward_s", "flops_forward", "flops_backward")
+# `backward_s` is the fused backward; `backward_input_s` (I: the gradients of the node's inputs)
+# and `backward_weight_s` (W: of its parameters) are the parts a split backward runs, measured
+# on their own, so I + W need not equal `backward_s` (docs/cost_graph.md).
+TIME_ATTRS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
+FLOP_ATTRS = ("flops_forward", "flops_backward")
+FLOAT_ATTRS = (*TIME_ATTRS, *FLOP_ATTRS)
 INT_ATTRS = (
     "param_bytes",
     "grad_bytes",
     "optimizer_bytes",
     "activation_bytes",
+    "weight_grad_activation_bytes",  # of activation_bytes, those kept from the forward to W
     "output_bytes",
     "memory_bytes",
 )
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+# Added in CostGraph JSON version 2; a version-1 record without them takes their defaults
+# (`split_defaults`).
+SPLIT_ATTRS = ("backward_input_s", "backward_weight_s", "weight_grad_activation_bytes")
 NODE_ATTRS = (
     "kind",
-    *FLOAT_ATTRS[:2],
+    *TIME_ATTRS,
     *INT_ATTRS,
-    *FLOAT_ATTRS[2:],
+    *FLOP_ATTRS,
     "description",
     "scope",
     "members",
@@ -75,6 +84,39 @@ def check_attr(node: str, name: str, value: Any) -> Any:
     raise CostError(
         f"node {node!r}: unknown attribute {name!r}; node attributes are {', '.join(SETTABLE)}"
     )
+
+
+def split_defaults(node: str, data: dict[str, Any], given: set[str]) -> None:
+    """Fill the split-backward attributes `given` lacks, in place, and check them against the
+    rest of `data` (every other attribute already checked).
+
+    Defaults, for imported profiles and hand-built nodes: neither part given, half of
+    `backward_s` each; one given, the other is `backward_s` less it (at least 0);
+    `weight_grad_activation_bytes`: all of `activation_bytes` (without a measurement, W is taken
+    to keep every saved tensor, as a fused backward does until its end).
+
+    Raises:
+        CostError: `weight_grad_activation_bytes` above `activation_bytes`.
+    """
+    parts = ("backward_input_s", "backward_weight_s")
+    known = [p for p in parts if p in given]
+    if not known:
+        data["backward_input_s"] = data["backward_weight_s"] = data["backward_s"] / 2
+    elif len(known) == 1:
+        other = parts[known[0] == parts[0]]
+        data[other] = max(data["backward_s"] - data[known[0]], 0.0)
+    if "weight_grad_activation_bytes" not in given:
+        data["weight_grad_activation_bytes"] = data["activation_bytes"]
+    check_weight_grad_bytes(node, data)
+
+
+def check_weight_grad_bytes(node: str, data: dict[str, Any]) -> None:
+    if data["weight_grad_activation_bytes"] > data["activation_bytes"]:
+        raise CostError(
+            f"node {node!r}: weight_grad_activation_bytes={data['weight_grad_activation_bytes']} "
+            f"is above activation_bytes={data['activation_bytes']}; it is the part of the "
+            "activations kept until the weight gradient (W) runs, at most all of them"
+        )
 
 
 def check_edge_bytes(u: str, v: str, value: Any) -> int:

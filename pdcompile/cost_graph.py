@@ -16,15 +16,19 @@ import networkx as nx
 
 from pdcompile.cost_attrs import (
     FLOAT_ATTRS,
+    FLOP_ATTRS,
     INT_ATTRS,
     KINDS,
     MEMORY_PARTS,
     NODE_ATTRS,
     SETTABLE,
+    TIME_ATTRS,
     check_attr,
     check_batch_size,
     check_edge_bytes,
     check_meta,
+    check_weight_grad_bytes,
+    split_defaults,
 )
 from pdcompile.errors import CostError
 from pdcompile.text import human_bytes, human_seconds
@@ -32,7 +36,8 @@ from pdcompile.text import human_bytes, human_seconds
 __all__ = ["FLOAT_ATTRS", "INT_ATTRS", "KINDS", "NODE_ATTRS", "CostGraph"]
 
 FORMAT = "pdcompile.costgraph"
-VERSION = 1
+VERSION = 2  # 2 added the split backward (`cost_attrs.SPLIT_ATTRS`); version 1 still reads
+READS = (1, 2)
 
 
 class CostGraph:
@@ -52,8 +57,8 @@ class CostGraph:
         >>> g.add_node("x", kind="input", output_bytes=64)
         >>> g.add_node("fc", forward_s=1e-3, backward_s=2e-3, param_bytes=400, output_bytes=32)
         >>> g.add_edge("x", "fc", bytes=64)
-        >>> g.nodes, g.graph.nodes["fc"]["memory_bytes"]
-        (['x', 'fc'], 400)
+        >>> g.nodes, g.graph.nodes["fc"]["memory_bytes"], g.graph.nodes["fc"]["backward_input_s"]
+        (['x', 'fc'], 400, 0.001)
     """
 
     def __init__(
@@ -96,10 +101,14 @@ class CostGraph:
             **attrs: any of `kind` ("compute"), `forward_s`, `backward_s`, `flops_forward`,
                 `flops_backward` (0.0), `param_bytes`, `grad_bytes`, `optimizer_bytes`,
                 `activation_bytes`, `output_bytes` (0), `description`, `scope` (""), `members`
-                ((node_id,)), `activation_sizes` (None). `memory_bytes` is derived.
+                ((node_id,)), `activation_sizes` (None); the split backward's
+                `backward_input_s` and `backward_weight_s` (neither given: half of
+                `backward_s` each; one given: the other is the rest of `backward_s`) and
+                `weight_grad_activation_bytes` (`activation_bytes`). `memory_bytes` is derived.
 
         Raises:
-            CostError: duplicate id, unknown attribute, `memory_bytes` given, or a bad value.
+            CostError: duplicate id, unknown attribute, `memory_bytes` given, a bad value, or
+                `weight_grad_activation_bytes` above `activation_bytes`.
         """
         if not isinstance(node_id, str) or not node_id:
             raise CostError(f"node ids must be non-empty strings, got {node_id!r}")
@@ -116,6 +125,7 @@ class CostGraph:
         data.update(members=(node_id,), activation_sizes=None)
         for name, value in attrs.items():
             data[name] = check_attr(node_id, name, value)
+        split_defaults(node_id, data, set(attrs))
         data["memory_bytes"] = sum(data[k] for k in MEMORY_PARTS)
         self.graph.add_node(node_id, **{name: data[name] for name in NODE_ATTRS})
         self._index[node_id] = len(self._index)
@@ -158,7 +168,7 @@ class CostGraph:
     def totals(self) -> dict[str, float]:
         """Sums over all nodes (`math.fsum`) of every time, byte and flop attribute."""
         data = [d for _, d in self.graph.nodes(data=True)]
-        names = (*FLOAT_ATTRS[:2], *INT_ATTRS, *FLOAT_ATTRS[2:])
+        names = (*TIME_ATTRS, *INT_ATTRS, *FLOP_ATTRS)
         return {name: math.fsum(d[name] for d in data) for name in names}
 
     def validate(self) -> None:
@@ -166,7 +176,8 @@ class CostGraph:
 
         Raises:
             CostError: a cycle, an order that is not topological, a missing, unknown or
-                ill-typed attribute, a negative number or a stale `memory_bytes`.
+                ill-typed attribute, a negative number, a stale `memory_bytes` or
+                `weight_grad_activation_bytes` above `activation_bytes`.
         """
         pos = {n: i for i, n in enumerate(self.graph)}
         for node, data in self.graph.nodes(data=True):
@@ -192,6 +203,7 @@ class CostGraph:
                     f"node {node!r}: memory_bytes is {data['memory_bytes']} but param + grad + "
                     f"optimizer + activation bytes is {derived}; rebuild the node with add_node"
                 )
+            check_weight_grad_bytes(node, data)
         if not nx.is_directed_acyclic_graph(self.graph):
             cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(self.graph))
             raise CostError(f"the CostGraph has a cycle ({cycle}); a CostGraph must be a DAG")
@@ -214,7 +226,8 @@ class CostGraph:
     def scaled(self, batch_size: int) -> CostGraph:
         """The costs for another batch size, assuming they grow linearly with the batch.
 
-        Times, flops, activation and output bytes, `activation_sizes` and edge bytes scale by
+        Times (the split backward's parts too), flops, activation bytes (and the part of them W
+        keeps), output bytes, `activation_sizes` and edge bytes scale by
         `batch_size / self.batch_size` (integers rounded half up); parameter, gradient and
         optimizer bytes do not; `memory_bytes` is re-derived.
 
@@ -239,7 +252,7 @@ class CostGraph:
             attrs = {name: data[name] for name in SETTABLE}
             for name in FLOAT_ATTRS:
                 attrs[name] = data[name] * factor
-            for name in ("activation_bytes", "output_bytes"):
+            for name in ("activation_bytes", "weight_grad_activation_bytes", "output_bytes"):
                 attrs[name] = whole(data[name])
             if data["activation_sizes"] is not None:
                 attrs["activation_sizes"] = tuple(

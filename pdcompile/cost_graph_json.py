@@ -1,8 +1,10 @@
 """The CostGraph JSON format (`CostGraph.to_json`, `from_json`, `save`, `load`).
 
-`{"format": "pdcompile.costgraph", "version": 1, "batch_size", "meta", "nodes", "edges"}`, one
+`{"format": "pdcompile.costgraph", "version": 2, "batch_size", "meta", "nodes", "edges"}`, one
 node (`{"id", **NODE_ATTRS}`) or edge (`{"src", "dst", "bytes"}`) per line, so that diffs of two
 profiles read line by line. Reading checks every field and names the node or edge at fault.
+Version 1 files (before the split backward) read too: their nodes lack `SPLIT_ATTRS`, which
+take `CostGraph.add_node`'s defaults (half of `backward_s` each; W keeps every activation).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdcompile.cost_attrs import NODE_ATTRS, SETTABLE, check_attr
-from pdcompile.cost_graph import FORMAT, VERSION, CostGraph
+from pdcompile.cost_attrs import NODE_ATTRS, SETTABLE, SPLIT_ATTRS, check_attr
+from pdcompile.cost_graph import FORMAT, READS, VERSION, CostGraph
 from pdcompile.errors import CostError
 
 
@@ -60,10 +62,12 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
         raise CostError(
             f"{source}: not a CostGraph file (format is {found!r}, expected {FORMAT!r})"
         )
-    if doc.get("version") != VERSION:
+    version = doc.get("version")
+    if type(version) is not int or version not in READS:
         raise CostError(
-            f"{source}: CostGraph format version {doc.get('version')!r}; this pdcompile reads "
-            f"version {VERSION}: upgrade pdcompile or write the file again with this version"
+            f"{source}: CostGraph format version {version!r}; this pdcompile reads versions "
+            f"{' and '.join(map(str, READS))}: upgrade pdcompile or write the file again with "
+            "this version"
         )
     fields = {"format", "version", "batch_size", "meta", "nodes", "edges"}
     if set(doc) != fields:
@@ -76,7 +80,7 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
     try:
         graph = CostGraph(batch_size=doc["batch_size"], meta=doc["meta"])
         for i, record in enumerate(doc["nodes"]):
-            _add_json_node(graph, i, record)
+            _add_json_node(graph, i, record, version)
         for i, record in enumerate(doc["edges"]):
             if not isinstance(record, dict) or not (
                 {"src", "dst", "bytes"} <= set(record) <= {"src", "dst", "bytes", "grad"}
@@ -93,18 +97,19 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
     return graph
 
 
-def _add_json_node(graph: CostGraph, index: int, record: Any) -> None:
+def _add_json_node(graph: CostGraph, index: int, record: Any, version: int) -> None:
     if not isinstance(record, dict) or not isinstance(record.get("id"), str):
         raise CostError(f"node #{index} must be an object with a string 'id', got {record!r}")
     node = record["id"]
-    missing = [a for a in NODE_ATTRS if a not in record]
-    unknown = sorted(set(record) - {"id", *NODE_ATTRS})
+    fields = NODE_ATTRS if version == VERSION else [a for a in NODE_ATTRS if a not in SPLIT_ATTRS]
+    missing = [a for a in fields if a not in record]
+    unknown = sorted(set(record) - {"id", *fields})
     if missing or unknown:
         raise CostError(
             f"node #{index} {node!r}: missing fields {missing}, unknown fields {unknown}; "
             "write the file with CostGraph.to_json"
         )
-    graph.add_node(node, **{a: record[a] for a in SETTABLE})
+    graph.add_node(node, **{a: record[a] for a in SETTABLE if a in fields})
     memory = check_attr(node, "memory_bytes", record["memory_bytes"])
     if memory != graph.graph.nodes[node]["memory_bytes"]:
         raise CostError(

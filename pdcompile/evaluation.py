@@ -29,7 +29,8 @@ from pdcompile.schedules import get_schedule
 
 @dataclass(frozen=True)
 class NodeSums:
-    """What a set of nodes costs: compute split in forward/backward, and memory parts."""
+    """What a set of nodes costs: compute split in forward/backward (and the backward in its
+    input- and weight-gradient parts), and memory parts."""
 
     forward_s: float
     backward_s: float
@@ -37,6 +38,9 @@ class NodeSums:
     weight_bytes: int  # parameters + gradients + optimizer state
     param_bytes: int
     activation_bytes: int
+    backward_input_s: float = 0.0
+    backward_weight_s: float = 0.0
+    weight_grad_activation_bytes: int = 0  # of activation_bytes, kept until W
 
     @property
     def compute_s(self) -> float:
@@ -54,6 +58,9 @@ def node_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> NodeSums:
         weight_bytes=sum(a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs),
         param_bytes=sum(a["param_bytes"] for a in attrs),
         activation_bytes=sum(a["activation_bytes"] for a in attrs),
+        backward_input_s=math.fsum(a["backward_input_s"] for a in compute),
+        backward_weight_s=math.fsum(a["backward_weight_s"] for a in compute),
+        weight_grad_activation_bytes=sum(a["weight_grad_activation_bytes"] for a in attrs),
     )
 
 
@@ -267,10 +274,14 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
             Stage(
                 index=s.index, nodes=s.nodes, replicas=s.replicas, ranks=s.ranks,
                 forward_s=sums.forward_s / speed, backward_s=sums.backward_s / speed,
+                backward_input_s=sums.backward_input_s / speed,
+                backward_weight_s=sums.backward_weight_s / speed,
                 comm_s=comm, allreduce_s=ring / every,
                 time_s=prices.stage_time(compute, s.replicas, comm, ring / every),
                 recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
-                activation_bytes=sums.activation_bytes, param_bytes=sums.param_bytes,
+                activation_bytes=sums.activation_bytes,
+                weight_grad_activation_bytes=sums.weight_grad_activation_bytes,
+                param_bytes=sums.param_bytes,
                 grad_bytes=sums.grad_bytes, weight_bytes=sums.weight_bytes,
                 param_tensors=tensors[s.index],
                 no_grad_from=tuple(sorted(a for a, d in silent if d == s.index)),
@@ -341,8 +352,11 @@ def rescore(
         forward, backward, comm = s.forward_s * factor, s.backward_s * factor, s.comm_s * factor
         stages.append(replace(
             s, forward_s=forward, backward_s=backward, comm_s=comm,
+            backward_input_s=s.backward_input_s * factor,
+            backward_weight_s=s.backward_weight_s * factor,
             time_s=prices.stage_time(forward + backward, s.replicas, comm, s.allreduce_s),
             activation_bytes=round(s.activation_bytes * factor),
+            weight_grad_activation_bytes=round(s.weight_grad_activation_bytes * factor),
             recv_bytes=tuple((src, round(b * factor)) for src, b in s.recv_bytes),
         ))  # fmt: skip
     predicted = max(s.time_s for s in stages)

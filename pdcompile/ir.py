@@ -27,12 +27,18 @@ GRAD_BYTES = "pdcompile.grad_bytes"  # int: gradients of the trainable parameter
 OPTIMIZER_BYTES = "pdcompile.optimizer_bytes"  # int: optimizer state of those parameters
 BUFFER_BYTES = "pdcompile.buffer_bytes"  # int: buffers the node owns
 ACTIVATION_BYTES = "pdcompile.activation_bytes"  # int: tensors autograd keeps for its backward
+# int: of ACTIVATION_BYTES, the storages some node's weight gradient reads (kept until W)
+WEIGHT_GRAD_ACTIVATION_BYTES = "pdcompile.weight_grad_activation_bytes"
 FLOPS = (
     "pdcompile.flops"  # (forward, backward): floating-point operations, torch.utils.flop_counter
 )
 BYTES_MOVED = "pdcompile.bytes_moved"  # (forward, backward): bytes read and written
 ANALYTIC_S = "pdcompile.analytic_s"  # (forward, backward): roofline seconds on the device model
 MEASURED_S = "pdcompile.measured_s"  # (forward, backward): profiled seconds, medians
+# The split backward, each an (input gradients I, weight gradients W) pair:
+SPLIT_FLOPS = "pdcompile.split_flops"  # FLOPs of the two parts
+ANALYTIC_SPLIT_S = "pdcompile.analytic_split_s"  # roofline seconds of the two parts
+MEASURED_SPLIT_S = "pdcompile.measured_split_s"  # profiled seconds of the two parts, medians
 
 # gm.meta keys
 CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph

@@ -2,7 +2,8 @@
 
 Node lines `nodeID -- description -- forward_compute_time=F, backward_compute_time=B,
 activation_size=A, parameter_size=P` (F and B in milliseconds, A and P in bytes, A possibly a list
-`[a; b; c]`), then edge lines `\tnodeA -- nodeB`. See docs/cost_graph.md for the mapping.
+`[a; b; c]`), then edge lines `\tnodeA -- nodeB`. See docs/cost_graph.md for the mapping. The
+format has one backward time: a split backward gets half of it in each part.
 """
 
 from __future__ import annotations
@@ -64,11 +65,17 @@ def _parse_node(where: str, line: str) -> tuple[str, dict[str, Any], int | None]
     if not all(math.isfinite(x) for x in values):
         raise CostError(f"{where}: a time or size in {line!r} is too large for a float")
     description = " -- ".join(tokens[1:-1])
+    backward_s = float(backward) / 1000.0
     attrs = {
         "kind": "input" if description.startswith("Input") else "compute",
         "forward_s": float(forward) / 1000.0,
-        "backward_s": float(backward) / 1000.0,
+        "backward_s": backward_s,
+        # PipeDream times the backward whole: half of it for each part of a split backward, and
+        # W taken to keep every activation (the node's output: `activation_size`)
+        "backward_input_s": backward_s / 2,
+        "backward_weight_s": backward_s / 2,
         "activation_bytes": round(total),
+        "weight_grad_activation_bytes": round(total),
         "output_bytes": round(total),
         "param_bytes": round(float(param)),
         "grad_bytes": round(float(param)),  # PipeDream trains every parameter it profiles

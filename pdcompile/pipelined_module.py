@@ -179,6 +179,11 @@ class PipelinedModule:
         predicted time per stage so far."""
         rules = self.pipeline.rules
         lines = [str(self.plan), "", f"schedule {rules.name}: {rules.meaning}", ""]
+        fused = {w.stage: w.fused for w in self.pipeline.workers.values() if w.fused}
+        lines += [  # a split backward (zb-*) falls back where a stage cannot split (worker.py)
+            f"stage {stage} runs its backward fused, not split into I and W: {why}"
+            for stage, why in sorted(fused.items())
+        ] + ([""] if fused else [])
         if self._measured:
             seconds = sorted(s for _, s, _ in self._measured)[len(self._measured) // 2]
             rows = sum(r for _, _, r in self._measured) / len(self._measured)

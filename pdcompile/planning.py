@@ -9,6 +9,7 @@ every solver is compared on the same yardstick; `plan()` simulates the plan it r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -22,6 +23,7 @@ from pdcompile.evaluation import price, simulated
 from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.registry import Registry
 from pdcompile.schedules import PipelineSchedule, get_schedule
+from pdcompile.schedules.base import MAX_MICROBATCHES
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 # options `plan()` adds for every solver: the schedule, the microbatches searched with, the
@@ -130,6 +132,7 @@ def plan(
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
     replica_counts: Sequence[int] | None = None,
+    chunks: int | None = None,
     **options: Any,
 ) -> Plan:
     """Cut `cost_graph` into pipeline stages with replica counts for `cluster`.
@@ -150,6 +153,9 @@ def plan(
             of `num_microbatches`, so that every replica runs as many microbatches. Solvers
             `dp`, `ideal` and `cpsat` search within them; a plan from another solver that
             breaks them is refused.
+        chunks: stages per rank, one replica each (default: the schedule's `default_chunks`,
+            2 for `interleaved-1f1b` and `zb-v`, else 1), placed by the schedule
+            (`PipelineSchedule.chunk_rank`: stage i on rank i mod p; `zb-v` in a V).
         options: the solver's own options.
 
     Returns:
@@ -177,6 +183,9 @@ def plan(
         cost_graph = cost_graph.scaled(microbatch_size)
     if num_microbatches is not None and num_microbatches < 1:
         raise PartitionError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    chunks = rules.default_chunks if chunks is None else chunks
+    if chunks != 1:
+        return _plan_chunks(cost_graph, cluster, solver, rules, chunks, num_microbatches, options)
     # solvers search with twice the devices; the count the plan runs is settled after. A
     # count the caller gave limits the replicas to those the schedule accepts with it
     searched = num_microbatches or 2 * cluster.num_devices
@@ -250,3 +259,49 @@ def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> No
                     f"under {rules.name} such a stage needs one replica; use solver 'dp', which "
                     "keeps to this, or a schedule that replicates ties (e.g. '2bw')"
                 )
+
+
+def _plan_chunks(
+    cost_graph: CostGraph, cluster: Cluster, solver: str, rules: PipelineSchedule, chunks: int,
+    num_microbatches: int | None, options: dict[str, Any],
+) -> Plan:  # fmt: skip
+    """`chunks` stages per rank, one replica each: the solver cuts the graph into p x chunks
+    stages as for as many devices, each with 1/chunks of a device's memory, all on the
+    cluster's slowest link (a rank's stages are not neighbours); the schedule places them
+    (`chunk_rank`), and the plan is priced and simulated on the real cluster at the first
+    microbatch count from 2p on (or the one given) its layout accepts."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise PartitionError(f"chunks must be an integer >= 1 (stages per rank), got {chunks!r}")
+    p = cluster.num_devices
+    count = p * chunks
+    try:
+        ranks = [(rules.chunk_rank(i, p, chunks),) for i in range(count)]
+        m = num_microbatches or 2 * p
+        while True:  # the count the schedule accepts on this layout
+            try:
+                rules.check([1] * count, m)
+                rules.check_layout(ranks, m)
+                break
+            except ScheduleError:
+                if num_microbatches is not None or m >= MAX_MICROBATCHES:
+                    raise
+                m += 1
+    except ScheduleError as exc:
+        raise PartitionError(f"{rules.name} with chunks={chunks} on {p} ranks: {exc}") from None
+    slowest = cluster.levels[-1]
+    virtual = Cluster(
+        [(count, slowest.bandwidth, slowest.latency)],
+        memory=None if cluster.memory is None else cluster.memory / chunks,
+        speed=None if cluster.speed is None else [cluster.speed[r] for (r,) in ranks],
+        runtime=cluster.runtime,
+    )
+    found = plan(cost_graph, virtual, solver=solver, schedule="1f1b", num_microbatches=m,
+                 replica_counts=[1], chunks=1, **options)  # fmt: skip
+    if found.num_stages != count:
+        raise PartitionError(
+            f"solver {solver!r} cut the graph into {found.num_stages} stages, but chunks={chunks} "
+            f"on {p} ranks needs {count}; use fewer chunks or solver 'uniform'"
+        )
+    stages = tuple(dataclasses.replace(s, ranks=ranks[s.index]) for s in found.stages)
+    skeleton = found.with_(stages=stages, cluster=cluster, schedule=rules.name, num_microbatches=m)
+    return simulated(price(skeleton, cost_graph)).with_(solve_time_s=found.solve_time_s)

@@ -36,6 +36,13 @@ class Stage:
     `activation_bytes` are kept from a forward to its backward, `weight_bytes` are parameters +
     gradients + optimizer state, in `param_tensors` parameter tensors (copies of tied ones
     included). `memory_bytes`: the peak of the stage's own share of its rank (simulated).
+
+    A split backward (`zb-*` schedules) runs `backward_input_s` (I: the gradients of the stage's
+    inputs, sent back at once) and later `backward_weight_s` (W: its weight gradients), each the
+    sum of its nodes' (docs/cost_graph.md; measured apart, they need not add up to
+    `backward_s`); of `activation_bytes`, `weight_grad_activation_bytes` stay from I to W. Left
+    out (plans of an older pdcompile, stages built by hand): half of `backward_s` each, and all
+    of `activation_bytes`.
     """
 
     index: int
@@ -44,12 +51,15 @@ class Stage:
     ranks: tuple[int, ...]
     forward_s: float = 0.0
     backward_s: float = 0.0
+    backward_input_s: float | None = None
+    backward_weight_s: float | None = None
     comm_s: float = 0.0
     allreduce_s: float = 0.0
     memory_bytes: int = 0
     time_s: float = 0.0
     recv_bytes: tuple[tuple[int, int], ...] = ()
     activation_bytes: int = 0
+    weight_grad_activation_bytes: int | None = None
     param_bytes: int = 0
     grad_bytes: int = 0
     weight_bytes: int = 0
@@ -60,6 +70,16 @@ class Stage:
         # JSON gives lists of lists: keep the pairs hashable and equal to the original
         object.__setattr__(self, "recv_bytes", tuple((int(s), int(b)) for s, b in self.recv_bytes))
         object.__setattr__(self, "no_grad_from", tuple(int(s) for s in self.no_grad_from))
+        if self.backward_input_s is None and self.backward_weight_s is None:
+            object.__setattr__(self, "backward_input_s", self.backward_s / 2)
+            object.__setattr__(self, "backward_weight_s", self.backward_s / 2)
+        elif self.backward_input_s is None or self.backward_weight_s is None:
+            raise PartitionError(
+                f"stage {self.index}: give both backward_input_s and backward_weight_s, or "
+                "neither (half of backward_s each)"
+            )
+        if self.weight_grad_activation_bytes is None:
+            object.__setattr__(self, "weight_grad_activation_bytes", self.activation_bytes)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,9 @@ def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
 def tie_costs(plan: Plan, cluster: Cluster) -> list[float]:
     """Seconds of each tie group's all-reduce (one tensor over every rank of its stages)."""
     return [
-        allreduce_s(grad_bytes, [r for s in stages for r in plan.stages[s].ranks], cluster, 1)
+        allreduce_s(
+            grad_bytes, sorted({r for s in stages for r in plan.stages[s].ranks}), cluster, 1
+        )  # a rank holding several of the stages takes part once
         for stages, grad_bytes in plan.ties
     ]
 

@@ -3,7 +3,9 @@
 
 Actions go to the worker of their stage. A rank takes part in a rank-wide collective (`check`,
 `clip` over a group) once for all its stages, one stage or several: their flags or squared
-norms are combined here, and one all-reduce gives every worker the result.
+norms are combined here, and one all-reduce gives every worker the result. So does a tied
+tensor with copies on several of the rank's stages (the first and last stage of `zb-v`): the
+copies' gradients are summed here, all-reduced with the other ranks holding it, and given back.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from pdcompile.runtime.timeline import Event
-from pdcompile.runtime.worker import StageWorker
+from pdcompile.runtime.worker import StageWorker, ensure_grad
 from pdcompile.schedules import Action
 
 RANK_WIDE = ("check", "clip")  # with a group: one all-reduce per rank, however many stages
@@ -34,8 +36,36 @@ class RankWorkers:
     def run(self, a: Action) -> None:
         if a.kind in RANK_WIDE and a.group:
             self._together(a)
+        elif a.kind == "allreduce" and a.tie >= 0 and len(self._holders(a.tie)) > 1:
+            self._tie(a)
         else:
             self.by_stage[a.stage].run(a)
+
+    def _holders(self, tie: int) -> list[StageWorker]:
+        """This rank's workers holding a copy of tied tensor `tie`."""
+        return [w for w in self if w.tied[tie]]
+
+    def _tie(self, a: Action) -> None:
+        """A tied tensor with copies on several of this rank's stages: their gradients summed
+        here, with the other ranks' (one all-reduce), and every copy given the sum, so the
+        copies stay equal."""
+        holders, start = self._holders(a.tie), time.perf_counter()
+        grads = []
+        for worker in holders:
+            worker.versions.collect()
+            grads.append(ensure_grad(worker.params[worker.tied[a.tie][0]]))
+        total = grads[0].clone()
+        for grad in grads[1:]:
+            total += grad
+        if len(a.group) > 1:
+            self.comm.all_reduce([total], a.group, a.collective)
+        for grad in grads:
+            grad.copy_(total)
+        owner = self.by_stage[a.stage]
+        if owner.timeline is not None:
+            owner.timeline.append(Event(
+                self.rank, a.kind, a.stage, a.microbatch, start, time.perf_counter(), a.peer
+            ))  # fmt: skip
 
     def finish(self, a: Action) -> None:
         if a.kind in RANK_WIDE and a.group:

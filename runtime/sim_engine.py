@@ -20,8 +20,6 @@ from pdcompile.runtime.timeline import Event
 from pdcompile.schedules import Action, Schedule, get_schedule
 from pdcompile.schedules.actions import COMPUTE
 
-SPLIT = 0.5  # the share of a stage's backward_s its input-gradient part I takes (W the rest)
-
 
 class _Link:
     """One direction of a link, shared fairly by the transfers on it (processor sharing, in
@@ -60,8 +58,8 @@ class Engine:
         self.actions = schedule.actions
         self.seconds = {(s.index, "F"): s.forward_s for s in plan.stages}
         self.seconds |= {(s.index, "B"): s.backward_s for s in plan.stages}
-        self.seconds |= {(s.index, "I"): SPLIT * s.backward_s for s in plan.stages}
-        self.seconds |= {(s.index, "W"): (1 - SPLIT) * s.backward_s for s in plan.stages}
+        self.seconds |= {(s.index, "I"): s.backward_input_s for s in plan.stages}
+        self.seconds |= {(s.index, "W"): s.backward_weight_s for s in plan.stages}
         self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
         self.costs = stage_costs(plan, cluster)
         self.ties = tie_costs(plan, cluster)
@@ -89,6 +87,12 @@ class Engine:
         # memory per rank and per (rank, stage): weights, activations in flight, weight copies
         rules = get_schedule(plan.schedule)
         self.kept = {s.index: s.activation_bytes for s in plan.stages}
+        # of them, what a split backward's W still needs after its I (all when unknown)
+        self.kept_for_w = {}
+        for s in plan.stages:
+            for_w = getattr(s, "weight_grad_activation_bytes", None)
+            self.kept_for_w[s.index] = s.activation_bytes if for_w is None else min(
+                for_w, s.activation_bytes)  # fmt: skip
         self.weights = {
             (r, s.index): SimulatedWeights(rules, plan.num_microbatches, self.costs[s.index],
                                            s.param_bytes)
@@ -176,11 +180,16 @@ class Engine:
                     end += self.costs[stage].reload_s  # the backward pushed the weights out
                 self.last_compute[rank] = kind
                 self._record(rank, a, now, end)
-                # activations are kept from a forward to the end of its (weight) backward
+                # activations are kept from a forward to the end of its backward; split, W's
+                # share of them until W
                 if kind == "F":
                     self._use(rank, stage, now, self.kept[stage])
-                elif kind != "I":
+                elif kind == "B":
                     self._use(rank, stage, end, -self.kept[stage])
+                elif kind == "I":
+                    self._use(rank, stage, end, self.kept_for_w[stage] - self.kept[stage])
+                else:
+                    self._use(rank, stage, end, -self.kept_for_w[stage])
                 self._push(end, RESUME, rank)
                 return
             if kind == "recv":

@@ -150,7 +150,11 @@ def _on(plan: Plan, cluster: Cluster) -> Plan:
     stages = []
     for s in plan.stages:
         factor = plan.cluster.device_speed(s.ranks) / cluster.device_speed(s.ranks)
-        stages.append(replace(s, forward_s=s.forward_s * factor, backward_s=s.backward_s * factor))
+        stages.append(replace(
+            s, forward_s=s.forward_s * factor, backward_s=s.backward_s * factor,
+            backward_input_s=s.backward_input_s * factor,
+            backward_weight_s=s.backward_weight_s * factor,
+        ))  # fmt: skip
     return plan.with_(stages=tuple(stages), cluster=cluster)
 
 

@@ -27,6 +27,7 @@ from pdcompile.errors import LossError, PartitionError
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.loss_check import checked_loss
 from pdcompile.runtime.microbatches import Batch, Microbatch
+from pdcompile.runtime.split_backward import SplitBackward, backward_inputs, fused_reason
 from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.runtime.weight_versions import WeightVersions, copy_weights
@@ -46,6 +47,7 @@ class _InFlight:
     loss: torch.Tensor | None = None
     grads: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # output name, gradient
     version: int = 0
+    split: SplitBackward | None = None  # what a split backward's I kept for its W
 
 
 class StageWorker:
@@ -131,6 +133,8 @@ class StageWorker:
         self.skipped = 0  # steps skipped for a non-finite loss
         self.nonfinite_flag = torch.zeros(1)  # of the last `check`
         self.saved_buffers: list[torch.Tensor] = []  # "skip": the buffers before the step
+        # a split backward: None until the first I; "" split; else why it runs fused
+        self.fused: str | None = None
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -277,29 +281,35 @@ class StageWorker:
 
     def _I(self, a: Action) -> None:
         """The split backward's first part: the gradients of the stage's inputs (sent back at
-        once); the graph stays for `W`."""
+        once), keeping for `W` the gradients where the weights' branches join the graph
+        (`runtime/split_backward.py`). A stage whose backward cannot be split runs it whole
+        here (`fused`), and its `W` has nothing left to do."""
         state = self.flight[a.microbatch]
         tensors, grads = self._roots(state)
         inputs = [
             v for v in state.inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad
         ]
-        if tensors and inputs:
-            found = torch.autograd.grad(
-                tensors, inputs, grads, retain_graph=True, allow_unused=True
-            )
+        if self.fused is None:  # decided once per stage, on its first backward
+            self.fused = fused_reason(tensors, inputs) or ""
+            if self.fused:
+                log.info("stage %d runs its backward fused: %s", self.stage, self.fused)
+        if self.fused:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        elif tensors:
+            leaves = list((self._weights(state) or self.params).values())
+            found, state.split = backward_inputs(tensors, grads, inputs, leaves)
             for tensor, grad in zip(inputs, found, strict=True):
                 tensor.grad = grad
+        state.outputs, state.grads, state.loss = None, [], None  # W needs only `split`
 
     def _W(self, a: Action) -> None:
         """The split backward's second part: the gradients of the weights the microbatch ran
-        on (this walks the graph again: autograd cannot resume where `I` stopped)."""
+        on, from what `I` kept (no part of the backward runs twice)."""
         state = self.flight[a.microbatch]
-        tensors, grads = self._roots(state)
-        weights = self._weights(state) or self.params
-        leaves = [w for w in weights.values() if w.requires_grad]
-        if tensors and leaves:
-            torch.autograd.backward(tensors, grads, inputs=leaves)
-        state.outputs, state.grads, state.loss = None, [], None
+        if state.split is not None:
+            state.split.weights()
+        state.split = None
 
     def _roots(self, state: _InFlight) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Where a microbatch's backward starts: the loss on the last stage, else the outputs
@@ -314,9 +324,9 @@ class StageWorker:
         self.versions.collect()
         if a.tie >= 0:
             names = self.tied[a.tie]
-            tensors = [_ensure_grad(self.params[n]) for n in names[:1]]
+            tensors = [ensure_grad(self.params[n]) for n in names[:1]]
         else:
-            tensors = [_ensure_grad(p) for p in self.untied]
+            tensors = [ensure_grad(p) for p in self.untied]
         # replicas updating per microbatch (pipedream) make one shared update from the average
         # of their gradients; the others' microbatch losses are weighted by their share of the
         # step: the sum is the mean
@@ -430,7 +440,8 @@ def _grad_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
 
 
-def _ensure_grad(p: nn.Parameter) -> torch.Tensor:
+def ensure_grad(p: nn.Parameter) -> torch.Tensor:
+    """`p`'s gradient, zeros where it has none yet."""
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad

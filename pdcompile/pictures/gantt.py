@@ -131,9 +131,9 @@ def _draw_panel(
     kinds: set[str] = set()
     labels = []
     for y, (rank, mine) in enumerate(rows(events).items()):
-        stages = [e.stage for e in mine if e.stage >= 0]
-        stage = max(set(stages), key=stages.count) if stages else "?"
-        labels.append(f"rank {rank} (stage {stage})\nbubble {bubble_fraction(mine, span):.0%}")
+        stages = sorted({e.stage for e in mine if e.kind in COMPUTE})  # several: chunks
+        stage = f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages)) or '?'}"
+        labels.append(f"rank {rank} ({stage})\nbubble {bubble_fraction(mine, span):.0%}")
         for kind in dict.fromkeys(e.kind for e in mine):
             boxes = [(e.start * per_s, e.duration * per_s) for e in mine if e.kind == kind]
             lane = (y + 0.1, 0.25) if kind in _COMM else (y - 0.4, 0.8)

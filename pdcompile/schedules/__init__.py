@@ -3,7 +3,8 @@ derive from. Torch-free.
 
 `base.PipelineSchedule` holds a kind's rules (order, warm-up, accepted microbatch counts, weight
 versions, clipping, closed forms); one file per built-in kind (`gpipe`, `one_f_one_b`, `pipedream`,
-`two_bw`) registers a subclass; `builder` turns any of them and a plan's layout into every rank's
+`two_bw`, `interleaved_1f1b`, `zb_h1`, `zb_h2`, `zb_v`; `chunks` holds the orders the last four
+share) registers a subclass; `builder` turns any of them and a plan's layout into every rank's
 `actions`, from which everything else is derived (the simulator reads activations and weight
 versions in flight, step time and bubble off them). The package is callable as the public
 `pdcompile.schedules()`."""

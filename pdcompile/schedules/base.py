@@ -19,6 +19,14 @@ from collections.abc import Sequence
 from pdcompile.errors import ScheduleError
 
 MAX_MICROBATCHES = 1 << 16  # a documented cap: plans and simulations of more are refused
+SPLIT = 0.5  # a stage's input-gradient part I takes this share of its backward_s, W the rest
+
+
+def split_parts(backward_s: float, weight_s: float | None = None) -> tuple[float, float]:
+    """(I, W): the input- and weight-gradient parts of a fused backward of `backward_s`
+    seconds, W being `weight_s` (None: the share 1 - `SPLIT`, as the simulator prices them)."""
+    w = (1 - SPLIT) * backward_s if weight_s is None else weight_s
+    return backward_s - w, w
 
 
 class PipelineSchedule:
@@ -107,6 +115,37 @@ class PipelineSchedule:
 
     items_per_microbatch: int = 2  # F and B (3 with a split backward: F, I, W)
 
+    def replica_order(
+        self, replicas: Sequence[int], stage: int, num_microbatches: int, mine: Sequence[int]
+    ) -> list[tuple[str, int]]:
+        """A synchronous replica's whole compute for its microbatches `mine`, in order
+        ((kind, microbatch) items). Default: `compute_item` over `warmup`; a schedule whose
+        order needs more of the layout than the warm-up overrides this (streaming ones unfold
+        `compute_item` lazily instead)."""
+        w = self.warmup(replicas, stage, num_microbatches)
+        count = self.items_per_microbatch * len(mine)
+        return [self.compute_item(w, mine, t) for t in range(count)]
+
+    def rank_orders(
+        self, ranks: Sequence[Sequence[int]], num_microbatches: int
+    ) -> dict[int, list[tuple[str, int, int]]] | None:
+        """Every rank's compute in order, as (kind, stage, microbatch) items, for a schedule
+        that orders the several stages of a rank itself (`interleaved-1f1b`, `zb-v`); None
+        (the default): each replica keeps its own `replica_order`, and the builder merges the
+        stages sharing a rank (`builder._merge`). `ranks`: per stage, its ranks."""
+        return None
+
+    def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
+        """Raise `ScheduleError` unless this schedule runs on stages placed on `ranks` (per
+        stage, its ranks) with `num_microbatches` (`check` sees only the replica counts)."""
+
+    default_chunks: int = 1  # stages per rank `plan()` cuts for this schedule by default
+
+    def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
+        """The rank of `stage` when `plan(..., chunks=v)` puts v stages on each of `num_ranks`
+        ranks: round-robin, stage i on rank i mod p (Megatron's virtual pipeline)."""
+        return stage % num_ranks
+
     # -- updates and weight versions -------------------------------------------------------
 
     def round_size(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
@@ -170,23 +209,31 @@ class PipelineSchedule:
         return 0
 
     def step_time(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float
-    ) -> float:
+        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
+        *, weight_s: float | None = None, chunks: int = 1,
+    ) -> float:  # fmt: skip
         """Seconds of one `train_step` call on equal stages, one per rank, of `forward_s` and
         `backward_s` per microbatch (no communication, no runtime costs): (M + S - 1)(F + B)
         for a synchronous schedule, which fills and drains within the call; M (F + B) +
         (S - 1) F in a stream's steady state, which does not drain, but every call ends with
-        the loss reaching every rank, so the next call's forwards refill the pipeline."""
+        the loss reaching every rank, so the next call's forwards refill the pipeline.
+
+        The schedules that split the backward read `weight_s`, the weight-gradient part W of
+        `backward_s` (None: half of it, the simulator's split: `split_parts`), and those with
+        several stages per rank `chunks` (`num_stages` = chunks x ranks)."""
         if self.streaming:
             return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
         return (num_microbatches + num_stages - 1) * (forward_s + backward_s)
 
     def bubble(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float
-    ) -> float:
-        """The idle share of that call on every rank: 1 - M (F + B) / step_time."""
-        step = self.step_time(num_stages, num_microbatches, forward_s, backward_s)
-        return 1 - num_microbatches * (forward_s + backward_s) / step if step else 0.0
+        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
+        *, weight_s: float | None = None, chunks: int = 1,
+    ) -> float:  # fmt: skip
+        """The idle share of that call on every rank: 1 - chunks M (F + B) / step_time."""
+        step = self.step_time(num_stages, num_microbatches, forward_s, backward_s,
+                              weight_s=weight_s, chunks=chunks)  # fmt: skip
+        work = chunks * num_microbatches * (forward_s + backward_s)
+        return 1 - work / step if step else 0.0
 
     def __repr__(self) -> str:
         return f"<schedule {self.name!r}>"

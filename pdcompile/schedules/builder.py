@@ -9,7 +9,8 @@ compute that needs them, sends right after the compute that produced them (execu
 receives early and never block a sender). Streaming schedules stash a weight version per
 microbatch (`push`/`pop`) and update after each round, in a stream of steps that never drains;
 synchronous ones update once at the end of their one step. A rank holding several stages runs
-their orders merged in an order their messages allow (`_merge`).
+the order its schedule gives the rank (`rank_orders`: `interleaved-1f1b`, `zb-v`; `_ranked`), or
+else its stages' orders merged in an order their messages allow (`_merge`).
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ def build_schedule(
     orders = replica_orders(rules, layout)
     total = num_microbatches * num_steps
     first = next(iter(orders.values())).schedule
-    if len({rank for rank, _ in orders}) == len(orders):  # one stage per rank
+    ranked = rules.rank_orders(first.ranks, num_microbatches)
+    if ranked is not None:  # the schedule orders each rank's stages itself
+        actions = _ranked(rules, orders, ranked, total)
+    elif len({rank for rank, _ in orders}) == len(orders):  # one stage per rank
         actions = {rank: order.actions(total) for (rank, _), order in sorted(orders.items())}
     else:
         actions = _merge(orders, total)
@@ -124,6 +128,7 @@ def replica_orders(
     stages = len(ranks)
     ties = [tuple(sorted(set(t))) for t in ties]
     rules.check(replicas, num_microbatches, ties)
+    rules.check_layout(ranks, num_microbatches)
     for src, dst in edges:
         if not 0 <= src < dst < stages:
             raise ScheduleError(
@@ -139,13 +144,6 @@ def replica_orders(
             f"{rules.name} streams steps without a flush, which pdcompile runs with one stage "
             "per rank; place each stage on ranks of its own, or use a synchronous schedule"
         )
-    for i, tie in enumerate(ties):
-        holders = [r for t in tie for r in ranks[t]]
-        if len(set(holders)) < len(holders):
-            raise ScheduleError(
-                f"tied tensor {i} is used by stages {list(tie)}, two of which share a rank; "
-                "place the stages sharing a tensor on different ranks"
-            )
     schedule_ = Schedule(rules.name, num_microbatches, replicas, ranks)
     world = tuple(sorted({r for rs in ranks for r in rs}))
     linked = tie_components(stages, ties)
@@ -153,8 +151,8 @@ def replica_orders(
     for s, stage_ranks in enumerate(ranks):
         w = rules.warmup(replicas, s, num_microbatches)
         round_size = rules.round_size(replicas, s, num_microbatches)
-        my_ties = [
-            (i, tuple(sorted(r for t in tie for r in ranks[t])))
+        my_ties = [  # stages of a tie on one rank: the rank sums their copies (RankWorkers)
+            (i, tuple(sorted({r for t in tie for r in ranks[t]})))
             for i, tie in enumerate(ties)
             if s in tie
         ]
@@ -231,11 +229,21 @@ class RankOrder:
         the item after its last compute."""
         mine, w, rules = self.mine(total), self.warmup, self.rules
         count = self.count(total)
+        if rules.streaming:  # unfolded one item at a time: `mine` may be endless
+            item = lambda t: rules.compute_item(w, mine, t)  # noqa: E731
+        else:
+            order = rules.replica_order(
+                self.schedule.replicas, self.stage, self.schedule.num_microbatches, mine
+            )
+            item = order.__getitem__
         for t in range(start, count):
-            kind, k = rules.compute_item(w, mine, t)
-            yield t, self._forward(k) if kind == "F" else self._backward(kind, k)
+            yield t, self.compute(*item(t))
         if not rules.streaming and start <= count:
             yield count, self.update(-1)
+
+    def compute(self, kind: str, k: int) -> list[Action]:
+        """The actions of one compute item: `kind` of microbatch `k` with its messages."""
+        return self._forward(k) if kind == "F" else self._backward(kind, k)
 
     def _forward(self, k: int) -> list[Action]:
         stage, schedule = self.stage, self.schedule
@@ -314,13 +322,51 @@ def _merge(
             queues[rank][stage].pop(0)
             merged[rank] += group
             sent.update(_message(rank, a) for a in group if a.kind == "send")
+    return {rank: tuple(merged[rank] + _updates(finals[rank])) for rank in sorted(merged)}
+
+
+def _updates(finals: Mapping[int, list[Action]]) -> list[Action]:
+    """A rank's updates, after all its compute: every stage's all-reduces, one check and one
+    clip for the rank (its first stage names them), then every stage's optimizer step
+    (`finals[stage]`: that stage's update actions)."""
+    updates = [finals[stage] for stage in sorted(finals)]
+    # one all-reduce per tied tensor (on several of the rank's stages, its first names it),
+    # in an order every rank agrees on: the ties by index, then the replicas by stage
+    reduces = {}
+    for a in (a for u in updates for a in u if a.kind == "allreduce"):
+        reduces.setdefault(a.collective, a)
+    reduces = sorted(reduces.values(), key=lambda a: (a.tie < 0, a.tie, a.stage))
+    once = [a for a in updates[0] if a.kind in ("check", "clip")]
+    steps = [a for u in updates for a in u if a.kind == "step"]
+    return reduces + once + steps
+
+
+def _ranked(
+    rules: PipelineSchedule,
+    orders: Mapping[tuple[int, int], RankOrder],
+    ranked: Mapping[int, Sequence[tuple[str, int, int]]],
+    total: int,
+) -> dict[int, tuple[Action, ...]]:
+    """Every rank's actions from the order the schedule gives each rank ((kind, stage,
+    microbatch) items), checked against its stages' work: each microbatch of each of the
+    rank's stages once per compute kind (F and B, or F, I and W)."""
     actions = {}
-    for rank in sorted(merged):
-        updates = [finals[rank][stage] for stage in sorted(finals[rank])]
-        reduces = [a for u in updates for a in u if a.kind == "allreduce"]
-        once = [a for a in updates[0] if a.kind in ("check", "clip")]
-        steps = [a for u in updates for a in u if a.kind == "step"]
-        actions[rank] = tuple(merged[rank] + reduces + once + steps)
+    for rank in sorted({rank for rank, _ in orders}):
+        items = list(ranked.get(rank, ()))
+        stages = sorted(s for r, s in orders if r == rank)
+        kinds = ("F", "B") if rules.items_per_microbatch == 2 else ("F", "I", "W")
+        want = sorted((kind, s, k) for s in stages for k in orders[(rank, s)].mine(total)
+                      for kind in kinds)  # fmt: skip
+        if sorted(items) != want:
+            wrong = sorted(set(items) ^ set(want))[:4]
+            raise ScheduleError(
+                f"{rules.name}'s order for rank {rank} does not run each microbatch of its "
+                f"stages {stages} once per {'/'.join(kinds)} (e.g. {wrong}): a bug in the "
+                "schedule's rank_orders"
+            )
+        out = [a for kind, s, k in items for a in orders[(rank, s)].compute(kind, k)]
+        finals = {s: orders[(rank, s)].update(-1) for s in stages}
+        actions[rank] = tuple(out + _updates(finals))
     return actions
 
 

@@ -15,6 +15,10 @@ SCHEDULES: Registry[PipelineSchedule] = Registry(
         "pdcompile.schedules.gpipe",
         "pdcompile.schedules.pipedream",
         "pdcompile.schedules.two_bw",
+        "pdcompile.schedules.interleaved_1f1b",
+        "pdcompile.schedules.zb_h1",
+        "pdcompile.schedules.zb_h2",
+        "pdcompile.schedules.zb_v",
     ),
     ScheduleError,
 )
