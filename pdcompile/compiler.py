@@ -53,6 +53,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     weights: Callable[[], dict[str, torch.Tensor]] | str | None = None,
     vertical_sync: bool = False,
     nonfinite: str = "raise",
+    allow_async: bool = False,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -67,7 +68,10 @@ def compile(  # noqa: A001 - the public name API.md gives it
             process).
         schedule: a name from `pdcompile.schedules()`: "1f1b" (default: synchronous, equal to
             single-process gradient accumulation), "gpipe", "pipedream" (asynchronous, weight
-            stashing), "2bw", or one registered with `pdcompile.register_schedule`.
+            stashing), "2bw", or one registered with `pdcompile.register_schedule`; "auto":
+            rank 0 plans every synchronous schedule and runs the fastest that fits
+            (`plan(..., schedule="auto")`; a given `plan` runs its own schedule), and
+            `explain()` shows the comparison.
         num_microbatches: microbatches per `train_step` (default: what `plan()` chose, or the
             given plan's count).
         solver: the partitioning solver (`pdcompile.solvers()`).
@@ -87,6 +91,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
         nonfinite: what a NaN or infinite loss does: "raise" a `LossError` naming the step,
             stage and microbatch, or "skip" the step on every rank (no update, no scheduler
             step; `1f1b` and `gpipe` only; `skipped_steps` counts them).
+        allow_async: with schedule="auto", `pipedream` and `2bw` are candidates too.
 
     Returns:
         A `PipelinedModule`.
@@ -105,10 +110,13 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
+    from pdcompile.schedule_search import AUTO
     from pdcompile.schedules import check_nonfinite, get_schedule
 
-    schedule = get_schedule(schedule).name
-    check_nonfinite(schedule, nonfinite)
+    auto = isinstance(schedule, str) and schedule == AUTO  # chosen with the plan, below
+    if not auto:
+        schedule = get_schedule(schedule).name
+        check_nonfinite(schedule, nonfinite)
     cluster = None if cluster is None else Cluster.coerce(cluster)  # every rank, before joining
     distributed = dist.is_initialized() or {"RANK", "WORLD_SIZE"} <= set(os.environ)
     rank, world_size, device = 0, 1, _local_device(model)
@@ -145,13 +153,17 @@ def compile(  # noqa: A001 - the public name API.md gives it
             cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
             costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
-                             num_microbatches=num_microbatches)  # fmt: skip
+                             num_microbatches=num_microbatches,
+                             allow_async=allow_async)  # fmt: skip
         except Exception as exc:
             if not distributed:
                 raise
             failure = exc
     if distributed:
         plan = _share_plan(plan, failure, rank)
+    if auto:  # what runs is the schedule the plan was made for
+        schedule = plan.schedule
+        check_nonfinite(schedule, nonfinite)
     if num_microbatches is not None and num_microbatches != plan.num_microbatches:
         plan = rescore(plan, num_microbatches=num_microbatches)  # what runs is what is scored
     if distributed and plan.num_devices_used != world_size:

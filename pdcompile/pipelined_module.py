@@ -19,6 +19,7 @@ from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
+from pdcompile.schedule_search import auto_table
 from pdcompile.text import human_bytes, human_seconds
 
 _KEEP_STEPS = 1000  # measured steps kept for explain()
@@ -179,6 +180,8 @@ class PipelinedModule:
         predicted time per stage so far."""
         rules = self.pipeline.rules
         lines = [str(self.plan), "", f"schedule {rules.name}: {rules.meaning}", ""]
+        if auto_table(self.plan):  # planned with schedule="auto": how the others compared
+            lines += [auto_table(self.plan), ""]
         fused = {w.stage: w.fused for w in self.pipeline.workers.values() if w.fused}
         lines += [  # a split backward (zb-*) falls back where a stage cannot split (worker.py)
             f"stage {stage} runs its backward fused, not split into I and W: {why}"

@@ -22,6 +22,7 @@ from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
 from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.registry import Registry
+from pdcompile.schedule_search import AUTO, plan_auto
 from pdcompile.schedules import PipelineSchedule, get_schedule
 from pdcompile.schedules.base import MAX_MICROBATCHES
 
@@ -133,6 +134,7 @@ def plan(
     microbatch_size: int | None = None,
     replica_counts: Sequence[int] | None = None,
     chunks: int | None = None,
+    allow_async: bool = False,
     **options: Any,
 ) -> Plan:
     """Cut `cost_graph` into pipeline stages with replica counts for `cluster`.
@@ -142,7 +144,10 @@ def plan(
         cluster: the devices: a `Cluster`, its text (e.g. "8@300GB/s,2@25Gbit/s") or a number
             of devices (`Cluster.coerce`).
         solver: a name from `solvers()`.
-        schedule: a name from `pdcompile.schedules()` ("1f1b", "gpipe", "pipedream", "2bw", ...).
+        schedule: a name from `pdcompile.schedules()` ("1f1b", "gpipe", "pipedream", "2bw", ...),
+            or "auto": every synchronous schedule (and chunks per rank it takes) planned as
+            here, the fastest `step_time` that fits memory returned, with the comparison in
+            `options["auto"]` (`pdcompile.schedule_search`).
         num_microbatches: microbatches per step (default: twice the number of devices, rounded
             up to the next count the schedule accepts for the plan's replicas, and to one that
             every replica count divides if that is less than one round of the largest count
@@ -156,6 +161,8 @@ def plan(
         chunks: stages per rank, one replica each (default: the schedule's `default_chunks`,
             2 for `interleaved-1f1b` and `zb-v`, else 1), placed by the schedule
             (`PipelineSchedule.chunk_rank`: stage i on rank i mod p; `zb-v` in a V).
+        allow_async: with schedule="auto", the asynchronous schedules (`pipedream`, `2bw`) are
+            candidates too (they change the optimisation's semantics).
         options: the solver's own options.
 
     Returns:
@@ -171,6 +178,12 @@ def plan(
         PartitionError: unknown solver or schedule, `cluster` is no cluster, bad
             `replica_counts`, or no plan exists (the message says why).
     """
+    if isinstance(schedule, str) and schedule == AUTO:
+        return plan_auto(
+            plan, cost_graph, cluster, allow_async=allow_async, solver=solver,
+            num_microbatches=num_microbatches, microbatch_size=microbatch_size,
+            replica_counts=replica_counts, chunks=chunks, **options,
+        )  # fmt: skip
     solve = SOLVERS.get(solver)
     cluster = Cluster.coerce(cluster)
     try:

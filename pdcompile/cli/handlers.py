@@ -6,7 +6,8 @@ pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [-
 pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME]) --out DIR
 pdcompile simulate INPUT [--cluster SPEC] [--solver NAME] [--schedule NAME] [--microbatches M]
                          [--png FILE | --svg FILE] [--trace FILE] [--measured TRACE]
-pdcompile bench-solvers INPUT... --cluster SPEC [--solvers a,b] [--plugin MODULE] [--json FILE]
+pdcompile bench-solvers INPUT... --cluster SPEC [--solvers a,b] [--schedules a,b] [--plugin MODULE]
+    [--json FILE]
 """
 
 from __future__ import annotations
@@ -177,13 +178,18 @@ def _cluster(args: argparse.Namespace) -> Any:
 def _plan(args: argparse.Namespace) -> int:
     from pdcompile.errors import PlanWarning
     from pdcompile.planning import plan
+    from pdcompile.schedule_search import auto_table
 
     costs, _ = _costs(args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanWarning)  # the table's notes say the same
         result = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
-                      num_microbatches=args.microbatches)  # fmt: skip
+                      num_microbatches=args.microbatches,
+                      allow_async=args.allow_async)  # fmt: skip
     print(result)
+    if auto_table(result):  # --schedule auto: how every candidate compared
+        print()
+        print(auto_table(result))
     if args.out:
         result.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
@@ -315,17 +321,22 @@ def _solvers(args: argparse.Namespace) -> int:
 
 def _bench_solvers(args: argparse.Namespace) -> int:
     from pdcompile.cli.bench_instances import load_instances
-    from pdcompile.cli.bench_report import results_json, results_table, summary_table
+    from pdcompile.cli.bench_report import pairs_table, results_json, results_table, summary_table
     from pdcompile.cli.solver_bench import run_bench
     from pdcompile.cluster import Cluster
 
     instances = load_instances(args.inputs, analytic=args.analytic)
     clusters = [Cluster.parse(text, memory=args.memory) for text in args.cluster]
     names = [n.strip() for n in args.solvers.split(",") if n.strip()] if args.solvers else None
+    kinds = [n.strip() for n in args.schedules.split(",") if n.strip()] if args.schedules else None
     settings = dict(schedule=args.schedule, num_microbatches=args.microbatches,
                     time_limit_s=args.time_limit or None, plugins=args.plugin)  # fmt: skip
+    if kinds:  # the (solver, schedule) pairs axis
+        settings["schedules"] = kinds
     results = run_bench(instances, clusters, names, **settings)
     _print_table(results_table(results), None)
+    if kinds and len(kinds) > 1:
+        _print_table(pairs_table(results), None)
     if len(instances) * len(clusters) > 1:
         _print_table(summary_table(results), None)
     if args.json:

@@ -11,9 +11,11 @@ FORMATS = ("txt", "json", "dot", "svg", "png")
 METHODS = ("auto", "fx", "export")
 
 
-def _plan_options(parser: argparse.ArgumentParser, plan_file: bool = False) -> None:
+def _plan_options(
+    parser: argparse.ArgumentParser, plan_file: bool = False, auto: bool = False
+) -> None:
     """INPUT and the planning options; with `plan_file`, INPUT may also be a Plan JSON, whose
-    cluster and schedule are the defaults."""
+    cluster and schedule are the defaults; with `auto`, --schedule may be "auto"."""
     parser.add_argument(
         "spec", metavar="INPUT",
         help=("plan.json, " if plan_file else "")
@@ -25,7 +27,10 @@ def _plan_options(parser: argparse.ArgumentParser, plan_file: bool = False) -> N
     )  # fmt: skip
     parser.add_argument("--memory", help="bytes per device, e.g. 80GB")
     parser.add_argument(
-        "--schedule", choices=list(schedules()), default=None if plan_file else "1f1b"
+        "--schedule",
+        choices=list(schedules()) + (["auto"] if auto else []),
+        default=None if plan_file else "1f1b",
+        help="auto: plan every synchronous schedule, keep the fastest that fits" if auto else None,
     )
     parser.add_argument("--microbatches", type=int, help="microbatches per step")
     parser.add_argument("--analytic", action="store_true", help="a SPEC is costed analytically")
@@ -94,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan stages and replicas for a cluster; prints the stage table and the "
         "predicted speed-up over data parallelism on the same devices.",
     )
-    _plan_options(plan)
+    _plan_options(plan, auto=True)
+    plan.add_argument(
+        "--allow-async", action="store_true",
+        help="with --schedule auto, pipedream and 2bw are candidates too",
+    )  # fmt: skip
     plan.add_argument("--solver", default="dp", help="a name from `pdcompile solvers`")
     plan.add_argument("--out", metavar="FILE", help="write the Plan JSON here")
 
@@ -161,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument("--memory", help="bytes per device, e.g. 16GB")
     bench.add_argument("--schedule", choices=list(schedules()), default="1f1b")
+    bench.add_argument(
+        "--schedules", metavar="A,B,...",
+        help="comma-separated schedules (or auto) instead of --schedule: every (solver, "
+        "schedule) pair plans the same instances, compared by simulated step time",
+    )  # fmt: skip
     bench.add_argument("--microbatches", type=int, help="microbatches per step")
     bench.add_argument("--solvers", help="comma-separated names (default: every registered one)")
     bench.add_argument(

@@ -27,7 +27,7 @@ from typing import Any
 from pdcompile.cli.bench_instances import Instance
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PartitionError, SpecError
+from pdcompile.errors import PartitionError, ScheduleError, SpecError
 from pdcompile.evaluation import evaluate, lower_bound
 from pdcompile.planning import plan, solvers
 from pdcompile.plans import Plan
@@ -53,6 +53,17 @@ def load_plugin(spec: str) -> ModuleType:
     return import_user_module(spec, f"plugin {spec!r}")
 
 
+def _known_schedule(name: str) -> None:
+    from pdcompile.schedules import get_schedule
+
+    if name == "auto":
+        return
+    try:
+        get_schedule(name)
+    except ScheduleError as exc:
+        raise PartitionError(str(exc)) from None
+
+
 # -- running ---------------------------------------------------------------------------------
 
 
@@ -62,8 +73,10 @@ class BenchResult:
 
     `status` is "ok", "failed" or "timeout"; the plan's numbers are None unless "ok". `note`: why
     it failed, or the fallback it reported. `ratio_to_best` divides by the best plan of the
-    instance and cluster that fits memory; `lower_bound` is evaluate's (total compute over all
-    devices)."""
+    instance, cluster and schedule that fits memory; `lower_bound` is evaluate's (total compute
+    over all devices). `step_time`: the simulated seconds per `train_step` call (the yardstick
+    across schedules); `step_ratio` divides it by the best (solver, schedule) pair's on the
+    instance and cluster that fits memory."""
 
     instance: str
     cluster: str
@@ -79,6 +92,8 @@ class BenchResult:
     num_devices_used: int | None = None
     fits_memory: bool | None = None
     note: str = ""
+    step_time: float | None = None
+    step_ratio: float | None = None
 
 
 def _serve(conn: Connection, plugins: Sequence[str]) -> None:
@@ -191,20 +206,26 @@ def _result(
         **base, status="ok", predicted_time=scored.predicted_time, gap=scored.gap,
         solve_time_s=outcome.solve_time_s, num_stages=scored.num_stages,
         num_devices_used=scored.num_devices_used, fits_memory=scored.fits_memory, note=fallback,
+        step_time=scored.step_time,
     )  # fmt: skip
 
 
 def _with_ratios(results: list[BenchResult]) -> list[BenchResult]:
-    best: dict[tuple[str, str], float] = {}
+    best: dict[tuple[str, ...], float] = {}
+    steps: dict[tuple[str, ...], float] = {}
     for r in results:
         if r.status == "ok" and r.fits_memory and r.predicted_time is not None:
-            key = (r.instance, r.cluster)
+            key = (r.instance, r.cluster, r.schedule)
             best[key] = min(best.get(key, math.inf), r.predicted_time)
+            if r.step_time:
+                steps[key[:2]] = min(steps.get(key[:2], math.inf), r.step_time)
     out = []
     for r in results:
-        b = best.get((r.instance, r.cluster))
+        b = best.get((r.instance, r.cluster, r.schedule))
         ratio = r.predicted_time / b if b and r.predicted_time is not None else None
-        out.append(BenchResult(**{**asdict(r), "ratio_to_best": ratio}))
+        t = steps.get((r.instance, r.cluster))
+        step_ratio = r.step_time / t if t and r.step_time else None
+        out.append(BenchResult(**{**asdict(r), "ratio_to_best": ratio, "step_ratio": step_ratio}))
     return out
 
 
@@ -214,6 +235,7 @@ def run_bench(
     solver_names: Sequence[str] | None = None,
     *,
     schedule: str = "1f1b",
+    schedules: Sequence[str] | None = None,
     num_microbatches: int | None = None,
     time_limit_s: float | None = None,
     plugins: Sequence[str] = (),
@@ -225,13 +247,15 @@ def run_bench(
         clusters: each instance is planned on each.
         solver_names: names from `solvers()` (default: all, after loading `plugins`).
         schedule, num_microbatches: passed to `plan`.
+        schedules: several schedules (instead of `schedule`): every (solver, schedule) pair
+            plans the same instances; compare pairs by `step_time` and `step_ratio`.
         time_limit_s: wall-clock seconds per solver run; solvers then run in a worker process
             that loads the built-in solvers and `plugins` (solvers registered in this process
             otherwise are unknown there). None: run here, without a limit.
         plugins: modules to load first (`load_plugin`).
 
     Returns:
-        One result per instance, cluster and solver, in that order.
+        One result per instance, cluster, solver and schedule, in that order.
 
     Raises:
         PartitionError: an unknown solver name, or a bad schedule or time limit.
@@ -251,6 +275,9 @@ def run_bench(
         raise PartitionError(
             f"the time limit must be a positive number of seconds, got {time_limit_s!r}"
         )
+    kinds = list(schedules or [schedule])
+    for kind in kinds:  # a bad name fails before any solver runs
+        _known_schedule(kind)
     worker = _SolverProcess(plugins) if time_limit_s is not None else None
     results = []
     try:
@@ -258,13 +285,16 @@ def run_bench(
             for cluster in clusters:
                 bound = lower_bound(instance.cost_graph, cluster)
                 for name in names:
-                    job = (instance.cost_graph, cluster, name, schedule, num_microbatches)
-                    status, outcome = (
-                        worker.solve(job, time_limit_s) if worker and time_limit_s else _solve(*job)
-                    )
-                    base = dict(instance=instance.name, cluster=str(cluster), schedule=schedule,
-                                solver=name, lower_bound=bound)  # fmt: skip
-                    results.append(_result(base, status, outcome, instance.cost_graph))
+                    for kind in kinds:
+                        job = (instance.cost_graph, cluster, name, kind, num_microbatches)
+                        status, outcome = (
+                            worker.solve(job, time_limit_s)
+                            if worker and time_limit_s
+                            else _solve(*job)
+                        )
+                        base = dict(instance=instance.name, cluster=str(cluster), schedule=kind,
+                                    solver=name, lower_bound=bound)  # fmt: skip
+                        results.append(_result(base, status, outcome, instance.cost_graph))
     finally:
         if worker:
             worker.close()

@@ -141,6 +141,12 @@ class PipelineSchedule:
 
     default_chunks: int = 1  # stages per rank `plan()` cuts for this schedule by default
 
+    @property
+    def auto_chunks(self) -> tuple[int, ...]:
+        """The stages per rank `plan(..., schedule="auto")` tries this schedule with (default:
+        its `default_chunks`)."""
+        return (self.default_chunks,)
+
     def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
         """The rank of `stage` when `plan(..., chunks=v)` puts v stages on each of `num_ranks`
         ranks: round-robin, stage i on rank i mod p (Megatron's virtual pipeline)."""

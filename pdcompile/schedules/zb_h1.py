@@ -41,6 +41,7 @@ class ZeroBubbleH1(PipelineSchedule):
     )
     items_per_microbatch = 3
     default_chunks = 1
+    auto_chunks = (1, 2)  # 2: what torch's `ScheduleInterleavedZeroBubble` runs
 
     def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
         p, v = check_round_robin(self.name, ranks)

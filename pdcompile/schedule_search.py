@@ -1,0 +1,144 @@
+"""`plan(..., schedule="auto")`: the plan of every candidate schedule, the fastest that fits.
+
+Each registered schedule (the synchronous ones; the asynchronous ones too with
+`allow_async=True`) is planned exactly as `plan(..., schedule=name, chunks=v)` would plan it, for
+each of its `auto_chunks`; the plan with the smallest `step_time` among those that fit device
+memory is returned (the minimum over them by construction; ties, within `TIE`, go to the
+simpler schedule: the built-ins in the registry's order, then fewer chunks). Its
+`options["auto"]` holds the comparison table, one row per candidate (JSON-native, so it
+survives `Plan.to_json`), rendered by `auto_table` and `PipelinedModule.explain()`. Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pdcompile.errors import PartitionError
+from pdcompile.plans import Plan
+from pdcompile.schedules import get_schedule, schedules
+from pdcompile.schedules.registry import SCHEDULES
+from pdcompile.text import human_bytes, human_seconds
+
+AUTO = "auto"
+TIE = 1e-9  # step times within this share of each other are a tie
+
+
+def candidates(allow_async: bool = False) -> list[tuple[str, int]]:
+    """(schedule, chunks) pairs `schedule="auto"` plans, in tie-break order.
+
+    >>> candidates()[:3]
+    [('1f1b', 1), ('gpipe', 1), ('interleaved-1f1b', 2)]
+    """
+    pairs = []
+    for name in sorted(schedules(), key=_simplicity):
+        rules = get_schedule(name)
+        if rules.synchronous or allow_async:
+            pairs += [(name, v) for v in sorted(rules.auto_chunks)]
+    return pairs
+
+
+def _simplicity(name: str) -> tuple[int, str]:
+    """Built-in schedules in the registry's order (1f1b, gpipe, pipedream, 2bw, interleaved-1f1b,
+    zb-h1, zb-h2, zb-v), then the others by name."""
+    module = type(get_schedule(name)).__module__
+    builtins = SCHEDULES.builtins
+    return (builtins.index(module) if module in builtins else len(builtins), name)
+
+
+def plan_auto(
+    planner: Callable[..., Plan], *args: Any, allow_async: bool = False, **kwargs: Any
+) -> Plan:
+    """The fastest fitting plan over `candidates(allow_async)`, `planner(*args, schedule=name,
+    chunks=v, **kwargs)` each (`planner` is `pdcompile.plan`).
+
+    A candidate that cannot be planned (e.g. it does not accept the `num_microbatches` given) is
+    listed with the reason and skipped. Without a fitting candidate, the fastest of all is
+    returned (its `fits_memory` is False, as `plan()` would return it).
+
+    Raises:
+        PartitionError: no candidate could be planned (the message gives each one's reason).
+    """
+    if kwargs.get("chunks") is not None:
+        raise PartitionError(
+            "schedule='auto' chooses the chunks per rank itself; leave chunks out or name "
+            "a schedule"
+        )
+    kwargs.pop("chunks", None)
+    start = time.perf_counter()
+    found: list[tuple[int, Plan, list[warnings.WarningMessage]]] = []
+    rows: list[dict[str, Any]] = []
+    for name, chunks in candidates(allow_async):
+        row: dict[str, Any] = {"schedule": name, "chunks": chunks}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = planner(*args, schedule=name, chunks=chunks, **kwargs)
+            except PartitionError as exc:
+                rows.append({**row, "skipped": str(exc)})
+                continue
+        found.append((len(rows), result, list(caught)))
+        rows.append({**row, **_row(result)})
+    if not found:
+        reasons = "; ".join(f"{r['schedule']} (chunks={r['chunks']}): {r['skipped']}" for r in rows)
+        raise PartitionError(f"schedule='auto': no schedule could be planned: {reasons}")
+    fitting = [f for f in found if f[1].fits_memory] or found
+    fastest = min(f[1].step_time for f in fitting)
+    # the first candidate within rounding of the fastest: equal closed forms summed in another
+    # order differ in the last bits, and the simpler schedule should win that tie
+    index, best, caught = next(f for f in fitting if f[1].step_time <= fastest * (1 + TIE))
+    for i, row in enumerate(rows):
+        row["chosen"] = i == index
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    options = {**best.options, AUTO: rows}
+    return best.with_(options=options, solve_time_s=time.perf_counter() - start)
+
+
+def _row(plan: Plan) -> dict[str, Any]:
+    idle = plan.rank_idle
+    return {
+        "step_time": plan.step_time,
+        "predicted_time": plan.predicted_time,
+        "bubble": sum(idle) / len(idle) if idle else 0.0,
+        "num_microbatches": plan.num_microbatches,
+        "num_stages": plan.num_stages,
+        "fits_memory": plan.fits_memory,
+        "peak_memory": max(plan.rank_memory, default=0),
+        "skipped": None,
+    }
+
+
+def auto_table(rows: Sequence[Mapping[str, Any]] | Plan) -> str:
+    """The comparison table of `plan.options["auto"]` (or of those rows) as text; "" without."""
+    if isinstance(rows, Plan):
+        rows = rows.options.get(AUTO) or []
+    if not rows:
+        return ""
+    best = next((r["step_time"] for r in rows if r.get("chosen")), 0.0)
+    lines = [("", "schedule", "chunks", "M", "step", "vs chosen", "bubble", "peak memory", "fits")]
+    for r in rows:
+        mark = "*" if r.get("chosen") else ""
+        if r.get("skipped"):
+            lines.append((mark, r["schedule"], str(r["chunks"]), "-", "skipped", "-", "-", "-",
+                          "-"))  # fmt: skip
+            continue
+        lines.append((
+            mark, r["schedule"], str(r["chunks"]), str(r["num_microbatches"]),
+            human_seconds(r["step_time"]),
+            f"{r['step_time'] / best - 1:+.1%}" if best else "-",
+            f"{r['bubble']:.1%}", human_bytes(r["peak_memory"]),
+            "yes" if r["fits_memory"] else "NO",
+        ))  # fmt: skip
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = ["schedule='auto' candidates (* chosen: the fastest that fits):"] + [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    ]
+    text += [
+        f"skipped {r['schedule']} (chunks={r['chunks']}): {r['skipped']}"
+        for r in rows
+        if r.get("skipped")
+    ]
+    return "\n".join(text)
