@@ -220,3 +220,12 @@ OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
 }
+
+
+def stage_parameters(pipeline) -> dict:
+    """Copies of every parameter the pipeline's stages on this rank hold, under every name."""
+    return {
+        n: p.detach().clone()
+        for worker in pipeline.workers.values()
+        for n, p in worker.module.named_parameters(remove_duplicate=False)
+    }

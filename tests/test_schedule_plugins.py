@@ -13,7 +13,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 import torch.distributed as dist
-from pipeline_support import OPTIMIZERS, accumulate_reference, gpt_case, mlp_case, program_for
+from pipeline_support import (
+    OPTIMIZERS,
+    accumulate_reference,
+    gpt_case,
+    mlp_case,
+    program_for,
+    stage_parameters,
+)
 from spawn import run_ranks
 
 import pdcompile
@@ -154,11 +161,7 @@ def _train_on_ranks(rank: int, world_size: int, init_file: str) -> list[dict[str
         )  # fmt: skip
         for _ in range(3):
             pipeline.train_step((x,), y)
-        results.append({
-            n: p.detach().clone()
-            for worker in pipeline.workers.values()
-            for n, p in worker.module.named_parameters(remove_duplicate=False)
-        })  # fmt: skip
+        results.append(stage_parameters(pipeline))
     dist.destroy_process_group()
     return results
 

@@ -31,6 +31,7 @@ from pipeline_support import (
     accumulate_reference,
     gpt_case,
     mlp_case,
+    stage_parameters,
 )
 from spawn import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -440,11 +441,7 @@ def _train(rank: int, world_size: int, init_file: str, configs: list) -> list[di
         )  # fmt: skip
         for _ in range(5):
             pipeline.train_step((x,), y)
-        results.append({
-            n: p.detach().clone()
-            for worker in pipeline.workers.values()
-            for n, p in worker.module.named_parameters(remove_duplicate=False)
-        })  # fmt: skip
+        results.append(stage_parameters(pipeline))
     dist.destroy_process_group()
     return results
 

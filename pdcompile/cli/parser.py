@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdcompile.schedule_search import AUTO
 from pdcompile.schedules import schedules
 
 FORMATS = ("txt", "json", "dot", "svg", "png")
@@ -28,7 +29,7 @@ def _plan_options(
     parser.add_argument("--memory", help="bytes per device, e.g. 80GB")
     parser.add_argument(
         "--schedule",
-        choices=list(schedules()) + (["auto"] if auto else []),
+        choices=list(schedules()) + ([AUTO] if auto else []),
         default=None if plan_file else "1f1b",
         help="auto: plan every synchronous schedule, keep the fastest that fits" if auto else None,
     )

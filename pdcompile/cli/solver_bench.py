@@ -31,6 +31,7 @@ from pdcompile.errors import PartitionError, ScheduleError, SpecError
 from pdcompile.evaluation import evaluate, lower_bound
 from pdcompile.planning import plan, solvers
 from pdcompile.plans import Plan
+from pdcompile.schedule_search import AUTO
 
 __all__ = ["BenchResult", "load_plugin", "run_bench"]
 
@@ -56,7 +57,7 @@ def load_plugin(spec: str) -> ModuleType:
 def _known_schedule(name: str) -> None:
     from pdcompile.schedules import get_schedule
 
-    if name == "auto":
+    if name == AUTO:
         return
     try:
         get_schedule(name)
