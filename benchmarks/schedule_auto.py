@@ -6,10 +6,15 @@ The GPT-style decoder (`pdcompile.zoo.GPT`, tied embeddings) and a heavy-head mo
 trunk under a wide vocabulary projection) are captured and priced analytically (`profile=False`,
 so the table does not depend on this machine's load), then planned on 3 clusters x 2 memory
 limits (none, and 1.05 x the peak rank memory of the 1F1B plan, which rules out the schedules
-holding more activations). For each setting the table gives the plan `schedule="auto"` chose and
-every single-schedule plan's simulated step time as a ratio to it (`-` where the plan does not
-fit or the schedule cannot run). Auto is the minimum over the fitting plans by construction
-(`tests/test_schedule_auto.py` checks it); the table shows by how much each schedule loses.
+holding more activations). Every message costs its rank 100 us (`RuntimeCosts(message_s=1e-4)`),
+so the microbatch count is a trade-off. The batch is what `plan()` runs by default, 2p
+microbatches of the graph's rows (G rows); `schedule="auto"` with `global_batch_size=G`
+searches schedule, chunks, microbatch count, partition and replicas together. For each setting
+the table gives its choice and, as ratios to its step time, auto without the count search (each
+schedule at the default count) and every single-schedule plan as `plan(..., schedule=name,
+num_microbatches=2p)` makes it (`-` where the plan does not fit or the schedule cannot run). Auto is the minimum over
+them by construction (`tests/test_schedule_auto.py`, `tests/test_microbatch_search.py` check
+it); the table shows by how much each loses.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, PlanWarning
+from pdcompile.cluster import RuntimeCosts
 from pdcompile.schedule_search import candidates
 
 CLUSTERS = ("4@10GB/s", "8@10GB/s", "2@10GB/s,2@100MB/s")
+RUNTIME = RuntimeCosts(message_s=1e-4)
 
 
 class HeavyHead(nn.Module):
@@ -68,14 +75,19 @@ def rows() -> list[dict]:
     results = []
     for model, costs in models().items():
         for text in CLUSTERS:
-            peak = max(_quiet_plan(costs, text).rank_memory)
+            free = Cluster.parse(text, runtime=RUNTIME)
+            peak = max(_quiet_plan(costs, free).rank_memory)
+            batch = 2 * free.num_devices * costs.batch_size
             for limit in (None, 1.05 * peak):
-                cluster = Cluster.parse(text, memory=limit) if limit else Cluster.parse(text)
-                auto = _quiet_plan(costs, cluster, schedule="auto")
-                ratios = {}
+                cluster = Cluster.parse(text, memory=limit, runtime=RUNTIME)
+                auto = _quiet_plan(costs, cluster, schedule="auto", global_batch_size=batch)
+                default = batch // costs.batch_size  # every single plan at the same batch
+                fixed = _quiet_plan(costs, cluster, schedule="auto", num_microbatches=default)
+                ratios = {"auto, M fixed": fixed.step_time / auto.step_time}
                 for name, v in candidates():
                     try:
-                        single = _quiet_plan(costs, cluster, schedule=name, chunks=v)
+                        single = _quiet_plan(costs, cluster, schedule=name, chunks=v,
+                                             num_microbatches=default)  # fmt: skip
                     except PartitionError:
                         ratios[f"{name}/{v}"] = None
                         continue
@@ -84,8 +96,9 @@ def rows() -> list[dict]:
                 results.append({
                     "model": model, "cluster": text,
                     "memory": "none" if limit is None else f"{limit / 2**20:.1f} MiB",
-                    "chosen": next(f"{r['schedule']}/{r['chunks']}"
+                    "chosen": next(f"{r['schedule']}/{r['chunks']}, M {r['num_microbatches']}"
                                    for r in auto.options["auto"] if r["chosen"]),
+                    "batch": batch,
                     "step_time_s": auto.step_time, "ratios": ratios,
                 })  # fmt: skip
     return results
@@ -98,14 +111,15 @@ def main() -> None:
     results = rows()
     names = list(results[0]["ratios"])
     table = Table(title="schedule='auto' vs each schedule (step time / auto's; - : does not fit)")
-    for column in ("model", "cluster", "memory", "auto chose", "step"):
+    for column in ("model", "cluster", "memory", "G", "auto chose", "step"):
         table.add_column(column)
     for name in names:
         table.add_column(name, justify="right")
     for r in results:
         cells = [f"{x:.3f}" if x is not None else "-" for x in r["ratios"].values()]
         step = f"{r['step_time_s'] * 1e3:.3f} ms"
-        table.add_row(r["model"], r["cluster"], r["memory"], r["chosen"], step, *cells)
+        table.add_row(r["model"], r["cluster"], r["memory"], str(r["batch"]), r["chosen"], step,
+                      *cells)  # fmt: skip
     Console(width=200).print(table)
     if args.json:
         with open(args.json, "w") as f:

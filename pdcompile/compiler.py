@@ -54,6 +54,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     vertical_sync: bool = False,
     nonfinite: str = "raise",
     allow_async: bool = False,
+    global_batch_size: int | None = None,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -92,6 +93,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
             stage and microbatch, or "skip" the step on every rank (no update, no scheduler
             step; `1f1b` and `gpipe` only; `skipped_steps` counts them).
         allow_async: with schedule="auto", `pipedream` and `2bw` are candidates too.
+        global_batch_size: the rows each `train_step` will run: the planner chooses the
+            microbatch count among those dividing it (`plan(..., global_batch_size=)`; with
+            "auto", together with the schedule). None: the example is one microbatch.
 
     Returns:
         A `PipelinedModule`.
@@ -144,7 +148,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     given = [(s.nodes, s.ranks) for s in plan.stages] + [plan.schedule] if plan else None
     options = dict(schedule=schedule, num_microbatches=num_microbatches, solver=solver,
                    profile=profile, cluster=str(cluster), clip=clip_grad_norm,
-                   vertical=vertical_sync, nonfinite=nonfinite, plan=given)  # fmt: skip
+                   vertical=vertical_sync, nonfinite=nonfinite, plan=given,
+                   batch=global_batch_size)  # fmt: skip
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
     failure: Exception | None = None
@@ -153,8 +158,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
             cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
             costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
-                             num_microbatches=num_microbatches,
-                             allow_async=allow_async)  # fmt: skip
+                             num_microbatches=num_microbatches, allow_async=allow_async,
+                             global_batch_size=global_batch_size)  # fmt: skip
         except Exception as exc:
             if not distributed:
                 raise

@@ -347,14 +347,18 @@ def rescore(
         raise PartitionError("the plan has no microbatch_size to rescale from; plan it again")
     factor = rows / plan.microbatch_size if plan.microbatch_size else 1.0
     prices = get_cost_model(cost_model or plan.options.get("cost_model", "pdcompile"))
+    count = num_microbatches or plan.num_microbatches
     stages = []
     for s in plan.stages:
         forward, backward, comm = s.forward_s * factor, s.backward_s * factor, s.comm_s * factor
+        # one all-reduce per update: its share per microbatch follows the microbatches per update
+        before = prices.updates_every(plan.schedule, s.replicas, plan.num_microbatches)
+        allreduce = s.allreduce_s * before / prices.updates_every(plan.schedule, s.replicas, count)
         stages.append(replace(
-            s, forward_s=forward, backward_s=backward, comm_s=comm,
+            s, forward_s=forward, backward_s=backward, comm_s=comm, allreduce_s=allreduce,
             backward_input_s=s.backward_input_s * factor,
             backward_weight_s=s.backward_weight_s * factor,
-            time_s=prices.stage_time(forward + backward, s.replicas, comm, s.allreduce_s),
+            time_s=prices.stage_time(forward + backward, s.replicas, comm, allreduce),
             activation_bytes=round(s.activation_bytes * factor),
             weight_grad_activation_bytes=round(s.weight_grad_activation_bytes * factor),
             recv_bytes=tuple((src, round(b * factor)) for src, b in s.recv_bytes),
@@ -362,8 +366,7 @@ def rescore(
     predicted = max(s.time_s for s in stages)
     bound = plan.lower_bound * factor
     scaled = plan.with_(
-        stages=tuple(stages), microbatch_size=rows,
-        num_microbatches=num_microbatches or plan.num_microbatches, predicted_time=predicted,
+        stages=tuple(stages), microbatch_size=rows, num_microbatches=count, predicted_time=predicted,
         lower_bound=bound, gap=predicted / bound - 1 if bound > 0 else 0.0,
     )  # fmt: skip
     return simulated(scaled)

@@ -20,6 +20,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
+from pdcompile.microbatch_search import plan_microbatches
 from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.registry import Registry
 from pdcompile.schedule_search import AUTO, plan_auto
@@ -31,6 +32,7 @@ Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 # replica counts allowed (absent: all; the caller's `replica_counts` or microbatch count may rule
 # some out), and whether plan() chooses the count (`settled_microbatches` may then round it up)
 SEARCH = ("schedule", "num_microbatches", "replica_counts", "even_microbatches")
+CHUNK_TRIES = 4  # cuts of a chunked plan under a memory limit, bisecting the stage budget
 
 SOLVERS: Registry[Solver] = Registry(
     "solver",
@@ -135,6 +137,7 @@ def plan(
     replica_counts: Sequence[int] | None = None,
     chunks: int | None = None,
     allow_async: bool = False,
+    global_batch_size: int | None = None,
     **options: Any,
 ) -> Plan:
     """Cut `cost_graph` into pipeline stages with replica counts for `cluster`.
@@ -163,6 +166,11 @@ def plan(
             (`PipelineSchedule.chunk_rank`: stage i on rank i mod p; `zb-v` in a V).
         allow_async: with schedule="auto", the asynchronous schedules (`pipedream`, `2bw`) are
             candidates too (they change the optimisation's semantics).
+        global_batch_size: rows per `train_step`. Without `num_microbatches` (or
+            `microbatch_size`), every count M dividing it that the schedule accepts is planned
+            at G / M rows per microbatch, each with its own partition, and the fastest fitting
+            plan is returned, the counts tried in `options["microbatches"]`
+            (`pdcompile.microbatch_search`); with "auto", for every candidate schedule.
         options: the solver's own options.
 
     Returns:
@@ -182,7 +190,14 @@ def plan(
         return plan_auto(
             plan, cost_graph, cluster, allow_async=allow_async, solver=solver,
             num_microbatches=num_microbatches, microbatch_size=microbatch_size,
-            replica_counts=replica_counts, chunks=chunks, **options,
+            replica_counts=replica_counts, chunks=chunks, global_batch_size=global_batch_size,
+            **options,
+        )  # fmt: skip
+    if global_batch_size is not None:
+        return plan_microbatches(
+            plan, cost_graph, cluster, global_batch_size=global_batch_size,
+            num_microbatches=num_microbatches, microbatch_size=microbatch_size, solver=solver,
+            schedule=schedule, replica_counts=replica_counts, chunks=chunks, **options,
         )  # fmt: skip
     solve = SOLVERS.get(solver)
     cluster = Cluster.coerce(cluster)
@@ -282,7 +297,11 @@ def _plan_chunks(
     stages as for as many devices, each with 1/chunks of a device's memory, all on the
     cluster's slowest link (a rank's stages are not neighbours); the schedule places them
     (`chunk_rank`), and the plan is priced and simulated on the real cluster at the first
-    microbatch count from 2p on (or the one given) its layout accepts."""
+    microbatch count from 2p on (or the one given) its layout accepts. Under a memory limit the
+    solver's budget per stage (its 1F1B counts are not the schedule's) is bisected as a share of
+    a device, from 1/chunks, over `CHUNK_TRIES` cuts: a plan whose ranks fit in the simulation
+    raises it, one that overshoots (or no plan at all) lowers it; the fastest fitting plan is
+    returned, else the one overshooting least."""
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise PartitionError(f"chunks must be an integer >= 1 (stages per rank), got {chunks!r}")
     p = cluster.num_devices
@@ -301,20 +320,70 @@ def _plan_chunks(
                 m += 1
     except ScheduleError as exc:
         raise PartitionError(f"{rules.name} with chunks={chunks} on {p} ranks: {exc}") from None
+    if cluster.memory is None:
+        return _placed(cost_graph, cluster, solver, rules, ranks, None, m, options)
+    # the solver's stage budget, as a share of a device: the largest whose plan fits the ranks
+    low, high, share = 0.0, 2.0, 1 / chunks
+    fitting: Plan | None = None
+    over: Plan | None = None
+    failure: PartitionError | None = None
+    for _ in range(CHUNK_TRIES):
+        try:
+            result = _placed(cost_graph, cluster, solver, rules, ranks, share * cluster.memory,
+                             m, options)  # fmt: skip
+        except PartitionError as exc:  # nothing fits so small a budget
+            failure, low = failure or exc, share
+        else:
+            if result.fits_memory:
+                low = share
+                if fitting is None or result.step_time < fitting.step_time:
+                    fitting = result
+            else:
+                high = share
+                if over is None or max(result.rank_memory) < max(over.rank_memory):
+                    over = result
+        share = (low + high) / 2
+    if fitting or over:
+        return fitting or over
+    assert failure is not None
+    raise failure
+
+
+def _placed(
+    cost_graph: CostGraph, cluster: Cluster, solver: str, rules: PipelineSchedule,
+    ranks: list[tuple[int]], budget: float | None, num_microbatches: int,
+    options: dict[str, Any],
+) -> Plan:  # fmt: skip
+    """The virtual plan (`_virtual_plan`) with its stages on `ranks`, under `rules`, priced and
+    simulated on the real cluster."""
+    found = _virtual_plan(cost_graph, cluster, solver, ranks, budget, num_microbatches, options)
+    stages = tuple(dataclasses.replace(s, ranks=ranks[s.index]) for s in found.stages)
+    skeleton = found.with_(stages=stages, cluster=cluster, schedule=rules.name,
+                           num_microbatches=num_microbatches)  # fmt: skip
+    return simulated(price(skeleton, cost_graph)).with_(solve_time_s=found.solve_time_s)
+
+
+def _virtual_plan(
+    cost_graph: CostGraph, cluster: Cluster, solver: str, ranks: list[tuple[int]],
+    budget: float | None, num_microbatches: int, options: dict[str, Any],
+) -> Plan:  # fmt: skip
+    """The solver's 1F1B plan of one stage per rank `ranks` gives each stage, on a cluster of
+    as many devices on the slowest link, `budget` bytes each."""
     slowest = cluster.levels[-1]
     virtual = Cluster(
-        [(count, slowest.bandwidth, slowest.latency)],
-        memory=None if cluster.memory is None else cluster.memory / chunks,
+        [(len(ranks), slowest.bandwidth, slowest.latency)],
+        memory=budget,
         speed=None if cluster.speed is None else [cluster.speed[r] for (r,) in ranks],
         runtime=cluster.runtime,
     )
-    found = plan(cost_graph, virtual, solver=solver, schedule="1f1b", num_microbatches=m,
-                 replica_counts=[1], chunks=1, **options)  # fmt: skip
-    if found.num_stages != count:
+    found = plan(cost_graph, virtual, solver=solver, schedule="1f1b",
+                 num_microbatches=num_microbatches, replica_counts=[1], chunks=1,
+                 **options)  # fmt: skip
+    if found.num_stages != len(ranks):
+        chunks = len(ranks) // cluster.num_devices
         raise PartitionError(
             f"solver {solver!r} cut the graph into {found.num_stages} stages, but chunks={chunks} "
-            f"on {p} ranks needs {count}; use fewer chunks or solver 'uniform'"
+            f"on {cluster.num_devices} ranks needs {len(ranks)}; use fewer chunks or solver "
+            "'uniform'"
         )
-    stages = tuple(dataclasses.replace(s, ranks=ranks[s.index]) for s in found.stages)
-    skeleton = found.with_(stages=stages, cluster=cluster, schedule=rules.name, num_microbatches=m)
-    return simulated(price(skeleton, cost_graph)).with_(solve_time_s=found.solve_time_s)
+    return found

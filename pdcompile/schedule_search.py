@@ -1,12 +1,17 @@
-"""`plan(..., schedule="auto")`: the plan of every candidate schedule, the fastest that fits.
+"""`plan(..., schedule="auto")`: schedule, chunks, microbatches, partition and replicas chosen
+together, the fastest plan that fits.
 
 Each registered schedule (the synchronous ones; the asynchronous ones too with
 `allow_async=True`) is planned exactly as `plan(..., schedule=name, chunks=v)` would plan it, for
-each of its `auto_chunks`; the plan with the smallest `step_time` among those that fit device
-memory is returned (the minimum over them by construction; ties, within `TIE`, go to the
-simpler schedule: the built-ins in the registry's order, then fewer chunks). Its
-`options["auto"]` holds the comparison table, one row per candidate (JSON-native, so it
-survives `Plan.to_json`), rendered by `auto_table` and `PipelinedModule.explain()`. Torch-free.
+each of its `auto_chunks`: the solver finds the partition and replicas under that schedule's
+memory counts and prices, and with `global_batch_size` every microbatch count dividing the batch
+is planned too (`microbatch_search`). Every candidate is scored by its simulated `step_time` (the
+cost model's numbers, the simulator's), and the smallest among those that fit device memory is
+returned: the minimum over every (schedule, chunks, microbatches) plan by construction; ties,
+within `TIE`, go to the simpler schedule (the built-ins in the registry's order), then fewer
+chunks. Its `options["auto"]` holds the best plan per (schedule, chunks), one row each
+(JSON-native, so it survives `Plan.to_json`), rendered by `auto_table` and
+`PipelinedModule.explain()`. Torch-free.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdcompile.errors import PartitionError
+from pdcompile.microbatch_search import SEARCH_KEY
 from pdcompile.plans import Plan
 from pdcompile.schedules import get_schedule, schedules
 from pdcompile.schedules.registry import SCHEDULES
@@ -99,11 +105,14 @@ def plan_auto(
 
 def _row(plan: Plan) -> dict[str, Any]:
     idle = plan.rank_idle
+    tried = plan.options.get(SEARCH_KEY) or []
     return {
         "step_time": plan.step_time,
         "predicted_time": plan.predicted_time,
         "bubble": sum(idle) / len(idle) if idle else 0.0,
         "num_microbatches": plan.num_microbatches,
+        "microbatch_size": plan.microbatch_size,
+        "counts_tried": [r["num_microbatches"] for r in tried if not r["skipped"]],
         "num_stages": plan.num_stages,
         "fits_memory": plan.fits_memory,
         "peak_memory": max(plan.rank_memory, default=0),
@@ -118,6 +127,7 @@ def auto_table(rows: Sequence[Mapping[str, Any]] | Plan) -> str:
     if not rows:
         return ""
     best = next((r["step_time"] for r in rows if r.get("chosen")), 0.0)
+    searched = any(r.get("counts_tried") for r in rows)
     lines = [("", "schedule", "chunks", "M", "step", "vs chosen", "bubble", "peak memory", "fits")]
     for r in rows:
         mark = "*" if r.get("chosen") else ""
@@ -125,15 +135,22 @@ def auto_table(rows: Sequence[Mapping[str, Any]] | Plan) -> str:
             lines.append((mark, r["schedule"], str(r["chunks"]), "-", "skipped", "-", "-", "-",
                           "-"))  # fmt: skip
             continue
+        count = str(r["num_microbatches"])
+        if searched:  # the count chosen, of those planned
+            count += f" of {','.join(map(str, r.get('counts_tried') or ()))}"
         lines.append((
-            mark, r["schedule"], str(r["chunks"]), str(r["num_microbatches"]),
+            mark, r["schedule"], str(r["chunks"]), count,
             human_seconds(r["step_time"]),
             f"{r['step_time'] / best - 1:+.1%}" if best else "-",
             f"{r['bubble']:.1%}", human_bytes(r["peak_memory"]),
             "yes" if r["fits_memory"] else "NO",
         ))  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    text = ["schedule='auto' candidates (* chosen: the fastest that fits):"] + [
+    batch = next((r["num_microbatches"] * r["microbatch_size"] for r in rows
+                  if r.get("chosen") and r.get("microbatch_size")), None)  # fmt: skip
+    head = "schedule='auto' candidates (* chosen: the fastest that fits"
+    head += f"; M microbatches of the {batch} rows per step):" if searched else "):"
+    text = [head] + [
         "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
     ]
     text += [

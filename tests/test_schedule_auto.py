@@ -185,8 +185,12 @@ def test_compile_auto_runs_the_chosen_schedule_and_explains_the_choice() -> None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanWarning)
         pipe = pdcompile.compile(model, (x,), loss_fn=loss_fn, optimizer=sgd, cluster="2",
-                                 schedule="auto", profile=False)  # fmt: skip
+                                 schedule="auto", profile=False,
+                                 global_batch_size=len(x))  # fmt: skip
     assert pipe.plan.schedule in {n for n, _ in candidates()}
+    plan = pipe.plan  # the count chosen among those dividing the batch, for every schedule
+    assert plan.num_microbatches * plan.microbatch_size == len(x)
+    assert all(r["counts_tried"] for r in plan.options["auto"] if not r["skipped"])
     assert pipe.pipeline.rules.name == pipe.plan.schedule
     losses = [pipe.train_step(x, y) for _ in range(2)]
     ref, ref_loss = accumulate_reference(
@@ -197,3 +201,16 @@ def test_compile_auto_runs_the_chosen_schedule_and_explains_the_choice() -> None
     assert losses[-1] == pytest.approx(ref_loss, rel=1e-5)
     text = pipe.explain()
     assert "schedule='auto' candidates" in text and f"schedule {pipe.plan.schedule}:" in text
+
+
+def test_chunked_plans_bisect_the_stage_budget_until_the_ranks_fit() -> None:
+    """zb-v holds 1F1B's activations, so it fits where 1F1B's plan does; the solver's virtual
+    1F1B over 2p stages with half a device each found no cut there (its counts are not zb-v's),
+    and the budget is now searched against the simulated ranks."""
+    peak = max(pdcompile.plan(EQUAL, "4@10GB/s").rank_memory)
+    cluster = Cluster.parse("4@10GB/s", memory=peak)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        plan = pdcompile.plan(EQUAL, cluster, schedule="zb-v")
+    assert plan.fits_memory and max(plan.rank_memory) <= peak
+    assert plan.step_time < pdcompile.plan(EQUAL, cluster).step_time

@@ -1,0 +1,132 @@
+"""`plan(..., global_batch_size=G)`: the microbatch count chosen for a fixed batch. Torch-free.
+
+A microbatch count is a choice only for a fixed batch: G rows per `train_step` run as M
+microbatches of G / M rows. More microbatches shorten the pipeline's fill and drain (the bubble)
+and hold fewer bytes per microbatch in flight; fewer pay fewer per-message latencies, runtime
+costs (`Cluster.runtime`) and all-reduce rounds. With `global_batch_size` (and no
+`num_microbatches`), `plan()` plans every count M that divides G and that the schedule accepts,
+each with its own partition and replicas (the solver's, at G / M rows per microbatch), and
+returns the plan with the smallest simulated `step_time` among those that fit memory (ties:
+fewer microbatches). `options["microbatches"]` lists every count tried, JSON-native.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from pdcompile.cost_graph import CostGraph
+from pdcompile.errors import PartitionError
+from pdcompile.plans import Plan
+from pdcompile.schedules.base import MAX_MICROBATCHES
+
+SEARCH_KEY = "microbatches"  # plan.options key of the table of counts tried
+TIE = 1e-9  # step times within this share of each other are a tie
+
+
+def divisors(n: int, cap: int = MAX_MICROBATCHES) -> list[int]:
+    """The divisors of `n` up to `cap`, ascending.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    both = sorted({*small, *(n // d for d in small)})
+    return [d for d in both if d <= cap]
+
+
+def batch_settings(
+    cost_graph: CostGraph,
+    global_batch_size: int,
+    num_microbatches: int | None,
+    microbatch_size: int | None,
+) -> list[tuple[int, int]]:
+    """(M, rows per microbatch) pairs that split `global_batch_size` rows evenly: every divisor
+    of it, or the one pair `num_microbatches` or `microbatch_size` fixes.
+
+    Raises:
+        PartitionError: G is no integer >= 1, the fixed count or size does not divide it, or
+            the CostGraph has no batch size to scale from.
+    """
+    g = global_batch_size
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise PartitionError(f"global_batch_size must be an integer >= 1 (rows per step), got {g!r}")
+    if cost_graph.batch_size is None:
+        raise PartitionError(
+            "global_batch_size needs a CostGraph with a batch_size to scale its costs from "
+            "(PipeDream profiles record none: CostGraph.from_pipedream(..., batch_size=N))"
+        )
+    if num_microbatches is not None and microbatch_size is not None:
+        if num_microbatches * microbatch_size != g:
+            raise PartitionError(
+                f"num_microbatches={num_microbatches} x microbatch_size={microbatch_size} is not "
+                f"global_batch_size={g}; give two of the three"
+            )
+        return [(num_microbatches, microbatch_size)]
+    fixed, name = (num_microbatches, "num_microbatches") if num_microbatches else (
+        microbatch_size, "microbatch_size")  # fmt: skip
+    if fixed is not None:
+        if g % fixed:
+            raise PartitionError(
+                f"{name}={fixed} does not divide global_batch_size={g} into equal microbatches; "
+                f"use one of {divisors(g)[:12]}"
+            )
+        return [(fixed, g // fixed)] if fixed == num_microbatches else [(g // fixed, fixed)]
+    return [(m, g // m) for m in divisors(g)]
+
+
+def plan_microbatches(
+    planner: Callable[..., Plan],
+    cost_graph: CostGraph,
+    *args: Any,
+    global_batch_size: int,
+    num_microbatches: int | None = None,
+    microbatch_size: int | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """The fastest fitting plan of `planner(cost_graph, *args, num_microbatches=M,
+    microbatch_size=G // M, **kwargs)` over `batch_settings` (`planner` is `pdcompile.plan`).
+
+    A count the schedule refuses (or that cannot be planned) is listed with the reason. Without
+    a fitting plan the fastest is returned (its `fits_memory` False, as `plan()` returns it).
+
+    Raises:
+        PartitionError: no count could be planned (the message gives the first reasons).
+    """
+    settings = batch_settings(cost_graph, global_batch_size, num_microbatches, microbatch_size)
+    start = time.perf_counter()
+    found: list[tuple[Plan, list[warnings.WarningMessage]]] = []
+    rows: list[dict[str, Any]] = []
+    for m, size in settings:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = planner(cost_graph, *args, num_microbatches=m, microbatch_size=size,
+                                 **kwargs)  # fmt: skip
+            except PartitionError as exc:
+                rows.append({"num_microbatches": m, "microbatch_size": size, "skipped": str(exc)})
+                continue
+        found.append((result, list(caught)))
+        rows.append({
+            "num_microbatches": m, "microbatch_size": size, "step_time": result.step_time,
+            "fits_memory": result.fits_memory, "peak_memory": max(result.rank_memory, default=0),
+            "skipped": None,
+        })  # fmt: skip
+    if not found:
+        reasons = "; ".join(f"M={r['num_microbatches']}: {r['skipped']}" for r in rows[:3])
+        more = f" (and {len(rows) - 3} more)" if len(rows) > 3 else ""
+        raise PartitionError(
+            f"no microbatch count of global_batch_size={global_batch_size} could be planned: "
+            f"{reasons}{more}"
+        )
+    fitting = [f for f in found if f[0].fits_memory] or found
+    fastest = min(p.step_time for p, _ in fitting)
+    best, caught = next(f for f in fitting if f[0].step_time <= fastest * (1 + TIE))
+    for row in rows:
+        row["chosen"] = row["num_microbatches"] == best.num_microbatches
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    options = {**best.options, SEARCH_KEY: rows, "global_batch_size": global_batch_size}
+    return best.with_(options=options, solve_time_s=time.perf_counter() - start)
