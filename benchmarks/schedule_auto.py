@@ -12,9 +12,9 @@ microbatches of the graph's rows (G rows); `schedule="auto"` with `global_batch_
 searches schedule, chunks, microbatch count, partition and replicas together. For each setting
 the table gives its choice and, as ratios to its step time, auto without the count search (each
 schedule at the default count) and every single-schedule plan as `plan(..., schedule=name,
-num_microbatches=2p)` makes it (`-` where the plan does not fit or the schedule cannot run). Auto is the minimum over
-them by construction (`tests/test_schedule_auto.py`, `tests/test_microbatch_search.py` check
-it); the table shows by how much each loses.
+num_microbatches=2p)` makes it (`-` where the plan does not fit or the schedule cannot run).
+Auto is the minimum over them by construction (`tests/test_schedule_auto.py`,
+`tests/test_microbatch_search.py` check it); the table shows by how much each loses.
 """
 
 from __future__ import annotations

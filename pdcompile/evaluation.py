@@ -366,7 +366,8 @@ def rescore(
     predicted = max(s.time_s for s in stages)
     bound = plan.lower_bound * factor
     scaled = plan.with_(
-        stages=tuple(stages), microbatch_size=rows, num_microbatches=count, predicted_time=predicted,
-        lower_bound=bound, gap=predicted / bound - 1 if bound > 0 else 0.0,
+        stages=tuple(stages), microbatch_size=rows, num_microbatches=count,
+        predicted_time=predicted, lower_bound=bound,
+        gap=predicted / bound - 1 if bound > 0 else 0.0,
     )  # fmt: skip
     return simulated(scaled)

@@ -52,7 +52,9 @@ def batch_settings(
     """
     g = global_batch_size
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-        raise PartitionError(f"global_batch_size must be an integer >= 1 (rows per step), got {g!r}")
+        raise PartitionError(
+            f"global_batch_size must be an integer >= 1 (rows per step), got {g!r}"
+        )
     if cost_graph.batch_size is None:
         raise PartitionError(
             "global_batch_size needs a CostGraph with a batch_size to scale its costs from "
