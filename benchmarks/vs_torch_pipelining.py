@@ -1,11 +1,20 @@
 """pdcompile's modern schedules against torch.distributed.pipelining's, on 2 gloo CPU ranks.
 
-    python benchmarks/vs_torch_pipelining.py [--steps 3] [--rounds 5] [--json out.json]
+    python benchmarks/vs_torch_pipelining.py [--model {mlp,transformer}] [--steps 3] [--rounds 5]
+        [--json out.json]
 
-The same model (a chain of 8 Linear(256, 256) with ReLU between, batch 64, MSE loss), the same
-split into 4 stages (pdcompile's uniform cut: 2 Linear a stage), the same 4 microbatches and
-SGD(lr=0.01), on 2 spawned gloo ranks with one thread each. Pairs, with the same placement on
-both sides:
+Two models (both unless `--model` picks one), each a chain of 8 blocks, MSE loss against a random
+target of the output's shape:
+
+- `mlp`: 8 Linear(256, 256) with ReLU between, batch 64;
+- `transformer`: 8 `nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512,
+  dropout=0.0, batch_first=True)`, batch 32 of 32 tokens. The layers are traced as leaves, so
+  that the uniform cut (equal node counts) falls between them. No input projection or output
+  head: with them the 10 nodes would split 3/3/3/1 (a last stage holding the head alone).
+
+Per model, the same split into 4 stages (pdcompile's uniform cut: 2 blocks a stage), the same 4
+microbatches and SGD(lr=0.01), on 2 spawned gloo ranks with one thread each. Pairs, with the same
+placement on both sides:
 
 - pdcompile `interleaved-1f1b` (chunks=2, stage i on rank i mod 2) / `ScheduleInterleaved1F1B`
 - pdcompile `zb-h1` (chunks=2, same placement) / `ScheduleInterleavedZeroBubble`
@@ -13,10 +22,11 @@ both sides:
 
 torch runs pdcompile's own stage modules (copies, so both start from the same parameters)
 through thin adapters taking and returning positional tensors. The two runtimes alternate
-round by round in the same processes; per pair: whether the per-step losses are equal (within
-1e-5: pdcompile reports the mean in float64, torch's losses are float32), and the median over
-rounds of the per-round ratios pdcompile / torch (below 1: pdcompile faster) of wall time per
-step (rank 0) and of CPU time per step (`time.process_time`, rank 0's plus rank 1's).
+round by round in the same processes; per model and pair: whether the per-step losses are equal
+(within 1e-5: pdcompile reports the mean in float64, torch's losses are float32), and the median
+over rounds of the per-round ratios pdcompile / torch (below 1: pdcompile faster) of wall time
+per step (rank 0) and of CPU time per step (`time.process_time`, rank 0's plus rank 1's). The
+JSON file holds one summary per model.
 """
 
 from __future__ import annotations
@@ -43,25 +53,46 @@ from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 
 MICROBATCHES = 4
-WIDTH, LAYERS, BATCH = 256, 8, 64
 PAIRS = {  # pdcompile schedule: torch schedule class
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",
     "zb-v": "ScheduleZBVZeroBubble",
 }
+LEAVES = (nn.TransformerEncoderLayer,)  # traced whole: the cut falls between blocks
 
 
-def make_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    layers: list[nn.Module] = [nn.Linear(256, 256)]
+    for _ in range(7):  # no ReLU after the last: the uniform cut gives 2 Linear a stage
+        layers += [nn.ReLU(), nn.Linear(256, 256)]
+    return nn.Sequential(*layers), torch.randn(64, 256)
+
+
+def transformer() -> tuple[nn.Module, torch.Tensor]:
+    blocks = [
+        nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, dropout=0.0,
+                                   batch_first=True)
+        for _ in range(8)
+    ]  # fmt: skip
+    return nn.Sequential(*blocks), torch.randn(32, 32, 128)  # batch, tokens, d_model
+
+
+MODELS = {  # name: (builder, description for the table's title)
+    "mlp": (mlp, "8 Linear(256) with ReLU between, batch 64"),
+    "transformer": (transformer, "8 TransformerEncoderLayer(128, 4 heads, FFN 512), batch 32 x 32"),
+}
+
+
+def make_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model, its input and its target, the same on every rank."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(WIDTH, WIDTH)]
-    for _ in range(LAYERS - 1):  # no ReLU after the last: the uniform cut gives 2 Linear a stage
-        layers += [nn.ReLU(), nn.Linear(WIDTH, WIDTH)]
-    return nn.Sequential(*layers), torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    model, x = MODELS[name][0]()
+    return model, x, torch.randn_like(x)
 
 
-def build_program(kind: str) -> pdcompile.StagedProgram:
-    model, x, _ = make_case()
-    gm = pdcompile.trace(model, (x,))
+def build_program(name: str, kind: str) -> pdcompile.StagedProgram:
+    model, x, _ = make_case(name)
+    gm = pdcompile.trace(model, (x,), leaf_modules=LEAVES)
     costs = pdcompile.analyze(gm, (x,), profile=False)
     plan = pdcompile.plan(costs, "2", schedule=kind, chunks=2, solver="uniform",
                           num_microbatches=MICROBATCHES)  # fmt: skip
@@ -103,9 +134,11 @@ def _agree(error: str | None) -> None:
         raise RuntimeError(next(e for e in errors if e))
 
 
-def _compare(kind: str, rank: int, device: torch.device, group, steps: int, rounds: int) -> dict:
+def _compare(
+    name: str, kind: str, rank: int, device: torch.device, group, steps: int, rounds: int
+) -> dict:
     try:
-        runtimes = _build(kind, rank, device, group)
+        runtimes = _build(name, kind, rank, device, group)
     except Exception as exc:
         _agree(f"rank {rank}: {type(exc).__name__}: {exc}")
     _agree(None)
@@ -123,12 +156,12 @@ def _compare(kind: str, rank: int, device: torch.device, group, steps: int, roun
     return {"times": times, "losses": losses, "placement": ranks}
 
 
-def _build(kind: str, rank: int, device: torch.device, group) -> tuple:
+def _build(name: str, kind: str, rank: int, device: torch.device, group) -> tuple:
     """Both runtimes' steps on this rank, the per-step losses they record, the placement."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    _, x, y = make_case()
-    program = build_program(kind)
+    _, x, y = make_case(name)
+    program = build_program(name, kind)
     ranks = [s.ranks[0] for s in program.plan.stages]
     sgd = lambda p: torch.optim.SGD(p, lr=0.01)  # noqa: E731
     ours = DistributedPipeline(
@@ -166,18 +199,22 @@ def _build(kind: str, rank: int, device: torch.device, group) -> tuple:
     return our_step, torch_step, losses, ranks
 
 
-def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
+def _rank(
+    rank: int, world_size: int, init_file: str, names: list[str], steps: int, rounds: int, out: str
+) -> None:
     torch.set_num_threads(1)
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
     group = dist.new_group([0, 1])  # torch's messages never meet pdcompile's
-    results = {}
-    for kind in PAIRS:
-        try:
-            results[kind] = _compare(kind, rank, device, group, steps, rounds)
-        except Exception as exc:  # a schedule refusing: reported, the others still run
-            results[kind] = {"error": f"{type(exc).__name__}: {exc}"}
-            if rank == 0:
-                print(f"{kind}: {results[kind]['error']}", file=sys.stderr, flush=True)
+    results: dict[str, dict] = {name: {} for name in names}
+    for name in names:
+        for kind in PAIRS:
+            try:
+                results[name][kind] = _compare(name, kind, rank, device, group, steps, rounds)
+            except Exception as exc:  # a schedule refusing: reported, the others still run
+                results[name][kind] = {"error": f"{type(exc).__name__}: {exc}"}
+                if rank == 0:
+                    print(f"{name} {kind}: {results[name][kind]['error']}", file=sys.stderr,
+                          flush=True)  # fmt: skip
     gathered = [None, None]
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -187,6 +224,7 @@ def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, o
 
 
 def summarize(per_rank: list[dict]) -> dict:
+    """One model's pairs: `per_rank` holds each rank's results for it, by pdcompile schedule."""
     summary = {}
     for kind in PAIRS:
         parts = [r.get(kind) for r in per_rank]
@@ -225,21 +263,10 @@ def summarize(per_rank: list[dict]) -> dict:
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3, help="steps per round and runtime")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", metavar="FILE")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
-                 nprocs=2, join=True)  # fmt: skip
-        with open(out) as f:
-            summary = summarize(json.load(f))
-    table = Table(title=f"2 gloo ranks, 1 thread each, {LAYERS} Linear({WIDTH}) with ReLU between, "
-                        f"batch {BATCH}, 4 stages, {MICROBATCHES} microbatches (medians of "
-                        f"{args.rounds} alternating rounds of {args.steps} steps)")  # fmt: skip
+def print_table(name: str, summary: dict, steps: int, rounds: int) -> None:
+    table = Table(title=f"{name}: {MODELS[name][1]}",
+                  caption=f"2 gloo ranks, 1 thread each, 4 stages, {MICROBATCHES} microbatches; "
+                          f"medians of {rounds} alternating rounds of {steps} steps")  # fmt: skip
     for column in ("schedule pair", "losses equal (max gap)", "pdcompile / step", "torch / step",
                    "time ratio", "CPU ratio (both ranks)"):  # fmt: skip
         table.add_column(column, justify="right")
@@ -253,9 +280,28 @@ def main() -> None:
                       f"{wall['pdcompile'] * 1e3:.1f} ms", f"{wall['torch'] * 1e3:.1f} ms",
                       f"{s['time_ratio']:.2f}x", f"{s['cpu_ratio']:.2f}x")  # fmt: skip
     Console(width=140).print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), help="one model (default: both)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per round and runtime")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    names = [args.model] if args.model else list(MODELS)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), names, args.steps, args.rounds, out),
+                 nprocs=2, join=True)  # fmt: skip
+        with open(out) as f:
+            per_rank = json.load(f)
+    summaries = {name: summarize([r[name] for r in per_rank]) for name in names}
+    for name, summary in summaries.items():
+        print_table(name, summary, args.steps, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(summaries, f, indent=1)
 
 
 if __name__ == "__main__":
