@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdcompile.cost_graph import CostGraph
@@ -35,6 +35,14 @@ def divisors(n: int, cap: int = MAX_MICROBATCHES) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     both = sorted({*small, *(n // d for d in small)})
     return [d for d in both if d <= cap]
+
+
+def fastest_fitting(plans: Sequence[Plan]) -> int:
+    """The index of the plan with the smallest `step_time` among those that fit memory (all,
+    if none fits); the first of those within `TIE` of it, so that ties go to the earlier."""
+    fitting = [i for i, p in enumerate(plans) if p.fits_memory] or range(len(plans))
+    fastest = min(plans[i].step_time for i in fitting)
+    return next(i for i in fitting if plans[i].step_time <= fastest * (1 + TIE))
 
 
 def batch_settings(
@@ -123,9 +131,7 @@ def plan_microbatches(
             f"no microbatch count of global_batch_size={global_batch_size} could be planned: "
             f"{reasons}{more}"
         )
-    fitting = [f for f in found if f[0].fits_memory] or found
-    fastest = min(p.step_time for p, _ in fitting)
-    best, caught = next(f for f in fitting if f[0].step_time <= fastest * (1 + TIE))
+    best, caught = found[fastest_fitting([p for p, _ in found])]
     for row in rows:
         row["chosen"] = row["num_microbatches"] == best.num_microbatches
     for w in caught:

@@ -21,15 +21,16 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pdcompile.cluster import Cluster
+from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
-from pdcompile.microbatch_search import SEARCH_KEY
+from pdcompile.microbatch_search import SEARCH_KEY, divisors, fastest_fitting
 from pdcompile.plans import Plan
 from pdcompile.schedules import get_schedule, schedules
 from pdcompile.schedules.registry import SCHEDULES
 from pdcompile.text import human_bytes, human_seconds
 
 AUTO = "auto"
-TIE = 1e-9  # step times within this share of each other are a tie
 
 
 def candidates(allow_async: bool = False) -> list[tuple[str, int]]:
@@ -54,11 +55,36 @@ def _simplicity(name: str) -> tuple[int, str]:
     return (builtins.index(module) if module in builtins else len(builtins), name)
 
 
+def layouts(
+    num_devices: int, chunks: int, replica_counts: Sequence[int] | None
+) -> list[tuple[int, ...] | None]:
+    """The replica counts `plan_auto` plans a candidate with: the solver's free choice (None),
+    and with one stage per rank every pipeline of d replicas a stage, d dividing the devices
+    (straight, the pipeline x data-parallel grid, pure data parallelism). The solvers minimise
+    the bottleneck stage, which a pipeline and its replicated twin can share while their fill
+    and drain differ: the step time tells them apart. The caller's `replica_counts` (or chunks,
+    one replica each) leave the solver's choice only.
+
+    >>> layouts(4, 1, None)
+    [None, (1,), (2,), (4,)]
+    """
+    if replica_counts is not None or chunks > 1:
+        return [None if replica_counts is None else tuple(replica_counts)]
+    return [None, *((d,) for d in divisors(num_devices))]
+
+
 def plan_auto(
-    planner: Callable[..., Plan], *args: Any, allow_async: bool = False, **kwargs: Any
+    planner: Callable[..., Plan],
+    cost_graph: CostGraph,
+    cluster: Cluster | str | int,
+    *,
+    allow_async: bool = False,
+    replica_counts: Sequence[int] | None = None,
+    **kwargs: Any,
 ) -> Plan:
-    """The fastest fitting plan over `candidates(allow_async)`, `planner(*args, schedule=name,
-    chunks=v, **kwargs)` each (`planner` is `pdcompile.plan`).
+    """The fastest fitting plan over `candidates(allow_async)` and their `layouts`,
+    `planner(cost_graph, cluster, schedule=name, chunks=v, replica_counts=..., **kwargs)` each
+    (`planner` is `pdcompile.plan`; with `global_batch_size` it searches the microbatch count).
 
     A candidate that cannot be planned (e.g. it does not accept the `num_microbatches` given) is
     listed with the reason and skipped. Without a fitting candidate, the fastest of all is
@@ -73,28 +99,36 @@ def plan_auto(
             "a schedule"
         )
     kwargs.pop("chunks", None)
+    devices = Cluster.coerce(cluster).num_devices
     start = time.perf_counter()
     found: list[tuple[int, Plan, list[warnings.WarningMessage]]] = []
     rows: list[dict[str, Any]] = []
     for name, chunks in candidates(allow_async):
         row: dict[str, Any] = {"schedule": name, "chunks": chunks}
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                result = planner(*args, schedule=name, chunks=chunks, **kwargs)
-            except PartitionError as exc:
-                rows.append({**row, "skipped": str(exc)})
-                continue
-        found.append((len(rows), result, list(caught)))
+        mine: list[tuple[Plan, list[warnings.WarningMessage]]] = []
+        reasons = []
+        for counts in layouts(devices, chunks, replica_counts):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    result = planner(cost_graph, cluster, schedule=name, chunks=chunks,
+                                     replica_counts=counts, **kwargs)  # fmt: skip
+                except PartitionError as exc:
+                    reasons.append(str(exc))
+                    continue
+            mine.append((result, list(caught)))
+        if not mine:
+            rows.append({**row, "skipped": reasons[0]})
+            continue
+        result, caught = mine[fastest_fitting([p for p, _ in mine])]
+        found.append((len(rows), result, caught))
         rows.append({**row, **_row(result)})
     if not found:
         reasons = "; ".join(f"{r['schedule']} (chunks={r['chunks']}): {r['skipped']}" for r in rows)
         raise PartitionError(f"schedule='auto': no schedule could be planned: {reasons}")
-    fitting = [f for f in found if f[1].fits_memory] or found
-    fastest = min(f[1].step_time for f in fitting)
-    # the first candidate within rounding of the fastest: equal closed forms summed in another
-    # order differ in the last bits, and the simpler schedule should win that tie
-    index, best, caught = next(f for f in fitting if f[1].step_time <= fastest * (1 + TIE))
+    # ties go to the first: equal closed forms summed in another order differ in the last bits,
+    # and the simpler schedule should win that tie
+    index, best, caught = found[fastest_fitting([p for _, p, _ in found])]
     for i, row in enumerate(rows):
         row["chosen"] = i == index
     for w in caught:
@@ -114,6 +148,7 @@ def _row(plan: Plan) -> dict[str, Any]:
         "microbatch_size": plan.microbatch_size,
         "counts_tried": [r["num_microbatches"] for r in tried if not r["skipped"]],
         "num_stages": plan.num_stages,
+        "replicas": [s.replicas for s in plan.stages],
         "fits_memory": plan.fits_memory,
         "peak_memory": max(plan.rank_memory, default=0),
         "skipped": None,
@@ -128,18 +163,20 @@ def auto_table(rows: Sequence[Mapping[str, Any]] | Plan) -> str:
         return ""
     best = next((r["step_time"] for r in rows if r.get("chosen")), 0.0)
     searched = any(r.get("counts_tried") for r in rows)
-    lines = [("", "schedule", "chunks", "M", "step", "vs chosen", "bubble", "peak memory", "fits")]
+    lines = [("", "schedule", "chunks", "replicas", "M", "step", "vs chosen", "bubble",
+              "peak memory", "fits")]  # fmt: skip
     for r in rows:
         mark = "*" if r.get("chosen") else ""
         if r.get("skipped"):
-            lines.append((mark, r["schedule"], str(r["chunks"]), "-", "skipped", "-", "-", "-",
-                          "-"))  # fmt: skip
+            lines.append((mark, r["schedule"], str(r["chunks"]), "-", "-", "skipped", "-", "-",
+                          "-", "-"))  # fmt: skip
             continue
         count = str(r["num_microbatches"])
         if searched:  # the count chosen, of those planned
             count += f" of {','.join(map(str, r.get('counts_tried') or ()))}"
         lines.append((
-            mark, r["schedule"], str(r["chunks"]), count,
+            mark, r["schedule"], str(r["chunks"]), ",".join(map(str, r.get("replicas") or ())),
+            count,
             human_seconds(r["step_time"]),
             f"{r['step_time'] / best - 1:+.1%}" if best else "-",
             f"{r['bubble']:.1%}", human_bytes(r["peak_memory"]),

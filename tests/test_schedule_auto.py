@@ -16,7 +16,8 @@ from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning
 from pdcompile.cli.bench_instances import load_instance
 from pdcompile.cli.handlers import main
 from pdcompile.cli.solver_bench import run_bench
-from pdcompile.schedule_search import TIE, auto_table, candidates
+from pdcompile.microbatch_search import TIE, fastest_fitting
+from pdcompile.schedule_search import auto_table, candidates, layouts
 from pdcompile.schedules import get_schedule, schedules
 
 
@@ -38,15 +39,22 @@ CLUSTERS = ("4@10GB/s", "2@10GB/s,2@100MB/s")
 
 
 def singles(costs: CostGraph, cluster: Cluster, **kwargs) -> dict[tuple[str, int], Plan]:
-    """Every synchronous schedule's plan, as `plan()` makes it (those it cannot make left out)."""
+    """Every synchronous schedule's fastest fitting plan over the `layouts` auto tries, each as
+    `plan()` makes it (schedules it cannot plan left out)."""
     out = {}
+    devices = Cluster.coerce(cluster).num_devices
     for name, v in candidates():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PlanWarning)
-                out[name, v] = pdcompile.plan(costs, cluster, schedule=name, chunks=v, **kwargs)
-        except PartitionError:
-            continue
+        plans = []
+        for counts in layouts(devices, v, None):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", PlanWarning)
+                    plans.append(pdcompile.plan(costs, cluster, schedule=name, chunks=v,
+                                                replica_counts=counts, **kwargs))  # fmt: skip
+            except PartitionError:
+                continue
+        if plans:
+            out[name, v] = plans[fastest_fitting(plans)]
     return out
 
 
@@ -90,6 +98,7 @@ def test_auto_is_the_fastest_fitting_single_schedule_plan(graph: str, text: str)
                 assert r["step_time"] == single.step_time
                 assert r["fits_memory"] == single.fits_memory
                 assert r["peak_memory"] == max(single.rank_memory)
+                assert r["replicas"] == [s.replicas for s in single.stages]
 
 
 def test_a_tight_memory_limit_rules_faster_schedules_out() -> None:
@@ -214,3 +223,17 @@ def test_chunked_plans_bisect_the_stage_budget_until_the_ranks_fit() -> None:
         plan = pdcompile.plan(EQUAL, cluster, schedule="zb-v")
     assert plan.fits_memory and max(plan.rank_memory) <= peak
     assert plan.step_time < pdcompile.plan(EQUAL, cluster).step_time
+
+
+def test_layouts_the_solver_ties_on_are_told_apart_by_the_step_time() -> None:
+    """On 8 equal layers and 4 devices a straight pipeline and data parallelism have the same
+    bottleneck stage (the solver's objective), but the pipeline fills and drains: auto plans
+    both and keeps the shorter step."""
+    assert layouts(4, 1, None) == [None, (1,), (2,), (4,)]
+    assert layouts(4, 2, None) == [None] and layouts(4, 1, [1, 2]) == [(1, 2)]
+    solver = pdcompile.plan(EQUAL, "4@10GB/s", schedule="1f1b")
+    chosen = _auto(EQUAL, "4@10GB/s")
+    assert chosen.predicted_time == pytest.approx(solver.predicted_time, rel=0.01)
+    assert chosen.step_time < 0.8 * solver.step_time
+    assert [s.replicas for s in chosen.stages] == [4]
+    assert "replicas" in auto_table(chosen)
