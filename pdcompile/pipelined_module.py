@@ -51,7 +51,8 @@ class PipelinedModule:
 
     @property
     def stage(self) -> int | None:
-        """This rank's stage (None in a single process, which runs every stage)."""
+        """This rank's stage (None where this process runs several: a single process runs
+        every stage, and with chunks a rank runs several)."""
         stages = {w.stage for w in self.pipeline.workers.values()}
         return stages.pop() if len(stages) == 1 else None
 
@@ -176,8 +177,9 @@ class PipelinedModule:
 
     def explain(self) -> str:
         """The plan (with its notes, e.g. on microbatches split unevenly over a stage's
-        replicas), what the schedule means for the optimisation, and measured against
-        predicted time per stage so far."""
+        replicas), what the schedule means for the optimisation, and so far per rank its
+        measured bubble (over all its stages) against the simulated one, its peak memory, and
+        each of its stages' measured times against the predicted ones."""
         rules = self.pipeline.rules
         lines = [str(self.plan), "", f"schedule {rules.name}: {rules.meaning}", ""]
         if auto_table(self.plan):  # planned with schedule="auto": how the others compared
@@ -194,12 +196,38 @@ class PipelinedModule:
                 f"measured over {len(self._measured)} steps: median {human_seconds(seconds)} "
                 f"per step, {rows / seconds:.1f} samples/s"
             )
+        by_rank: dict[int, dict[int, list[Event]]] = {}
         for (rank, stage), worker in sorted(self.pipeline.workers.items()):
-            lines.append(self._explain_rank(rank, stage, worker.timeline))
+            by_rank.setdefault(rank, {})[stage] = worker.timeline
+        for rank, timelines in by_rank.items():
+            lines += self._explain_rank(rank, timelines)
         return "\n".join(lines)
 
-    def _explain_rank(self, rank: int, stage: int, events: list[Event]) -> str:
-        """One rank's measured times per microbatch and per update, bubble and memory."""
+    def _explain_rank(self, rank: int, timelines: dict[int, list[Event]]) -> list[str]:
+        """One rank: its bubble over all its stages (measured and simulated) and its memory,
+        then its stages' times (on the same line when it runs one stage)."""
+        events = [e for timeline in timelines.values() for e in timeline]
+        plan = self.plan
+        simulated = rank < len(plan.rank_idle)  # as rank_memory; a plan built by hand lacks both
+        predicted = f" (predicted {plan.rank_idle[rank]:.0%})" if simulated else ""
+        if torch.cuda.is_available():
+            memory = human_bytes(torch.cuda.max_memory_allocated())
+        else:
+            own = sum(plan.stages[s].memory_bytes for s in timelines)
+            memory = f"{human_bytes(plan.rank_memory[rank] if simulated else own)} (predicted)"
+        mine = [f"bubble {bubble_fraction(events):.0%}{predicted}", f"peak memory {memory}"]
+        if len(timelines) == 1:
+            [(stage, timeline)] = timelines.items()
+            parts = self._explain_stage(rank, stage, timeline) + mine
+            return [f"rank {rank} (stage {stage}): " + ", ".join(parts)]
+        stages = ", ".join(map(str, timelines))
+        return [f"rank {rank} (stages {stages}): " + ", ".join(mine)] + [
+            f"  stage {stage}: " + ", ".join(self._explain_stage(rank, stage, timeline))
+            for stage, timeline in timelines.items()
+        ]
+
+    def _explain_stage(self, rank: int, stage: int, events: list[Event]) -> list[str]:
+        """One stage on one rank: measured times per microbatch and per update."""
         seconds: dict[str, float] = {}
         for e in events:
             seconds[e.kind] = seconds.get(e.kind, 0.0) + e.duration
@@ -227,13 +255,7 @@ class PipelinedModule:
             parts.append(f"send+receive {per(('send', 'recv'), microbatches)}/microbatch")
         if "allreduce" in seconds or "clip" in seconds:
             parts.append(f"all-reduce+clip {per(('allreduce', 'clip'), updates)}/update")
-        memory = (
-            human_bytes(torch.cuda.max_memory_allocated())
-            if torch.cuda.is_available()
-            else f"{human_bytes(predicted.memory_bytes)} (predicted)"
-        )
-        parts += [f"bubble {bubble_fraction(events):.0%}", f"peak memory {memory}"]
-        return f"rank {rank} (stage {stage}): " + ", ".join(parts)
+        return parts
 
     def save_trace(self, path: str | Path, steps: int | None = None) -> None:
         """Write the actions the ranks recorded as a Chrome trace (`runtime.timeline`), which

@@ -198,6 +198,17 @@ class Plan:
             f"(gap {self.gap:.1%}), speed-up over data parallelism {speedup}"
             + ("" if self.fits_memory else "; DOES NOT FIT device memory")
         )
+        stages_of_rank: dict[int, list[str]] = {}
+        for s in self.stages:
+            for rank in s.ranks:
+                stages_of_rank.setdefault(rank, []).append(str(s.index))
+        if any(len(stages) > 1 for stages in stages_of_rank.values()):  # chunks: once per rank
+            for rank, stages in sorted(stages_of_rank.items()):
+                line = f"rank {rank} runs stages {', '.join(stages)}"
+                if rank < min(len(self.rank_memory), len(self.rank_idle)):  # simulated
+                    line += (f": peak memory {human_bytes(self.rank_memory[rank])}, idle "
+                             f"{self.rank_idle[rank]:.1%} of the step")  # fmt: skip
+                lines.append(line)
         lines += [f"note: {self.uneven_note(u)}" for u in self.uneven_splits]
         return "\n".join(lines)
 

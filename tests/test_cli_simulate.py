@@ -16,6 +16,7 @@ from spawn import run_ranks
 import pdcompile
 from pdcompile.cli.handlers import main
 from pdcompile.cost_graph import CostGraph
+from pdcompile.pictures.gantt import bubble_fraction
 from pdcompile.pictures.stage_colours import CROSSING, stage_colour
 from pdcompile.plans import Plan
 from pdcompile.runtime.distributed import init_process_group
@@ -113,6 +114,33 @@ def test_measured_run_and_its_simulation_side_by_side(capsys, tmp_path) -> None:
     drawn = figure.read_text()
     assert drawn.index(f"measured: {last.name}") < drawn.index("simulated: uniform plan")
     assert drawn.count("rank 0 (stage 0)") == 2
+
+
+def test_explain_gives_a_rank_of_several_stages_its_bubble_once() -> None:
+    torch.manual_seed(0)
+    model, x, y, loss_fn = mlp_case()
+    pipe = pdcompile.compile(
+        model, (x,), loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"], cluster="2",
+        schedule="interleaved-1f1b", solver="uniform", profile=False,
+    )  # fmt: skip
+    for _ in range(2):
+        pipe.train_step(x, y)
+    workers = pipe.pipeline.workers
+    assert sorted(workers) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+    lines = pipe.explain().splitlines()
+    for rank, stages in ((0, (0, 2)), (1, (1, 3))):
+        events = [e for s in stages for e in workers[rank, s].timeline]
+        header = next(line for line in lines if line.startswith(f"rank {rank} ("))
+        assert header.startswith(
+            f"rank {rank} (stages {stages[0]}, {stages[1]}): bubble "
+            f"{bubble_fraction(events):.0%} (predicted {pipe.plan.rank_idle[rank]:.0%}), "
+            f"peak memory "
+        )
+        after = lines[lines.index(header) + 1 : lines.index(header) + 3]
+        assert [line.split(":")[0] for line in after] == [f"  stage {s}" for s in stages]
+        assert all("forward+backward" in line and "bubble" not in line for line in after)
+    ranks = [line for line in lines if line.startswith(("rank", "  stage"))]
+    assert sum("bubble" in line for line in ranks) == 2  # once per rank
 
 
 def _save_trace_on_ranks(rank: int, world_size: int, init_file: str, path: str) -> None:

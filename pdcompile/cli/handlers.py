@@ -3,11 +3,11 @@
 pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
 pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
                        [--out costs.json]
-pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME]) --out DIR
+pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME] [--chunks N]) --out DIR
 pdcompile simulate INPUT [--cluster SPEC] [--solver NAME] [--schedule NAME] [--microbatches M]
-                         [--png FILE | --svg FILE] [--trace FILE] [--measured TRACE]
-pdcompile bench-solvers INPUT... --cluster SPEC [--solvers a,b] [--schedules a,b] [--plugin MODULE]
-    [--json FILE]
+                         [--chunks N] [--png FILE | --svg FILE] [--trace FILE] [--measured TRACE]
+pdcompile bench-solvers INPUT... --cluster SPEC [--solvers a,b] [--schedules a,b] [--chunks N]
+    [--plugin MODULE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _plan(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanWarning)  # the table's notes say the same
         result = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
-                      num_microbatches=args.microbatches,
+                      num_microbatches=args.microbatches, chunks=args.chunks,
                       allow_async=args.allow_async)  # fmt: skip
     print(result)
     if auto_table(result):  # --schedule auto: how every candidate compared
@@ -204,7 +204,7 @@ def _codegen(args: argparse.Namespace) -> int:
     from pdcompile.plans import Plan
 
     if args.plan:
-        _refuse_with_plan_file(args, "solver", "memory", "schedule", "microbatches")
+        _refuse_with_plan_file(args, "solver", "memory", "schedule", "microbatches", "chunks")
     spec, gm = _trace_spec(args)
     if args.plan:
         made = Plan.load(args.plan)
@@ -217,6 +217,7 @@ def _codegen(args: argparse.Namespace) -> int:
             solver=args.solver or "dp",
             schedule=args.schedule or "1f1b",
             num_microbatches=args.microbatches,
+            chunks=args.chunks,
         )
         print(made)
     program = codegen(gm, made, cost_graph=CostGraph.load(args.costs) if args.costs else None)
@@ -265,14 +266,14 @@ def _simulate(args: argparse.Namespace) -> int:
     measured = load_trace(args.measured) if args.measured else []
     cluster = _cluster(args) if args.cluster else None
     if _is_plan_file(args.spec):
-        _refuse_with_plan_file(args, "solver", *(() if args.cluster else ("memory",)))
+        _refuse_with_plan_file(args, "solver", "chunks", *(() if args.cluster else ("memory",)))
         made = Plan.load(args.spec)
     elif cluster is None:
         raise PdcompileError(f"{args.spec} is not a Plan JSON: give --cluster to plan it")
     else:
         costs, _ = _costs(args)
         made = plan(costs, cluster, solver=args.solver or "dp", schedule=args.schedule or "1f1b",
-                    num_microbatches=args.microbatches)  # fmt: skip
+                    num_microbatches=args.microbatches, chunks=args.chunks)  # fmt: skip
         print(made)
     sim = simulate(made, schedule=args.schedule, num_microbatches=args.microbatches,
                    cluster=cluster)  # fmt: skip
@@ -294,19 +295,24 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _simulation_table(sim: Any) -> Table:
-    """Time per step, and per rank its stage, bubble fraction and peak memory."""
+    """Time per step, and per rank its stages (several with chunks), bubble fraction and peak
+    memory."""
     from pdcompile.text import human_bytes, human_seconds
 
     p = sim.plan
-    stage_of_rank = {rank: s.index for s in p.stages for rank in s.ranks}
+    stages_of_rank: dict[int, list[str]] = {}
+    for s in p.stages:
+        for rank in s.ranks:
+            stages_of_rank.setdefault(rank, []).append(str(s.index))
+    several = any(len(stages) > 1 for stages in stages_of_rank.values())
     table = Table(
         title=f"simulated step: {human_seconds(sim.time_per_step)}",
         caption=f"{p.schedule}, {p.num_microbatches} microbatches on {p.cluster}",
     )
-    for column in ("rank", "stage", "bubble", "peak memory"):
+    for column in ("rank", "stages" if several else "stage", "bubble", "peak memory"):
         table.add_column(column, justify="right")
     for rank, bubble in enumerate(sim.bubble_fraction):
-        table.add_row(str(rank), str(stage_of_rank.get(rank, "-")), f"{bubble:.1%}",
+        table.add_row(str(rank), ", ".join(stages_of_rank.get(rank, ["-"])), f"{bubble:.1%}",
                       human_bytes(sim.peak_memory[rank]))  # fmt: skip
     return table
 
@@ -333,6 +339,8 @@ def _bench_solvers(args: argparse.Namespace) -> int:
                     time_limit_s=args.time_limit or None, plugins=args.plugin)  # fmt: skip
     if kinds:  # the (solver, schedule) pairs axis
         settings["schedules"] = kinds
+    if args.chunks is not None:
+        settings["chunks"] = args.chunks
     results = run_bench(instances, clusters, names, **settings)
     _print_table(results_table(results), None)
     if kinds and len(kinds) > 1:

@@ -34,8 +34,17 @@ def _plan_options(
         help="auto: plan every synchronous schedule, keep the fastest that fits" if auto else None,
     )
     parser.add_argument("--microbatches", type=int, help="microbatches per step")
+    _chunks_option(parser)
     parser.add_argument("--analytic", action="store_true", help="a SPEC is costed analytically")
     _capture_options(parser)
+
+
+def _chunks_option(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    parser.add_argument(
+        "--chunks", type=int, metavar="N",
+        help=f"{prefix}stages per rank (default: the schedule's, 2 for interleaved-1f1b and "
+        "zb-v, else 1)",
+    )  # fmt: skip
 
 
 def _capture_options(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule", choices=list(schedules()), help="with --cluster (default 1f1b)"
     )
     generate.add_argument("--microbatches", type=int, help="with --cluster: per step")
+    _chunks_option(generate, "with --cluster: ")
     generate.add_argument("--out", required=True, metavar="DIR", help="folder to write")
     _capture_options(generate)
 
@@ -177,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         "schedule) pair plans the same instances, compared by simulated step time",
     )  # fmt: skip
     bench.add_argument("--microbatches", type=int, help="microbatches per step")
+    _chunks_option(bench)
     bench.add_argument("--solvers", help="comma-separated names (default: every registered one)")
     bench.add_argument(
         "--plugin", action="append", default=[], metavar="MODULE",

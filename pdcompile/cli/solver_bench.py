@@ -65,6 +65,31 @@ def _known_schedule(name: str) -> None:
         raise PartitionError(str(exc)) from None
 
 
+def _check_chunks(chunks: int | None, kinds: Sequence[str], clusters: Sequence[Cluster]) -> None:
+    """Refuse a chunk count every solver would fail alike on: not an integer >= 1, beside
+    "auto" (which chooses its own), or a placement a schedule does not run on a cluster's ranks
+    (`plan()`'s first checks, before any solver runs)."""
+    from pdcompile.schedules import get_schedule
+
+    if chunks is None:
+        return
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise PartitionError(f"chunks must be an integer >= 1 (stages per rank), got {chunks!r}")
+    if AUTO in kinds:
+        raise PartitionError(
+            "schedule 'auto' chooses the chunks per rank itself; leave chunks out or name the "
+            "schedules"
+        )
+    for kind in kinds:
+        rules = get_schedule(kind)
+        for p in sorted({c.num_devices for c in clusters}):
+            try:
+                ranks = [(rules.chunk_rank(i, p, chunks),) for i in range(p * chunks)]
+                rules.check_layout(ranks, p)  # layouts ask at most a multiple of p microbatches
+            except ScheduleError as exc:
+                raise PartitionError(f"{kind} with chunks={chunks} on {p} ranks: {exc}") from None
+
+
 # -- running ---------------------------------------------------------------------------------
 
 
@@ -120,11 +145,12 @@ def _solve(
     solver: str,
     schedule: str,
     num_microbatches: int | None,
+    chunks: int | None,
 ) -> tuple[str, Plan | str]:
     # Any exception, deliberate or a bug in a (user's) solver, is a result, not the end of a run.
     try:
         return "ok", plan(cost_graph, cluster, solver=solver, schedule=schedule,
-                          num_microbatches=num_microbatches)  # fmt: skip
+                          num_microbatches=num_microbatches, chunks=chunks)  # fmt: skip
     except Exception as e:
         return "failed", f"{type(e).__name__}: {e}"
 
@@ -238,6 +264,7 @@ def run_bench(
     schedule: str = "1f1b",
     schedules: Sequence[str] | None = None,
     num_microbatches: int | None = None,
+    chunks: int | None = None,
     time_limit_s: float | None = None,
     plugins: Sequence[str] = (),
 ) -> list[BenchResult]:
@@ -247,7 +274,8 @@ def run_bench(
         instances: from `load_instance`.
         clusters: each instance is planned on each.
         solver_names: names from `solvers()` (default: all, after loading `plugins`).
-        schedule, num_microbatches: passed to `plan`.
+        schedule, num_microbatches, chunks: passed to `plan` (chunks: stages per rank, None
+            for each schedule's default).
         schedules: several schedules (instead of `schedule`): every (solver, schedule) pair
             plans the same instances; compare pairs by `step_time` and `step_ratio`.
         time_limit_s: wall-clock seconds per solver run; solvers then run in a worker process
@@ -259,7 +287,9 @@ def run_bench(
         One result per instance, cluster, solver and schedule, in that order.
 
     Raises:
-        PartitionError: an unknown solver name, or a bad schedule or time limit.
+        PartitionError: an unknown solver name, a bad schedule or time limit, or a bad chunk
+            count (not an integer >= 1, beside "auto", or one a schedule given does not run on
+            a cluster's ranks).
         SpecError: a plugin cannot be loaded.
     """
     for spec in plugins:
@@ -279,6 +309,7 @@ def run_bench(
     kinds = list(schedules or [schedule])
     for kind in kinds:  # a bad name fails before any solver runs
         _known_schedule(kind)
+    _check_chunks(chunks, kinds, clusters)
     worker = _SolverProcess(plugins) if time_limit_s is not None else None
     results = []
     try:
@@ -287,7 +318,7 @@ def run_bench(
                 bound = lower_bound(instance.cost_graph, cluster)
                 for name in names:
                     for kind in kinds:
-                        job = (instance.cost_graph, cluster, name, kind, num_microbatches)
+                        job = (instance.cost_graph, cluster, name, kind, num_microbatches, chunks)
                         status, outcome = (
                             worker.solve(job, time_limit_s)
                             if worker and time_limit_s
