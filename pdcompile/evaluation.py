@@ -287,7 +287,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
                 no_grad_from=tuple(sorted(a for a, d in silent if d == s.index)),
             )
         )  # fmt: skip
-    predicted = max(s.time_s for s in stages)
+    predicted = bottleneck(stages)
     total = node_sums(cost_graph, cost_graph.nodes)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
     bound = lower_bound(cost_graph, cluster)
@@ -302,6 +302,16 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         gap=predicted / bound - 1 if bound > 0 else 0.0, data_parallel_time=dp_time, ties=ties,
         step_time=0.0, rank_memory=(), rank_idle=(),
     )  # fmt: skip
+
+
+def bottleneck(stages: Sequence[Stage]) -> float:
+    """`Plan.predicted_time`: the busiest rank's seconds per microbatch, the sum of `time_s` over
+    the stages it runs (one stage per rank: the slowest stage)."""
+    load: dict[int, float] = {}
+    for s in stages:
+        for r in s.ranks:
+            load[r] = load.get(r, 0.0) + s.time_s
+    return max(load.values())
 
 
 def simulated(plan: Plan) -> Plan:
@@ -363,7 +373,7 @@ def rescore(
             weight_grad_activation_bytes=round(s.weight_grad_activation_bytes * factor),
             recv_bytes=tuple((src, round(b * factor)) for src, b in s.recv_bytes),
         ))  # fmt: skip
-    predicted = max(s.time_s for s in stages)
+    predicted = bottleneck(stages)
     bound = plan.lower_bound * factor
     scaled = plan.with_(
         stages=tuple(stages), microbatch_size=rows, num_microbatches=count,

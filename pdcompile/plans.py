@@ -86,7 +86,8 @@ class Stage:
 class Plan:
     """Stages with replicas and ranks, and what pdcompile's cost model predicts for them.
 
-    `predicted_time`: steady-state seconds per minibatch (the bottleneck stage, 1/throughput).
+    `predicted_time`: steady-state seconds per minibatch (1/throughput): the busiest rank's
+    stages' `time_s` summed (the bottleneck stage with one stage per rank).
     `step_time`: seconds per `train_step` call under `schedule` with `num_microbatches`, and
     `rank_memory[r]`: peak bytes of rank r, both simulated from the schedule's actions
     (`pdcompile.simulate` gives the same numbers).
