@@ -21,6 +21,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
 from pdcompile.plans import Plan
 from pdcompile.schedules.base import MAX_MICROBATCHES
+from pdcompile.text import human_bytes, human_seconds
 
 SEARCH_KEY = "microbatches"  # plan.options key of the table of counts tried
 TIE = 1e-9  # step times within this share of each other are a tie
@@ -138,3 +139,22 @@ def plan_microbatches(
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     options = {**best.options, SEARCH_KEY: rows, "global_batch_size": global_batch_size}
     return best.with_(options=options, solve_time_s=time.perf_counter() - start)
+
+
+def counts_table(plan: Plan) -> str:
+    """The counts `plan` was chosen among (`options["microbatches"]`) as text; "" without."""
+    rows = plan.options.get(SEARCH_KEY) or []
+    if not rows:
+        return ""
+    batch = plan.options.get("global_batch_size")
+    lines = [f"microbatch counts of the {batch} rows per step (* chosen: the fastest that fits):"]
+    for r in rows:
+        mark = "*" if r.get("chosen") else " "
+        split = f"M={r['num_microbatches']} x {r['microbatch_size']} rows"
+        if r["skipped"]:
+            lines.append(f"{mark} {split}: skipped: {r['skipped']}")
+            continue
+        fits = "" if r["fits_memory"] else ", does NOT fit"
+        lines.append(f"{mark} {split}: step {human_seconds(r['step_time'])}, peak memory "
+                     f"{human_bytes(r['peak_memory'])}{fits}")  # fmt: skip
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.evaluation import rescore
+from pdcompile.microbatch_search import counts_table
 from pdcompile.pictures.gantt import bubble_fraction
 from pdcompile.plans import Plan
 from pdcompile.runtime.executor import DistributedPipeline
@@ -182,8 +183,11 @@ class PipelinedModule:
         each of its stages' measured times against the predicted ones."""
         rules = self.pipeline.rules
         lines = [str(self.plan), "", f"schedule {rules.name}: {rules.meaning}", ""]
-        if auto_table(self.plan):  # planned with schedule="auto": how the others compared
-            lines += [auto_table(self.plan), ""]
+        # planned with schedule="auto": how the others compared; with global_batch_size alone:
+        # the microbatch counts
+        comparison = auto_table(self.plan) or counts_table(self.plan)
+        if comparison:
+            lines += [comparison, ""]
         fused = {w.stage: w.fused for w in self.pipeline.workers.values() if w.fused}
         lines += [  # a split backward (zb-*) falls back where a stage cannot split (worker.py)
             f"stage {stage} runs its backward fused, not split into I and W: {why}"

@@ -10,6 +10,7 @@ import pytest
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning
+from pdcompile.cli.handlers import main
 from pdcompile.cluster import RuntimeCosts
 from pdcompile.microbatch_search import TIE, batch_settings, divisors
 from pdcompile.schedule_search import auto_table, candidates, layouts
@@ -130,3 +131,17 @@ def test_a_graph_without_a_batch_size_cannot_be_split() -> None:
     costs.batch_size = None
     with pytest.raises(PartitionError, match="batch_size"):
         _plan(costs, "4", global_batch_size=64)
+
+
+def test_plan_command_searches_the_count_of_a_global_batch(capsys) -> None:
+    code = main(["plan", "docs/pictures/chain8.json", "--cluster", "4@10GB/s+1ms",
+                 "--global-batch-size", "16"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "microbatch counts of the 16 rows per step" in out
+    assert all(f"M={m} x {16 // m} rows" in out for m in divisors(16))
+    code = main(["plan", "docs/pictures/chain8.json", "--cluster", "4", "--schedule", "auto",
+                 "--global-batch-size", "16"])  # fmt: skip
+    assert code == 0 and "M microbatches of the 16 rows per step" in capsys.readouterr().out
+    assert main(["plan", "docs/pictures/chain8.json", "--cluster", "4",
+                 "--global-batch-size", "16", "--microbatches", "3"]) == 1  # fmt: skip
+    assert "does not divide" in capsys.readouterr().err

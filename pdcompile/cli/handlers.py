@@ -177,6 +177,7 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 def _plan(args: argparse.Namespace) -> int:
     from pdcompile.errors import PlanWarning
+    from pdcompile.microbatch_search import counts_table
     from pdcompile.planning import plan
     from pdcompile.schedule_search import auto_table
 
@@ -185,11 +186,14 @@ def _plan(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", PlanWarning)  # the table's notes say the same
         result = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
                       num_microbatches=args.microbatches, chunks=args.chunks,
-                      allow_async=args.allow_async)  # fmt: skip
+                      allow_async=args.allow_async,
+                      global_batch_size=args.global_batch_size)  # fmt: skip
     print(result)
-    if auto_table(result):  # --schedule auto: how every candidate compared
+    # --schedule auto: how every candidate compared; else --global-batch-size: every count
+    comparison = auto_table(result) or counts_table(result)
+    if comparison:
         print()
-        print(auto_table(result))
+        print(comparison)
     if args.out:
         result.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)

@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-async", action="store_true",
         help="with --schedule auto, pipedream and 2bw are candidates too",
     )  # fmt: skip
+    plan.add_argument(
+        "--global-batch-size", type=int, metavar="G",
+        help="rows per step: plan every microbatch count dividing G (with --schedule auto, "
+        "for every schedule) and keep the fastest that fits",
+    )  # fmt: skip
     plan.add_argument("--solver", default="dp", help="a name from `pdcompile solvers`")
     plan.add_argument("--out", metavar="FILE", help="write the Plan JSON here")
 
