@@ -33,8 +33,10 @@ def coarsen(cost_graph: CostGraph, max_layers: int) -> CostGraph:
     of the same module first of all), and among cuts of equal depth the one whose two layers
     have the least `forward_s + backward_s` (ties: earliest), until `max_layers` layers remain.
 
-    A layer's times, bytes and flops are the sums of its members' (`math.fsum`, so totals agree
-    with the original's to the last bits; byte counts exactly), its `members`
+    A layer's times (`optimizer_s` too), bytes and flops are the sums of its members'
+    (`math.fsum`, so totals agree with the original's to the last bits; byte counts exactly),
+    its `forward_spread` and `backward_spread` their members' weighted by `forward_s` and
+    `backward_s`, its `members`
     the concatenation of theirs, its `scope` their longest common module path, its `kind` "input"
     or "output" only if all members are. The bytes of the edge A -> B are, summed over the
     producers u in A that feed B, the largest `bytes` of u's edges into B: a tensor goes to a
@@ -46,7 +48,8 @@ def coarsen(cost_graph: CostGraph, max_layers: int) -> CostGraph:
 
     Returns:
         A new CostGraph with layers "L000", "L001", ... in topological order and
-        `meta["coarsened_from"]` = the number of original nodes; an equal copy of `cost_graph`
+        `meta["coarsened_from"]` = the number of original nodes and the original's loss and
+        optimizer (`CostGraph.step_costs`); an equal copy of `cost_graph`
         if it has at most `max_layers` nodes.
 
     Raises:
@@ -142,6 +145,15 @@ def _merge(depths: list[int], weights: list[float], max_layers: int) -> list[tup
     return [(start, end[start]) for start in range(n) if alive[start]]
 
 
+def _weighted_spread(data: list[dict], spread: str, time: str) -> float:
+    """A layer's spread: its members' weighted by their times (what the spread of the sum is
+    when the members' repeats vary together; less when they vary independently)."""
+    total = math.fsum(d[time] for d in data)
+    if total <= 0:
+        return max((d[spread] for d in data), default=0.0)
+    return math.fsum(d[spread] * d[time] for d in data) / total
+
+
 def _build(cost_graph: CostGraph, groups: list[list[str]]) -> CostGraph:
     g = cost_graph.graph
     width = max(3, len(str(len(groups) - 1)))
@@ -149,11 +161,13 @@ def _build(cost_graph: CostGraph, groups: list[list[str]]) -> CostGraph:
     layer_of = {node: k for k, group in enumerate(groups) for node in group}
     meta = {k: v for k, v in cost_graph.meta.items() if k != "pipedream"}  # names old nodes
     meta["coarsened_from"] = sum(len(members) for _, members in g.nodes(data="members"))
-    out = CostGraph(batch_size=cost_graph.batch_size, meta=meta)
+    out = CostGraph(batch_size=cost_graph.batch_size, meta=meta, **cost_graph.step_costs())
     for k, group in enumerate(groups):
         data = [g.nodes[n] for n in group]
         attrs = {name: math.fsum(d[name] for d in data) for name in FLOAT_ATTRS}
         attrs.update({name: sum(d[name] for d in data) for name in INT_ATTRS})
+        for spread, time in (("forward_spread", "forward_s"), ("backward_spread", "backward_s")):
+            attrs[spread] = _weighted_spread(data, spread, time)
         del attrs["memory_bytes"]
         if len(group) == 1:
             keep = ("kind", "description", "scope", "members", "activation_sizes")

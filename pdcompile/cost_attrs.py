@@ -17,7 +17,14 @@ KINDS = ("input", "compute", "output")
 # on their own, so I + W need not equal `backward_s` (docs/cost_graph.md).
 TIME_ATTRS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
 FLOP_ATTRS = ("flops_forward", "flops_backward")
-FLOAT_ATTRS = (*TIME_ATTRS, *FLOP_ATTRS)
+# Seconds of one optimizer step over the node's parameters: per step, so not scaled by batch.
+STEP_ATTRS = ("optimizer_s",)
+# Relative dispersion of the profiled repeats of forward_s and backward_s ((p75 - p25) / median,
+# unitless): not scaled by batch, not summed.
+SPREAD_ATTRS = ("forward_spread", "backward_spread")
+# The per-batch numbers: what `CostGraph.scaled` multiplies.
+SCALED_FLOAT_ATTRS = (*TIME_ATTRS, *FLOP_ATTRS)
+FLOAT_ATTRS = (*TIME_ATTRS, *STEP_ATTRS, *SPREAD_ATTRS, *FLOP_ATTRS)
 INT_ATTRS = (
     "param_bytes",
     "grad_bytes",
@@ -31,9 +38,13 @@ MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_byte
 # Added in CostGraph JSON version 2; a version-1 record without them takes their defaults
 # (`split_defaults`).
 SPLIT_ATTRS = ("backward_input_s", "backward_weight_s", "weight_grad_activation_bytes")
+# Added in version 3 (default 0.0 in older files: the optimizer step unpriced, spread unknown).
+STEP_COST_ATTRS = (*STEP_ATTRS, *SPREAD_ATTRS)
 NODE_ATTRS = (
     "kind",
     *TIME_ATTRS,
+    *STEP_ATTRS,
+    *SPREAD_ATTRS,
     *INT_ATTRS,
     *FLOP_ATTRS,
     "description",
@@ -55,7 +66,7 @@ def check_attr(node: str, name: str, value: Any) -> Any:
 
     if name in FLOAT_ATTRS:
         if not number(value) or value < 0:
-            raise bad("a finite number >= 0 (seconds or flops)")
+            raise bad("a finite number >= 0 (seconds, flops or a relative spread)")
         return float(value) + 0.0  # + 0.0 turns -0.0 into 0.0
     if name in INT_ATTRS:
         if not number(value) or value < 0 or not float(value).is_integer():
@@ -129,6 +140,28 @@ def check_edge_bytes(u: str, v: str, value: Any) -> int:
     ):
         raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be a whole number >= 0, got {value!r}")
     return int(value)
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A graph-level time (`loss_forward_s`, `loss_backward_s`) as a float >= 0."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not _finite(value)
+        or value < 0
+    ):
+        raise CostError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value) + 0.0
+
+
+def check_optimizer_name(value: Any) -> str:
+    """The graph's `optimizer` (what priced the nodes' `optimizer_s`): a string, "" for none."""
+    if not isinstance(value, str):
+        raise CostError(
+            f"optimizer must be a string naming the optimizer that priced optimizer_s ('' for "
+            f"none), got {value!r}"
+        )
+    return value
 
 
 def check_batch_size(batch_size: Any) -> int | None:

@@ -1,14 +1,17 @@
 """CostGraph: the solvers' torch-free view of a model, with JSON and PipeDream `graph.txt` I/O.
 
 A CostGraph wraps a networkx DiGraph whose node insertion order is a topological order. Every
-node carries all of `NODE_ATTRS` (seconds and bytes for one batch of `batch_size` rows), every
-edge carries `bytes`. This module imports only the standard library and networkx, so solvers and
+node carries all of `NODE_ATTRS` (seconds and bytes for one batch of `batch_size` rows; its
+optimizer step per step), every edge carries `bytes`; the graph carries the loss function's
+seconds per batch (`loss_forward_s`, `loss_backward_s`) and the optimizer that priced the
+nodes' `optimizer_s`. This module imports only the standard library and networkx, so solvers and
 the CLI can plan on a machine without torch. See docs/cost_graph.md.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +24,17 @@ from pdcompile.cost_attrs import (
     KINDS,
     MEMORY_PARTS,
     NODE_ATTRS,
+    SCALED_FLOAT_ATTRS,
     SETTABLE,
+    SPREAD_ATTRS,
+    STEP_ATTRS,
     TIME_ATTRS,
     check_attr,
     check_batch_size,
     check_edge_bytes,
     check_meta,
+    check_optimizer_name,
+    check_seconds,
     check_weight_grad_bytes,
     split_defaults,
 )
@@ -36,8 +44,10 @@ from pdcompile.text import human_bytes, human_seconds
 __all__ = ["FLOAT_ATTRS", "INT_ATTRS", "KINDS", "NODE_ATTRS", "CostGraph"]
 
 FORMAT = "pdcompile.costgraph"
-VERSION = 2  # 2 added the split backward (`cost_attrs.SPLIT_ATTRS`); version 1 still reads
-READS = (1, 2)
+# 2 added the split backward (`cost_attrs.SPLIT_ATTRS`), 3 the loss, the optimizer step and the
+# profile's spread (`cost_attrs.STEP_COST_ATTRS`); versions 1 and 2 still read
+VERSION = 3
+READS = (1, 2, 3)
 
 
 class CostGraph:
@@ -48,6 +58,11 @@ class CostGraph:
             Missing node attributes take their defaults (see `add_node`); edges need `bytes`.
         batch_size: rows of the batch the costs are for (None if unknown).
         meta: JSON-serializable provenance (`source`, model, device, optimizer, ...).
+        loss_forward_s, loss_backward_s: seconds per batch of the loss function's forward and
+            backward on the model's output (0.0: not priced); `loss_s` is their sum. They belong
+            to the stage holding `loss_node`.
+        optimizer: the optimizer whose step the nodes' `optimizer_s` time ("sgd", "adam", a
+            factory's description); "" when they are not priced.
 
     Raises:
         CostError: an attribute is unknown or ill-typed, or the order is not topological.
@@ -66,10 +81,17 @@ class CostGraph:
         graph: nx.DiGraph | None = None,
         batch_size: int | None = None,
         meta: dict[str, Any] | None = None,
+        *,
+        loss_forward_s: float = 0.0,
+        loss_backward_s: float = 0.0,
+        optimizer: str = "",
     ) -> None:
         self.graph = nx.DiGraph()
         self.batch_size = check_batch_size(batch_size)
         self.meta = check_meta(meta)
+        self.loss_forward_s = check_seconds("loss_forward_s", loss_forward_s)
+        self.loss_backward_s = check_seconds("loss_backward_s", loss_backward_s)
+        self.optimizer = check_optimizer_name(optimizer)
         self._index: dict[str, int] = {}
         if graph is None:
             return
@@ -99,7 +121,8 @@ class CostGraph:
         Args:
             node_id: unique non-empty string.
             **attrs: any of `kind` ("compute"), `forward_s`, `backward_s`, `flops_forward`,
-                `flops_backward` (0.0), `param_bytes`, `grad_bytes`, `optimizer_bytes`,
+                `flops_backward`, `optimizer_s`, `forward_spread`, `backward_spread` (0.0),
+                `param_bytes`, `grad_bytes`, `optimizer_bytes`,
                 `activation_bytes`, `output_bytes` (0), `description`, `scope` (""), `members`
                 ((node_id,)), `activation_sizes` (None); the split backward's
                 `backward_input_s` and `backward_weight_s` (neither given: half of
@@ -120,6 +143,7 @@ class CostGraph:
                 "activation bytes); set those instead"
             )
         data: dict[str, Any] = {"kind": "compute", "forward_s": 0.0, "backward_s": 0.0}
+        data.update(dict.fromkeys((*STEP_ATTRS, *SPREAD_ATTRS), 0.0))
         data.update(dict.fromkeys(INT_ATTRS, 0))
         data.update(flops_forward=0.0, flops_backward=0.0, description="", scope="")
         data.update(members=(node_id,), activation_sizes=None)
@@ -156,7 +180,16 @@ class CostGraph:
 
     def copy(self) -> CostGraph:
         """An equal, independent CostGraph."""
-        return CostGraph(self.graph, self.batch_size, self.meta)
+        return CostGraph(self.graph, self.batch_size, self.meta, **self.step_costs())
+
+    def step_costs(self) -> dict[str, Any]:
+        """The graph-level costs as keyword arguments of `CostGraph(...)`: `loss_forward_s`,
+        `loss_backward_s`, `optimizer` (a derived graph passes them on)."""
+        return {
+            "loss_forward_s": self.loss_forward_s,
+            "loss_backward_s": self.loss_backward_s,
+            "optimizer": self.optimizer,
+        }
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -165,10 +198,40 @@ class CostGraph:
         """Node ids in the (topological) order."""
         return list(self.graph.nodes)
 
+    @property
+    def loss_s(self) -> float:
+        """Seconds per batch of the loss function, forward and backward (0.0: not priced)."""
+        return self.loss_forward_s + self.loss_backward_s
+
+    @property
+    def loss_node(self) -> str | None:
+        """The node the loss function follows: the last node of kind "output", else the last
+        node (a coarsened graph's last layer holds the output); None for an empty graph. The
+        stage holding it pays `loss_s`."""
+        output = last = None
+        for node, kind in self.graph.nodes(data="kind"):
+            last = node
+            if kind == "output":
+                output = node
+        return output if output is not None else last
+
+    def compute_times(self, order: Iterable[str] | None = None) -> list[float]:
+        """Seconds per batch a stage spends on each node of `order` (default: the graph's):
+        `forward_s + backward_s` (0 for a data source, kind "input"), plus `loss_s` at
+        `loss_node`. What the solvers sum."""
+        loss_node, loss = self.loss_node, self.loss_s
+        times = []
+        for node in self.graph.nodes if order is None else order:
+            data = self.graph.nodes[node]
+            own = 0.0 if data["kind"] == "input" else data["forward_s"] + data["backward_s"]
+            times.append(own + loss if node == loss_node else own)
+        return times
+
     def totals(self) -> dict[str, float]:
-        """Sums over all nodes (`math.fsum`) of every time, byte and flop attribute."""
+        """Sums over all nodes (`math.fsum`) of every time (`optimizer_s` too), byte and flop
+        attribute (not the spreads)."""
         data = [d for _, d in self.graph.nodes(data=True)]
-        names = (*TIME_ATTRS, *INT_ATTRS, *FLOP_ATTRS)
+        names = (*TIME_ATTRS, *STEP_ATTRS, *INT_ATTRS, *FLOP_ATTRS)
         return {name: math.fsum(d[name] for d in data) for name in names}
 
     def validate(self) -> None:
@@ -222,14 +285,20 @@ class CostGraph:
                 )
         check_batch_size(self.batch_size)
         check_meta(self.meta)
+        for name in ("loss_forward_s", "loss_backward_s"):
+            if type(getattr(self, name)) is not float:
+                raise CostError(f"{name} must be a float, got {getattr(self, name)!r}")
+            check_seconds(name, getattr(self, name))
+        check_optimizer_name(self.optimizer)
 
     def scaled(self, batch_size: int) -> CostGraph:
         """The costs for another batch size, assuming they grow linearly with the batch.
 
-        Times (the split backward's parts too), flops, activation bytes (and the part of them W
-        keeps), output bytes, `activation_sizes` and edge bytes scale by
+        Times (the split backward's parts and the loss too), flops, activation bytes (and the
+        part of them W keeps), output bytes, `activation_sizes` and edge bytes scale by
         `batch_size / self.batch_size` (integers rounded half up); parameter, gradient and
-        optimizer bytes do not; `memory_bytes` is re-derived.
+        optimizer bytes, `optimizer_s` (per step) and the spreads (relative) do not;
+        `memory_bytes` is re-derived.
 
         Raises:
             CostError: this graph has no batch size, or `batch_size` is not an integer >= 1.
@@ -247,10 +316,13 @@ class CostGraph:
         def whole(x: int) -> int:
             return (2 * x * new + old) // (2 * old)
 
-        out = CostGraph(batch_size=new, meta=self.meta)
+        out = CostGraph(
+            batch_size=new, meta=self.meta, loss_forward_s=self.loss_forward_s * factor,
+            loss_backward_s=self.loss_backward_s * factor, optimizer=self.optimizer,
+        )  # fmt: skip
         for node, data in self.graph.nodes(data=True):
             attrs = {name: data[name] for name in SETTABLE}
-            for name in FLOAT_ATTRS:
+            for name in SCALED_FLOAT_ATTRS:
                 attrs[name] = data[name] * factor
             for name in ("activation_bytes", "weight_grad_activation_bytes", "output_bytes"):
                 attrs[name] = whole(data[name])
@@ -269,6 +341,7 @@ class CostGraph:
         return (
             self.batch_size == other.batch_size
             and self.meta == other.meta
+            and self.step_costs() == other.step_costs()
             and list(self.graph.nodes(data=True)) == list(other.graph.nodes(data=True))
             and dict(((u, v), d) for u, v, d in self.graph.edges(data=True))
             == dict(((u, v), d) for u, v, d in other.graph.edges(data=True))
@@ -299,8 +372,26 @@ class CostGraph:
                 f"activations {human_bytes(t['activation_bytes'])}",
                 f"  flops: forward {_flops(t['flops_forward'])}, "
                 f"backward {_flops(t['flops_backward'])}",
+                *self._step_lines(t["optimizer_s"]),
             ]
         )
+
+    def _step_lines(self, optimizer_s: float) -> list[str]:
+        """The loss and the optimizer step, when either is priced (older graphs: no line)."""
+        if not (self.loss_s or self.optimizer or optimizer_s):
+            return []
+        loss = (
+            f"forward {human_seconds(self.loss_forward_s)}, "
+            f"backward {human_seconds(self.loss_backward_s)}"
+            if self.loss_s
+            else "not priced"
+        )
+        step = (
+            f"{human_seconds(optimizer_s)} ({self.optimizer or 'unnamed'})"
+            if self.optimizer or optimizer_s
+            else "not priced"
+        )
+        return [f"  loss per batch: {loss}; optimizer step: {step}"]
 
     # -- JSON ------------------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
 """The CostGraph JSON format (`CostGraph.to_json`, `from_json`, `save`, `load`).
 
-`{"format": "pdcompile.costgraph", "version": 2, "batch_size", "meta", "nodes", "edges"}`, one
-node (`{"id", **NODE_ATTRS}`) or edge (`{"src", "dst", "bytes"}`) per line, so that diffs of two
-profiles read line by line. Reading checks every field and names the node or edge at fault.
-Version 1 files (before the split backward) read too: their nodes lack `SPLIT_ATTRS`, which
-take `CostGraph.add_node`'s defaults (half of `backward_s` each; W keeps every activation).
+`{"format": "pdcompile.costgraph", "version": 3, "batch_size", "loss_forward_s",
+"loss_backward_s", "optimizer", "meta", "nodes", "edges"}`, one node (`{"id", **NODE_ATTRS}`)
+or edge (`{"src", "dst", "bytes"}`) per line, so that diffs of two profiles read line by line.
+Reading checks every field and names the node or edge at fault.
+Version 2 files (before the loss and the optimizer step) read too: the graph has no loss (0.0),
+no optimizer named, and its nodes lack `STEP_COST_ATTRS` (0.0: the step unpriced, the spread
+unknown). Version 1 files (before the split backward) also lack `SPLIT_ATTRS`, which take
+`CostGraph.add_node`'s defaults (half of `backward_s` each; W keeps every activation).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdcompile.cost_attrs import NODE_ATTRS, SETTABLE, SPLIT_ATTRS, check_attr
+from pdcompile.cost_attrs import NODE_ATTRS, SETTABLE, SPLIT_ATTRS, STEP_COST_ATTRS, check_attr
 from pdcompile.cost_graph import FORMAT, READS, VERSION, CostGraph
 from pdcompile.errors import CostError
 
@@ -35,6 +38,7 @@ def format_json(graph: CostGraph) -> str:
         for u, v, d in graph.graph.edges(data=True)
     ]  # `grad` written only where no gradient flows back
     head = {"format": FORMAT, "version": VERSION, "batch_size": graph.batch_size}
+    head.update(graph.step_costs())
     return (
         f"{dump(head)[:-1]},\n"
         f' "meta": {dump(graph.meta)},\n'
@@ -66,10 +70,13 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
     if type(version) is not int or version not in READS:
         raise CostError(
             f"{source}: CostGraph format version {version!r}; this pdcompile reads versions "
-            f"{' and '.join(map(str, READS))}: upgrade pdcompile or write the file again with "
+            f"{', '.join(map(str, READS[:-1]))} and {READS[-1]}: upgrade pdcompile or write the "
+            "file again with "
             "this version"
         )
     fields = {"format", "version", "batch_size", "meta", "nodes", "edges"}
+    if version >= 3:
+        fields |= {"loss_forward_s", "loss_backward_s", "optimizer"}
     if set(doc) != fields:
         raise CostError(
             f"{source}: top-level fields must be {sorted(fields)}; missing "
@@ -78,7 +85,8 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
     if not isinstance(doc["nodes"], list) or not isinstance(doc["edges"], list):
         raise CostError(f"{source}: 'nodes' and 'edges' must be lists")
     try:
-        graph = CostGraph(batch_size=doc["batch_size"], meta=doc["meta"])
+        step = {k: doc[k] for k in ("loss_forward_s", "loss_backward_s", "optimizer") if k in doc}
+        graph = CostGraph(batch_size=doc["batch_size"], meta=doc["meta"], **step)
         for i, record in enumerate(doc["nodes"]):
             _add_json_node(graph, i, record, version)
         for i, record in enumerate(doc["edges"]):
@@ -101,7 +109,8 @@ def _add_json_node(graph: CostGraph, index: int, record: Any, version: int) -> N
     if not isinstance(record, dict) or not isinstance(record.get("id"), str):
         raise CostError(f"node #{index} must be an object with a string 'id', got {record!r}")
     node = record["id"]
-    fields = NODE_ATTRS if version == VERSION else [a for a in NODE_ATTRS if a not in SPLIT_ATTRS]
+    absent = (*(SPLIT_ATTRS if version < 2 else ()), *(STEP_COST_ATTRS if version < 3 else ()))
+    fields = [a for a in NODE_ATTRS if a not in absent]
     missing = [a for a in fields if a not in record]
     unknown = sorted(set(record) - {"id", *fields})
     if missing or unknown:

@@ -196,8 +196,12 @@ def test_json_round_trip_and_version_1_files() -> None:
     assert CostGraph.from_json(text) == g
     old = json.loads(text)
     old["version"] = 1
+    for name in ("loss_forward_s", "loss_backward_s", "optimizer"):  # added in version 3
+        del old[name]
     for record in old["nodes"]:
         for name in ("backward_input_s", "backward_weight_s", "weight_grad_activation_bytes"):
+            del record[name]
+        for name in ("optimizer_s", "forward_spread", "backward_spread"):  # version 3
             del record[name]
     back = CostGraph.from_json(json.dumps(old))
     for node in g.nodes:
@@ -208,7 +212,7 @@ def test_json_round_trip_and_version_1_files() -> None:
     with pytest.raises(CostError, match=r"node #1 'n0': missing fields \['backward_s'\]"):
         CostGraph.from_json(json.dumps(old))
     new = json.loads(text)
-    del new["nodes"][1]["backward_input_s"]  # version 2 files carry every field
+    del new["nodes"][1]["backward_input_s"]  # version 2 and 3 files carry every field
     with pytest.raises(CostError, match=r"missing fields \['backward_input_s'\]"):
         CostGraph.from_json(json.dumps(new))
 
