@@ -26,8 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
+from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CheckpointError, PartitionError, PdcompileError, PipelineTimeoutError
 from pdcompile.plans import Plan
+from pdcompile.replan import Replan
 from pdcompile.schedules import PipelineSchedule
 
 
@@ -55,6 +57,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     nonfinite: str = "raise",
     allow_async: bool = False,
     global_batch_size: int | None = None,
+    costs: CostGraph | str | None = None,
+    replan: bool | Replan = False,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -96,6 +100,14 @@ def compile(  # noqa: A001 - the public name API.md gives it
         global_batch_size: the rows each `train_step` will run: the planner chooses the
             microbatch count among those dividing it (`plan(..., global_batch_size=)`; with
             "auto", together with the schedule). None: the example is one microbatch.
+        costs: a CostGraph (or its JSON file) of this model to plan with instead of profiling
+            it (e.g. `pdcompile profile --out costs.json` run once).
+        replan: the closed loop: after `Replan.after_steps` steps the stages' measured times
+            rescale the costs, rank 0 plans again, and when the new plan is predicted at least
+            `Replan.threshold` faster, every rank moves to it (a checkpoint of the running plan,
+            then the new stages load it by name; `explain()` shows both plans and the measured
+            step before and after). True: `Replan()`'s defaults. Needs the costs the plan was
+            made from (profiled here, or `costs=`).
 
     Returns:
         A `PipelinedModule`.
@@ -111,12 +123,21 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.evaluation import rescore
     from pdcompile.pipelined_module import PipelinedModule
     from pdcompile.planning import plan as make_plan
+    from pdcompile.replanning import Replanner
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
     from pdcompile.schedule_search import AUTO
     from pdcompile.schedules import check_nonfinite, get_schedule
 
+    policy = Replan() if replan is True else replan or None
+    if policy is not None and not isinstance(policy, Replan):
+        raise PartitionError(f"replan must be True, False or a pdcompile.Replan, got {replan!r}")
+    if policy is not None and plan is not None and costs is None:
+        raise PartitionError(
+            "replan needs the costs the plan was made from to rescale them: pass costs= (the "
+            "CostGraph or its JSON file) with plan=, or leave plan= out"
+        )
     auto = isinstance(schedule, str) and schedule == AUTO  # chosen with the plan, below
     if not auto:
         schedule = get_schedule(schedule).name
@@ -149,14 +170,18 @@ def compile(  # noqa: A001 - the public name API.md gives it
     options = dict(schedule=schedule, num_microbatches=num_microbatches, solver=solver,
                    profile=profile, cluster=str(cluster), clip=clip_grad_norm,
                    vertical=vertical_sync, nonfinite=nonfinite, plan=given,
-                   batch=global_batch_size)  # fmt: skip
+                   batch=global_batch_size,
+                   replan=policy and (policy.after_steps, policy.threshold))  # fmt: skip
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
     failure: Exception | None = None
     if plan is None and rank == 0:
         try:
             cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
-            costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
+            if isinstance(costs, str):
+                costs = CostGraph.load(costs)
+            if costs is None:
+                costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
                              num_microbatches=num_microbatches, allow_async=allow_async,
                              global_batch_size=global_batch_size)  # fmt: skip
@@ -177,21 +202,34 @@ def compile(  # noqa: A001 - the public name API.md gives it
             f"{world_size} ranks; start as many ranks as the plan uses (torchrun "
             f"--nproc_per_node {plan.num_devices_used}) or plan for cluster={world_size}"
         )
-    microbatches = plan.num_microbatches
-    program = codegen(gm, plan)
-    if any(t.is_meta for t in [*gm.parameters(), *gm.buffers()]):
-        mine = [s.index for s in plan.stages if not distributed or rank in s.ranks]
-        _materialize([program.stages[i] for i in mine], device, weights)
-    settings = dict(schedule=schedule, num_microbatches=microbatches, loss_fn=loss_fn,
-                    optimizer=optimizer, clip_grad_norm=clip_grad_norm,
-                    lr_scheduler=lr_scheduler, autocast=autocast,
-                    vertical_sync=vertical_sync, nonfinite=nonfinite)  # fmt: skip
-    if distributed:
-        pipeline = DistributedPipeline(program, rank=rank, device=device, timeout_s=timeout,
+    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
+    if on_meta and policy is not None:
+        raise PartitionError("replan= with a model on the meta device is not supported yet")
+
+    def executor(plan: Plan, schedule: str) -> Any:
+        """The executor of `plan` under `schedule` on this process: codegen, then this rank's
+        stages."""
+        program = codegen(gm, plan)
+        if on_meta:
+            mine = [s.index for s in plan.stages if not distributed or rank in s.ranks]
+            _materialize([program.stages[i] for i in mine], device, weights)
+        settings = dict(schedule=schedule, num_microbatches=plan.num_microbatches,
+                        loss_fn=loss_fn, optimizer=optimizer, clip_grad_norm=clip_grad_norm,
+                        lr_scheduler=lr_scheduler, autocast=autocast,
+                        vertical_sync=vertical_sync, nonfinite=nonfinite)  # fmt: skip
+        if distributed:
+            return DistributedPipeline(program, rank=rank, device=device, timeout_s=timeout,
                                        **settings)  # fmt: skip
-    else:
-        pipeline = LocalPipeline(program, **settings)
-    return PipelinedModule(pipeline, rank=rank)
+        return LocalPipeline(program, **settings)
+
+    replanner = None
+    if policy is not None:
+        mine = None  # rank 0 decides
+        if rank == 0:
+            mine = CostGraph.load(costs) if isinstance(costs, str) else costs
+        replanner = Replanner(policy, mine, lambda new: executor(new, schedule),
+                              {"solver": solver, "schedule": schedule})  # fmt: skip
+    return PipelinedModule(executor(plan, schedule), rank=rank, replanner=replanner)
 
 
 def _materialize(

@@ -34,15 +34,27 @@ class PipelinedModule:
     stage the targets; every rank gets the loss back.
     """
 
-    def __init__(self, pipeline: Pipeline, *, rank: int) -> None:
+    def __init__(self, pipeline: Pipeline, *, rank: int, replanner: Any = None) -> None:
         self.pipeline = pipeline
         self.rank = rank
         self.steps = 0
+        self.replanner = replanner  # `replanning.Replanner` with compile(replan=...), else None
         self._scored: Plan | None = None  # the plan re-scored at the rows the first step ran
         # per step: perf_counter at its start, seconds, rows
         self._measured: deque[tuple[float, float, int]] = deque(maxlen=_KEEP_STEPS)
-        for worker in pipeline.workers.values():
+        self.restarted()
+
+    def restarted(self) -> None:
+        """Start recording anew on `self.pipeline` (built here, or by a re-plan's move)."""
+        self._scored = None
+        for worker in self.pipeline.workers.values():
             worker.timeline = []
+
+    def step_start(self, step: int) -> float:
+        """When train step `step` (counted from 0) started, in `perf_counter` seconds (-inf
+        for one no longer recorded)."""
+        back = self.steps - step
+        return self._measured[-back][0] if 0 < back <= len(self._measured) else float("-inf")
 
     @property
     def plan(self) -> Plan:
@@ -79,6 +91,8 @@ class PipelinedModule:
         self.steps += 1
         for worker in self.pipeline.workers.values():  # bounded memory
             del worker.timeline[:-_KEEP_ACTIONS]
+        if self.replanner is not None and self.replanner.due(self.steps):
+            self.replanner.run(self)
         return loss
 
     def eval_step(self, inputs: Any, kwargs: dict | None = None) -> Any:
@@ -188,6 +202,7 @@ class PipelinedModule:
         comparison = auto_table(self.plan) or counts_table(self.plan)
         if comparison:
             lines += [comparison, ""]
+        lines += self._explain_replan()
         fused = {w.stage: w.fused for w in self.pipeline.workers.values() if w.fused}
         lines += [  # a split backward (zb-*) falls back where a stage cannot split (worker.py)
             f"stage {stage} runs its backward fused, not split into I and W: {why}"
@@ -206,6 +221,24 @@ class PipelinedModule:
         for rank, timelines in by_rank.items():
             lines += self._explain_rank(rank, timelines)
         return "\n".join(lines)
+
+    def _explain_replan(self) -> list[str]:
+        """With compile(replan=...): the decision, and the measured step before and after."""
+        decision = self.replanner.decision if self.replanner else None
+        if decision is None:
+            return []
+        lines = [decision.describe()]
+        moved = self.replanner.moved_at
+        if moved is not None:
+            steps = list(self._measured)
+            after = steps[len(steps) - (self.steps - moved):] if self.steps > moved else []
+            before = steps[: len(steps) - len(after)]
+            for name, part in (("before", before[1:] or before), ("after", after)):
+                if part:
+                    median = sorted(s for _, s, _ in part)[len(part) // 2]
+                    lines.append(f"  measured {name} the move: median {human_seconds(median)} "
+                                 f"per step over {len(part)} steps")  # fmt: skip
+        return [*lines, ""]
 
     def _explain_rank(self, rank: int, timelines: dict[int, list[Event]]) -> list[str]:
         """One rank: its bubble over all its stages (measured and simulated) and its memory,

@@ -7,6 +7,7 @@ tensor, remembered as a scalar); `empty` makes the tensor DCP reads an entry int
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -183,3 +184,40 @@ def restore_state(current: Any, entries: dict[str, Any], prefix: str) -> Any:
         parts = (restore_state(v, entries, f"{prefix}/{i}") for i, v in enumerate(current))
         return type(current)(parts)
     return current
+
+
+def transfer(sources: Iterable[Any], targets: Iterable[Any]) -> None:
+    """Hand the state of one process's stage workers (`sources`: a plan's) to its workers of
+    another plan of the same model (`targets`), by name, as a checkpoint would: parameters and
+    buffers, optimizer state and hyperparameters (`optimizer_items` / `restore_optimizer`),
+    update and skip counts, LR scheduler state.
+
+    Raises:
+        CheckpointError: a target holds a name no source holds.
+    """
+    sources = list(sources)
+    items: dict[str, torch.Tensor] = {}
+    for w in sources:
+        for name, tensor in w.module.state_dict().items():
+            items.setdefault(f"model/{name}", tensor)
+        problems = optimizer_items(w.module, w.optimizer, items)
+        if problems:
+            raise CheckpointError(f"cannot move the optimizer state: {problems[0]}")
+    first = sources[0]
+    updates, skipped = first.versions.updates, first.skipped
+    scheduler = state_entries(first.scheduler.state_dict(), "s") if first.scheduler else {}
+    for w in targets:
+        state = w.module.state_dict()
+        missing = [n for n in state if f"model/{n}" not in items]
+        if missing:
+            raise CheckpointError(f"the running stages hold none of {missing[:3]}: another model")
+        w.module.load_state_dict({n: items[f"model/{n}"] for n in state})
+        names = param_names(w.module)
+        params = [p for group in w.optimizer.param_groups for p in group["params"]]
+        held = {key.rsplit("/", 2)[0].removeprefix("optim/") for key in items if "optim/" in key}
+        chosen = [next((n for n in names.get(id(p), []) if n in held), None) for p in params]
+        mine = {k: v.clone() for k, v in items.items() if k.startswith("optim/")}  # replicas
+        restore_optimizer(w.optimizer, chosen, mine, "<the running plan>")
+        w.versions.updates, w.skipped = updates, skipped
+        if w.scheduler is not None:
+            w.scheduler.load_state_dict(restore_state(w.scheduler.state_dict(), scheduler, "s"))

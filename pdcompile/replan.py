@@ -1,0 +1,209 @@
+"""The closed loop: re-plan from what the stages measured. Torch-free.
+
+A running job (`compile(..., replan=True)`) and a recorded one (`pdcompile plan --measured
+TRACE`) take the same three steps:
+1. `measured_stage_times`: per stage, the median seconds of a microbatch's forward and of its
+   backward (B, or I + W of the same microbatch) over the recorded actions;
+2. `rescaled`: the CostGraph with every node of a stage scaled so that the stage's forward and
+   backward, priced as the plan priced them, equal the measured ones (what the plan priced
+   besides the nodes, e.g. the loss, stays);
+3. `decide`: the plan made anew on those costs (same solver, schedule, microbatches, cluster)
+   against the running plan re-scored on them (same partition): move when the new one is
+   predicted at least `threshold` faster per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdcompile.cost_graph import CostGraph
+from pdcompile.errors import PartitionError
+from pdcompile.evaluation import evaluate, node_sums
+from pdcompile.plans import Plan
+from pdcompile.schedules.actions import COMPUTE
+from pdcompile.text import human_seconds
+
+FLOOR = 0.05  # a stage's nodes are never priced below this share of what the profile said
+
+
+@dataclass(frozen=True)
+class Replan:
+    """When and how `compile(..., replan=...)` re-plans a running job (`replan=True`: these
+    defaults).
+
+    Attributes:
+        after_steps: train steps measured before deciding (the first is left out of the
+            measurement when there are several: it pays one-off allocations).
+        threshold: the new plan must be predicted at least this share faster per step.
+        directory: where the running plan's checkpoint is written before the move (it stays
+            whole if a rank dies during the move); None: a fresh temporary folder, which under
+            torch.distributed must be one every rank sees (one host).
+        timeline: a function returning the actions to measure instead of the recorded ones
+            (`Event`s of any ranks; each rank keeps its own): a recorded run replayed
+            (`runtime.timeline.load_trace`), or synthetic times in tests.
+    """
+
+    after_steps: int = 3
+    threshold: float = 0.10
+    directory: str | None = None
+    timeline: Callable[[], Sequence[Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.after_steps, int) or self.after_steps < 1:
+            raise PartitionError(f"Replan.after_steps must be an integer >= 1, got "
+                                 f"{self.after_steps!r}")  # fmt: skip
+        if not 0 <= self.threshold < 1:
+            raise PartitionError(f"Replan.threshold must be in [0, 1), got {self.threshold!r}")
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """A stage's measured seconds per microbatch (medians), and how many microbatches."""
+
+    forward_s: float
+    backward_s: float
+    count: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `decide` found: the running plan and the new one, both priced on the measured
+    costs; `move` whether the new one is fast enough to move to, `reason` why (not)."""
+
+    running: Plan
+    new: Plan
+    measured: Mapping[int, StageTime]
+    move: bool
+    reason: str
+
+    @property
+    def gain(self) -> float:
+        """The share of the running plan's step time the new plan saves (predicted)."""
+        return 1 - self.new.step_time / self.running.step_time if self.running.step_time else 0.0
+
+    def describe(self) -> str:
+        """A few lines for `explain()` and the CLI."""
+        lines = [
+            f"re-planned from measured stage times: {self.reason}",
+            f"  running plan on the measured costs: step {human_seconds(self.running.step_time)}"
+            f", stages {_shape(self.running)}",
+            f"  new plan: step {human_seconds(self.new.step_time)} ({self.gain:+.1%} saved), "
+            f"stages {_shape(self.new)}",
+        ]
+        for s, t in sorted(self.measured.items()):
+            planned = self.running.stages[s] if s < self.running.num_stages else None
+            lines.append(
+                f"  stage {s}: measured forward {human_seconds(t.forward_s)}, backward "
+                f"{human_seconds(t.backward_s)} per microbatch ({t.count} microbatches)"
+                + (f", after re-pricing {human_seconds(planned.forward_s)} / "
+                   f"{human_seconds(planned.backward_s)}" if planned else "")
+            )  # fmt: skip
+        return "\n".join(lines)
+
+
+def _shape(plan: Plan) -> str:
+    return " | ".join(f"{len(s.nodes)} nodes x{s.replicas}" for s in plan.stages)
+
+
+def measured_stage_times(events: Iterable[Any]) -> dict[int, StageTime]:
+    """Per stage, the medians over microbatches of its forward and its backward seconds (the
+    split backward's I and W of one microbatch summed), from timeline events (`Event`s:
+    `kind`, `stage`, `microbatch`, `rank`, `duration`). Replicas count alike."""
+    forward: dict[int, list[float]] = {}
+    backward: dict[tuple[int, int, int], float] = {}
+    for e in events:
+        if e.kind not in COMPUTE or e.microbatch < 0:
+            continue
+        if e.kind == "F":
+            forward.setdefault(e.stage, []).append(e.end - e.start)
+        else:
+            key = (e.stage, e.rank, e.microbatch)
+            backward[key] = backward.get(key, 0.0) + e.end - e.start
+    per_stage: dict[int, list[float]] = {}
+    for (stage, _, _), seconds in backward.items():
+        per_stage.setdefault(stage, []).append(seconds)
+    return {
+        s: StageTime(
+            statistics.median(forward[s]), statistics.median(per_stage[s]), len(forward[s])
+        )  # fmt: skip
+        for s in sorted(forward)
+        if s in per_stage
+    }
+
+
+def rescaled(cost_graph: CostGraph, plan: Plan, measured: Mapping[int, StageTime]) -> CostGraph:
+    """`cost_graph` with the nodes of each measured stage of `plan` scaled: forward times by one
+    factor, backward times (and their I and W parts) by another, so that the stage priced as
+    `plan` prices it (at its `microbatch_size` rows, on its devices) takes the measured seconds.
+
+    Raises:
+        PartitionError: `plan` is not a plan of this graph, or a stage it names is missing.
+    """
+    rows = plan.microbatch_size or cost_graph.batch_size or 1
+    scale = rows / (cost_graph.batch_size or rows)
+    factors: dict[str, tuple[float, float]] = {}
+    for s, seen in measured.items():
+        if s >= plan.num_stages:
+            raise PartitionError(f"measured stage {s}, but the plan has {plan.num_stages} stages")
+        stage = plan.stages[s]
+        speed = plan.cluster.device_speed(stage.ranks)
+        sums = node_sums(cost_graph, stage.nodes)
+        nodes_f, nodes_b = sums.forward_s * scale / speed, sums.backward_s * scale / speed
+        # what the plan priced besides the nodes (e.g. the loss) is not the nodes' to absorb
+        f = _factor(seen.forward_s - (stage.forward_s - nodes_f), nodes_f)
+        b = _factor(seen.backward_s - (stage.backward_s - nodes_b), nodes_b)
+        factors.update(dict.fromkeys(stage.nodes, (f, b)))
+    out = cost_graph.copy()
+    for node, (f, b) in factors.items():
+        data = out.graph.nodes[node]
+        data["forward_s"] *= f
+        for name in ("backward_s", "backward_input_s", "backward_weight_s"):
+            data[name] *= b
+    out.meta = {**out.meta, "rescaled": "node times scaled to measured stage times"}
+    return out
+
+
+def _factor(measured: float, predicted: float) -> float:
+    return max(measured / predicted, FLOOR) if predicted > 0 else 1.0
+
+
+def decide(
+    cost_graph: CostGraph,
+    plan: Plan,
+    measured: Mapping[int, StageTime],
+    *,
+    threshold: float = Replan.threshold,
+    **options: Any,
+) -> Decision:
+    """The running `plan` and a new one, both on the costs the stages measured (`rescaled`);
+    move when the new plan's `step_time` is at most (1 - threshold) of the running one's and
+    it uses as many devices (a job keeps its ranks). `options`: `plan()`'s (solver, schedule,
+    ...; default: the running plan's); the microbatch count and size and the cluster are the
+    running plan's."""
+    from pdcompile.planning import plan as make_plan
+
+    costs = rescaled(cost_graph, plan, measured)
+    rows = plan.microbatch_size or cost_graph.batch_size
+    priced = costs.scaled(rows) if rows and rows != costs.batch_size else costs
+    running = evaluate(plan, priced)
+    options = {"solver": plan.solver or "dp", "schedule": plan.schedule, **options}
+    new = make_plan(costs, plan.cluster, num_microbatches=plan.num_microbatches,
+                    microbatch_size=rows, **options)  # fmt: skip
+    gain = 1 - new.step_time / running.step_time if running.step_time else 0.0
+    if [(s.nodes, s.ranks) for s in new.stages] == [(s.nodes, s.ranks) for s in plan.stages]:
+        return Decision(running, new, measured, False, "the same plan is still the best")
+    if new.num_devices_used != plan.num_devices_used:
+        return Decision(running, new, measured, False,
+                        f"the new plan uses {new.num_devices_used} devices, the job runs "
+                        f"{plan.num_devices_used}: staying")  # fmt: skip
+    if not new.fits_memory:
+        return Decision(running, new, measured, False, "the new plan does not fit memory")
+    if gain < threshold:
+        return Decision(running, new, measured, False,
+                        f"predicted {gain:.1%} faster, below the threshold {threshold:.0%}: "
+                        "staying")  # fmt: skip
+    return Decision(running, new, measured, True,
+                    f"predicted {gain:.1%} faster (threshold {threshold:.0%}): moving")  # fmt: skip
