@@ -296,7 +296,8 @@ class PipelinedModule:
 
     def save_trace(self, path: str | Path, steps: int | None = None) -> None:
         """Write the actions the ranks recorded as a Chrome trace (`runtime.timeline`), which
-        Perfetto opens and `pdcompile simulate --measured` draws beside a simulation.
+        Perfetto opens and `pdcompile simulate --measured` draws beside a simulation; it holds
+        the plan that ran, so `pdcompile plan --measured` re-plans from it.
 
         Every rank calls it. Under torch.distributed the ranks' events are gathered and rank 0
         writes; in one process every rank's events are written. Times are `perf_counter`
@@ -328,4 +329,4 @@ class PipelinedModule:
             ]
             if self.rank != 0:
                 return
-        to_chrome_trace(events, path)
+        to_chrome_trace(events, path, meta={"plan": self.plan.to_dict()})  # for --measured

@@ -45,10 +45,13 @@ def shifted(events: Iterable[Event]) -> list[Event]:
     ]
 
 
-def to_chrome_trace(events: Sequence[Event], path: str | Path | None = None) -> dict[str, Any]:
+def to_chrome_trace(
+    events: Sequence[Event], path: str | Path | None = None, meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The Chrome trace-event JSON of `events` (one track per rank; `ph: X` complete events,
     microseconds); written to `path` when given. `args` keeps every field, so `load_trace`
-    reads it back exactly."""
+    reads it back exactly; `meta` (JSON-native, e.g. the plan that ran: `trace_meta`) goes in
+    `otherData`."""
     trace_events: list[dict[str, Any]] = []
     for rank in sorted({e.rank for e in events}):
         trace_events.append(
@@ -61,10 +64,22 @@ def to_chrome_trace(events: Sequence[Event], path: str | Path | None = None) -> 
             "name": name, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
             "ts": e.start * 1e6, "dur": e.duration * 1e6, "args": e._asdict(),
         })  # fmt: skip
-    trace = {"traceEvents": trace_events, "displayTimeUnit": "ms", "otherData": {"format": FORMAT}}
+    other = {**(meta or {}), "format": FORMAT}
+    trace = {"traceEvents": trace_events, "displayTimeUnit": "ms", "otherData": other}
     if path is not None:
         Path(path).write_text(json.dumps(trace))
     return trace
+
+
+def trace_meta(path: str | Path) -> dict[str, Any]:
+    """The `meta` a trace was written with (`to_chrome_trace`; {} without).
+
+    Raises:
+        ScheduleError: as `load_trace`.
+    """
+    load_trace(path)  # says what is wrong with the file, if anything
+    other = json.loads(Path(path).read_text())["otherData"]
+    return {k: v for k, v in other.items() if k != "format"}
 
 
 def load_trace(path: str | Path) -> list[Event]:

@@ -216,3 +216,29 @@ def test_two_ranks_move_together_and_a_rank_dying_in_the_move_loses_nothing(tmp_
         two.train_step(x, y)
     for name, tensor in two.state_dict().items():
         torch.testing.assert_close(saved[name], tensor, msg=name)
+
+
+def test_plan_command_replans_from_a_recorded_trace(tmp_path, capsys) -> None:
+    from pdcompile.cli.handlers import main
+    from pdcompile.runtime.timeline import load_trace, trace_meta
+
+    true, wrong = costs()
+    _, x, y = case()
+    pipe = _compile(wrong)
+    for _ in range(2):
+        pipe.train_step(x, y)
+    trace, graph = tmp_path / "run.json", tmp_path / "costs.json"
+    pipe.save_trace(trace)
+    wrong.save(graph)
+    assert Plan.from_dict(trace_meta(trace)["plan"]).stages == pipe.plan.stages
+    measured = measured_stage_times(load_trace(trace))
+    assert sorted(measured) == [0, 1] and all(t.count == 8 for t in measured.values())
+    code = main(["plan", str(graph), "--cluster", CLUSTER, "--measured", str(trace),
+                 "--out", str(tmp_path / "new.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "re-planned from measured stage times" in out
+    assert "stage 1: measured forward" in out and Plan.load(tmp_path / "new.json").stages
+    bare = tmp_path / "bare.json"
+    bare.write_text(trace.read_text().replace('"plan"', '"other"'))
+    assert main(["plan", str(graph), "--cluster", CLUSTER, "--measured", str(bare)]) == 1
+    assert "holds no plan" in capsys.readouterr().err

@@ -182,6 +182,8 @@ def _plan(args: argparse.Namespace) -> int:
     from pdcompile.schedule_search import auto_table
 
     costs, _ = _costs(args)
+    if args.measured:
+        return _replan(args, costs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanWarning)  # the table's notes say the same
         result = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
@@ -196,6 +198,33 @@ def _plan(args: argparse.Namespace) -> int:
         print(comparison)
     if args.out:
         result.save(args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _replan(args: argparse.Namespace, costs: Any) -> int:
+    """`plan --measured TRACE`: the plan the trace ran, re-priced on the measured stage times,
+    against a new plan of those costs under the same schedule (`replan.decide`)."""
+    from pdcompile.errors import PlanWarning
+    from pdcompile.plans import Plan
+    from pdcompile.replan import decide, measured_stage_times
+    from pdcompile.runtime.timeline import load_trace, trace_meta
+
+    ran = trace_meta(args.measured).get("plan")
+    if ran is None:
+        raise PdcompileError(
+            f"{args.measured} holds no plan: write traces with PipelinedModule.save_trace"
+        )
+    running = Plan.from_dict(ran).with_(cluster=_cluster(args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        decision = decide(costs, running, measured_stage_times(load_trace(args.measured)),
+                          solver=args.solver, threshold=0.0)  # fmt: skip
+    print(decision.new)
+    print()
+    print(decision.describe())
+    if args.out:
+        decision.new.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rows per step: plan every microbatch count dividing G (with --schedule auto, "
         "for every schedule) and keep the fastest that fits",
     )  # fmt: skip
+    plan.add_argument(
+        "--measured", metavar="TRACE",
+        help="re-plan from a recorded run (PipelinedModule.save_trace): its stages' measured "
+        "times rescale INPUT's costs; prints the running plan and the new one, priced alike",
+    )  # fmt: skip
     plan.add_argument("--solver", default="dp", help="a name from `pdcompile solvers`")
     plan.add_argument("--out", metavar="FILE", help="write the Plan JSON here")
 
