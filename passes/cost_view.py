@@ -1,6 +1,7 @@
 """Derive the torch-free CostGraph from an annotated graph (one way: never written back).
 
-Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.flops`,
+Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.optimizer_s`,
+`pdcompile.flops`,
 `pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other;
 the split backward's from `pdcompile.analytic_split_s` or `pdcompile.measured_split_s`),
 and `gm.meta["pdcompile.param_table"]` for the CostGraph's `meta["param_tensors"]` and
@@ -24,6 +25,7 @@ from pdcompile.ir import (
     MEASURED_S,
     MEASURED_SPLIT_S,
     OPTIMIZER_BYTES,
+    OPTIMIZER_S,
     OUTPUT_BYTES,
     OUTPUTS,
     PARAM_BYTES,
@@ -59,6 +61,7 @@ def to_cost_graph(
             backward_s=float(backward_s),
             backward_input_s=float(backward_input_s),
             backward_weight_s=float(backward_weight_s),
+            optimizer_s=float(node.meta.get(OPTIMIZER_S, 0.0)),
             param_bytes=node.meta[PARAM_BYTES],
             grad_bytes=node.meta[GRAD_BYTES],
             optimizer_bytes=node.meta[OPTIMIZER_BYTES],

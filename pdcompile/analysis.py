@@ -13,13 +13,19 @@ import torch.fx as fx
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
-from pdcompile.ir import CAPTURE, INPUTS, OPTIMIZER, PROFILE
+from pdcompile.ir import CAPTURE, INPUTS, LOSS_S, OPTIMIZER, OPTIMIZER_PRICED, PROFILE
 from pdcompile.passes.analytic import annotate_analytic
 from pdcompile.passes.coarsening import coarsen as coarsen_layers
 from pdcompile.passes.cost_view import to_cost_graph
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.memory import annotate_memory
 from pdcompile.passes.profile import annotate_profile
+from pdcompile.passes.step_costs import (
+    OptimizerFactory,
+    annotate_loss,
+    annotate_optimizer,
+    describe_optimizer,
+)
 
 
 def graph_inputs(
@@ -61,12 +67,14 @@ def analyze(
     example_kwargs: Mapping[str, Any] | None = None,
     profile: bool = True,
     device: str | torch.device | None = None,
-    optimizer: str = "sgd",
+    optimizer: str | OptimizerFactory = "sgd",
     device_model: str | DeviceModel | None = None,
     coarsen: int | None = None,
     cache: bool | str = True,
     num_threads: int = 1,
     progress: bool = True,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    targets: Any = None,
 ) -> CostGraph:
     """Run the cost passes on a captured graph and return its CostGraph.
 
@@ -77,12 +85,19 @@ def analyze(
             for models on the meta device).
         device: where to profile (default: where the example inputs are). The graph is copied
             there; the model itself is never moved.
-        optimizer: "sgd", "momentum" or "adam" (sizes optimizer state only).
+        optimizer: "sgd", "momentum" or "adam", or a factory `params -> torch.optim.Optimizer`
+            (what `compile` takes): sizes the optimizer state and is the optimizer whose step
+            prices each node's `optimizer_s` (timed on tensors of the node's parameter sizes;
+            without profiling, the bytes it moves on the device model).
         device_model: preset name or DeviceModel for the analytic costs (default: nearest preset).
         coarsen: group nodes into at most this many layers.
         cache: profile cache: True (default directory), a directory, or False.
         num_threads: CPU threads while profiling.
         progress: show a progress bar while profiling.
+        loss_fn, targets: `loss_fn(output, targets) -> scalar` and targets for the example's
+            rows: the loss is timed on the graph's output (forward and backward; without
+            profiling, its FLOPs and bytes on the device model) into the CostGraph's
+            `loss_forward_s` and `loss_backward_s`. Without both the loss is not priced (0.0).
 
     Returns:
         The CostGraph; its `meta` records the model, capture path, device, optimizer and source.
@@ -108,8 +123,9 @@ def analyze(
         inputs = {k: v.to(target) for k, v in inputs.items()}
     model = DeviceModel.get(device_model) if device_model else default_device_model(target)
 
+    kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
     passes: list[tuple[str, Callable[[], Any]]] = [
-        ("memory", lambda: annotate_memory(gm, inputs, optimizer)),
+        ("memory", lambda: annotate_memory(gm, inputs, kind)),
         ("analytic", lambda: annotate_analytic(gm, inputs, model)),
     ]
     if profile:
@@ -117,6 +133,15 @@ def analyze(
             ("profile", lambda: annotate_profile(gm, inputs, num_threads=num_threads,
                                                  cache=cache, progress=progress))
         )  # fmt: skip
+    passes.append(
+        ("optimizer", lambda: annotate_optimizer(gm, optimizer, target, profile=profile,
+                                                 device_model=model, num_threads=num_threads,
+                                                 cache=cache))
+    )  # fmt: skip
+    passes.append(
+        ("loss", lambda: annotate_loss(gm, inputs, loss_fn, targets, profile=profile,
+                                       device_model=model, num_threads=num_threads))
+    )  # fmt: skip
     for name, run in passes:
         try:
             run()
@@ -140,6 +165,8 @@ def analyze(
         "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
     }
     graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta, measured=profile)
+    graph.loss_forward_s, graph.loss_backward_s = gm.meta[LOSS_S] or (0.0, 0.0)
+    graph.optimizer = gm.meta[OPTIMIZER_PRICED]
     return coarsen_layers(graph, coarsen) if coarsen else graph
 
 

@@ -25,6 +25,7 @@ PARAMS = "pdcompile.params"  # tuple[str, ...]: canonical names of parameters/bu
 PARAM_BYTES = "pdcompile.param_bytes"  # int: parameters the node owns (a tied one: its first user)
 GRAD_BYTES = "pdcompile.grad_bytes"  # int: gradients of the trainable parameters it owns
 OPTIMIZER_BYTES = "pdcompile.optimizer_bytes"  # int: optimizer state of those parameters
+OPTIMIZER_S = "pdcompile.optimizer_s"  # float: one optimizer step over those parameters
 BUFFER_BYTES = "pdcompile.buffer_bytes"  # int: buffers the node owns
 ACTIVATION_BYTES = "pdcompile.activation_bytes"  # int: tensors autograd keeps for its backward
 # int: of ACTIVATION_BYTES, the storages some node's weight gradient reads (kept until W)
@@ -48,6 +49,8 @@ CONSTANTS = "pdcompile.constants"  # tuple[(argument, repr of value), ...] bound
 AUTO_LEAVES = "pdcompile.auto_leaves"  # tuple[(qualified name, reason), ...]
 PARAM_TABLE = "pdcompile.param_table"  # tuple[ParamInfo, ...], one per distinct tensor
 OPTIMIZER = "pdcompile.optimizer"  # "sgd" | "momentum" | "adam": what OPTIMIZER_BYTES assumes
+OPTIMIZER_PRICED = "pdcompile.optimizer_priced"  # str: the optimizer OPTIMIZER_S timed
+LOSS_S = "pdcompile.loss_s"  # (forward, backward) seconds of the loss per batch, or None
 DEVICE_MODEL = "pdcompile.device_model"  # DeviceModel behind ANALYTIC_S
 PROFILE = "pdcompile.profile"  # ProfileSettings behind MEASURED_S
 
