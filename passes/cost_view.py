@@ -3,7 +3,8 @@
 Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.optimizer_s`,
 `pdcompile.flops`,
 `pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other;
-the split backward's from `pdcompile.analytic_split_s` or `pdcompile.measured_split_s`),
+the split backward's from `pdcompile.analytic_split_s` or `pdcompile.measured_split_s`; all four
+from `pdcompile.folded_s` where the framework cost was folded in), `pdcompile.measured_spread`,
 and `gm.meta["pdcompile.param_table"]` for the CostGraph's `meta["param_tensors"]` and
 `meta["ties"]` (docs/simulator.md) and for which edges carry gradients (`pdcompile.outputs`'
 dtypes too).
@@ -21,9 +22,11 @@ from pdcompile.ir import (
     ANALYTIC_S,
     ANALYTIC_SPLIT_S,
     FLOPS,
+    FOLDED_S,
     GRAD_BYTES,
     MEASURED_S,
     MEASURED_SPLIT_S,
+    MEASURED_SPREAD,
     OPTIMIZER_BYTES,
     OPTIMIZER_S,
     OUTPUT_BYTES,
@@ -53,6 +56,9 @@ def to_cost_graph(
     for node in gm.graph.nodes:
         forward_s, backward_s = node.meta[times]
         backward_input_s, backward_weight_s = node.meta[split]
+        if FOLDED_S in node.meta:  # the calibrated framework cost folded in (framework_fold)
+            forward_s, backward_s, backward_input_s, backward_weight_s = node.meta[FOLDED_S]
+        forward_spread, backward_spread = node.meta.get(MEASURED_SPREAD, (0.0, 0.0))
         flops_forward, flops_backward = node.meta[FLOPS]
         graph.add_node(
             node.name,
@@ -62,6 +68,8 @@ def to_cost_graph(
             backward_input_s=float(backward_input_s),
             backward_weight_s=float(backward_weight_s),
             optimizer_s=float(node.meta.get(OPTIMIZER_S, 0.0)),
+            forward_spread=float(forward_spread) if measured else 0.0,
+            backward_spread=float(backward_spread) if measured else 0.0,
             param_bytes=node.meta[PARAM_BYTES],
             grad_bytes=node.meta[GRAD_BYTES],
             optimizer_bytes=node.meta[OPTIMIZER_BYTES],

@@ -10,16 +10,18 @@ wall clock times it at a fixed thread count (one by default); on CUDA, CUDA even
 Placeholders, parameters (`get_attr`) and the output cost nothing.
 
 A time whose median is far above its fastest repeat (another process took the device during
-part of the repeats) is measured again, at most `EXTRA_ROUNDS` times; a profile still unsettled
-after that is used but flagged (`UnsettledProfileWarning`, `ProfileSettings.unsettled`) and not
-cached.
+part of the repeats), or whose repeats spread widely ((p75 - p25) / median above `MAX_SPREAD`),
+is measured again, at most `EXTRA_ROUNDS` times; a profile still unsettled after that is used
+but flagged (`UnsettledProfileWarning`, `ProfileSettings.unsettled`) and not cached; times still
+spread are used, cached and listed (`ProfileSettings.noisy`, with their rounds).
 
 Settled profiles are cached (`profile_cache`), so a second run on the same model is instant; a
 profile served from the cache says so (file and age: `ProfileSettings.origin()`, a log record,
 and a console line when `progress` is on).
 
-Reads `pdcompile.outputs`. Writes `pdcompile.measured_s` (`(forward, backward)` seconds) and
-`pdcompile.measured_split_s` (`(backward_input, backward_weight)` seconds) on every node and
+Reads `pdcompile.outputs`. Writes `pdcompile.measured_s` (`(forward, backward)` seconds),
+`pdcompile.measured_split_s` (`(backward_input, backward_weight)` seconds) and
+`pdcompile.measured_spread` (`(forward, backward)` spreads of the repeats) on every node and
 `gm.meta["pdcompile.profile"]` (the `ProfileSettings`).
 """
 
@@ -31,7 +33,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from pdcompile.errors import UnsettledProfileWarning
-from pdcompile.ir import MEASURED_S, MEASURED_SPLIT_S, PROFILE
+from pdcompile.ir import MEASURED_S, MEASURED_SPLIT_S, MEASURED_SPREAD, PROFILE
 from pdcompile.passes.node_runner import (
     COMPUTE_OPS,
     NodeCall,
@@ -51,6 +53,7 @@ from pdcompile.passes.node_runner import (
     weight_nodes,
 )
 from pdcompile.passes.profile_cache import (
+    CachedProfile,
     ProfileSettings,
     cache_file,
     cache_key,
@@ -72,7 +75,16 @@ MAX_SLOWDOWN = 1.5
 # ...and when the time interference may have added (median minus fastest) is at least this share
 # of the profile's total: below it, scheduler and clock jitter of tiny nodes cannot move a plan.
 MIN_SHARE = 0.01
-# Measuring rounds after the first, for the unsettled times only (fresh repeats replace theirs).
+# A time is noisy when the middle half of its repeats spans more than this share of their median
+# ((p75 - p25) / median), and that span is at least `MIN_SHARE` of the total. For roughly normal
+# repeats the interquartile range is 1.35 standard deviations and the median of n repeats has a
+# standard error of 1.25 sd / sqrt(n): at 0.5 and the default 10 repeats the median is uncertain
+# by about 15% of itself, the fidelity the cost model aims at. Noisy times are measured again
+# like unsettled ones; those still noisy are used and listed, not warned about (the median is
+# robust to a scattered minority; a slowed majority is what `MAX_SLOWDOWN` catches).
+MAX_SPREAD = 0.5
+# Measuring rounds after the first, for the unsettled and noisy times only (fresh repeats replace
+# theirs).
 # Bounded: a machine that stays loaded does not settle; its user is better told than kept waiting.
 EXTRA_ROUNDS = 2
 _WHOLE = "(whole graph)"  # in `slowdown`: the forward and backward of the whole graph per run
@@ -125,10 +137,39 @@ class _Samples:
 
 @dataclass(frozen=True)
 class _Profile:
-    """What the samples say: the times used, and how far each median is above its fastest."""
+    """What the samples say: the times used, how far each median is above its fastest, how
+    widely the repeats spread, and in how many rounds each was measured."""
 
     times: dict[str, list[float]]  # node -> seconds, in the order of `DIRECTIONS`
     slowdown: dict[str, list[float]]  # node or _WHOLE -> median / fastest, same order
+    spread: dict[str, list[float]] = field(default_factory=dict)  # (p75 - p25) / median
+    rounds: dict[str, list[int]] = field(default_factory=dict)  # measuring rounds, same order
+    whole: tuple[float, float] = (0.0, 0.0)  # the graph's forward and backward, medians
+    scale: float = 1.0  # in-context whole backward / sum of the isolated ones
+
+    def noisy(self) -> list[tuple[str, str, float]]:
+        """`(node, direction, spread)` of the times spread above `MAX_SPREAD` whose span
+        (median times spread) is at least `MIN_SHARE` of the total, the largest span first."""
+        found = []
+        total = math.fsum(t[0] + t[1] for t in self.times.values())
+        for name, spreads in self.spread.items():
+            for direction, median, s in zip(DIRECTIONS, self._medians(name), spreads, strict=False):
+                if s > MAX_SPREAD and median > 0 and median * s >= MIN_SHARE * total:
+                    found.append((median * s, name, direction, round(s, 4)))
+        return [(name, direction, s) for _, name, direction, s in sorted(found, reverse=True)]
+
+    def noisy_report(self) -> tuple[tuple[str, str, float, float, int], ...]:
+        """`ProfileSettings.noisy`: the noisy times with their medians and rounds."""
+        return tuple(
+            (name, d, self._medians(name)[DIRECTIONS.index(d)], s,
+             self.rounds.get(name, [1] * 4)[DIRECTIONS.index(d)])
+            for name, d, s in self.noisy()
+        )  # fmt: skip
+
+    def cached(self, measured_at: str) -> CachedProfile:
+        return CachedProfile(
+            self.times, self.slowdown, self.spread, self.rounds, measured_at, self.whole, self.scale
+        )
 
     def unsettled(self) -> list[tuple[str, str, float]]:
         """`(node, direction, slowdown)` of the times above `MAX_SLOWDOWN` by more than
@@ -164,7 +205,18 @@ def _slowdown(times: list[float]) -> float:
     return statistics.median(times) / fastest if len(times) > 1 and fastest > 0 else 1.0
 
 
-def _summarize(samples: _Samples) -> _Profile:
+def _spread(times: list[float]) -> float:
+    """(p75 - p25) / median of the repeats; 0 where that says nothing (one repeat, no time)."""
+    if len(times) < 2:
+        return 0.0
+    median = statistics.median(times)
+    if median <= 0:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / median
+
+
+def _summarize(samples: _Samples, rounds: dict[str, list[int]] | None = None) -> _Profile:
     def alone(b: _Alone, repeats: list[float] | None) -> float:
         return max(statistics.median(repeats) - b.overhead, 0.0) if repeats else 0.0
 
@@ -173,20 +225,27 @@ def _summarize(samples: _Samples) -> _Profile:
     # the whole: the two calls may each do work the fused one shares).
     total = math.fsum(alone(b, b.whole) for b in samples.backward.values())
     scale = statistics.median(samples.whole[1]) / (total or 1.0)
-    times, slowdown = {}, {}
+    times, slowdown, spread = {}, {}, {}
     for n, forward in samples.forward.items():
         times[n] = [statistics.median(forward), 0.0, 0.0, 0.0]
         slowdown[n] = [_slowdown(forward), 1.0, 1.0, 1.0]
+        spread[n] = [_spread(forward), 0.0, 0.0, 0.0]
         b = samples.backward.get(n)
         if b is None:
             continue
         parts = (b.input, b.weight) if b.kind == "both" else (None, None)
         times[n][1:] = [alone(b, b.whole) * scale, *(alone(b, p) * scale for p in parts)]
         slowdown[n][1:] = [_slowdown(b.whole), *(_slowdown(p or []) for p in parts)]
+        spread[n][1:] = [_spread(b.whole), *(_spread(p or []) for p in parts)]
         if b.kind != "both":  # the whole backward is the one part the node has
-            times[n][2 if b.kind == "input" else 3] = times[n][1]
+            part = 2 if b.kind == "input" else 3
+            times[n][part], spread[n][part] = times[n][1], spread[n][1]
     slowdown[_WHOLE] = [_slowdown(samples.whole[0]), _slowdown(samples.whole[1])]
-    return _Profile(times, slowdown)
+    spread[_WHOLE] = [_spread(samples.whole[0]), _spread(samples.whole[1])]
+    rounds = rounds or {}
+    rounds = {n: list(rounds.get(n, [1] * len(spread[n]))) for n in spread}
+    whole = (statistics.median(samples.whole[0]), statistics.median(samples.whole[1]))
+    return _Profile(times, slowdown, spread, rounds, whole, scale)
 
 
 def _settled(times: dict[str, list[float]], slowdown: dict[str, list[float]]) -> bool:
@@ -320,28 +379,40 @@ def _measure_settled(
     repeats: int,
     progress: bool,
 ) -> tuple[_Profile, list[tuple[str, str, float]]]:
-    """Measure, then measure the unsettled times again (their fresh repeats replace the old), at
-    most `EXTRA_ROUNDS` times. Returns the profile and its times still unsettled."""
+    """Measure, then measure the unsettled and noisy times again (their fresh repeats replace the
+    old), at most `EXTRA_ROUNDS` times. Returns the profile and its times still unsettled."""
     samples = _measure(gm, inputs, device, warmup, repeats, progress)
     profile = _summarize(samples)
+    rounds = profile.rounds
     for extra in range(1, EXTRA_ROUNDS + 1):
-        unsettled = profile.unsettled()
-        if not unsettled:
+        unsettled, noisy = profile.unsettled(), profile.noisy()
+        if not (unsettled or noisy):
             break
-        log.info("profile: %s unsettled; measuring again (round %d of %d)",
-                 profile.describe(unsettled), extra + 1, EXTRA_ROUNDS + 1)  # fmt: skip
-        again = [name for name, direction, _ in unsettled if direction != "forward"]
+        said = [f"{profile.describe(unsettled)} unsettled"] if unsettled else []
+        said += [f"{len(noisy)} times noisy (spread above {MAX_SPREAD})"] if noisy else []
+        log.info("profile: %s; measuring again (round %d of %d)",
+                 "; ".join(said), extra + 1, EXTRA_ROUNDS + 1)  # fmt: skip
+        # (name, "forward" or "backward"): a backward and its parts are measured again together
+        chosen = {(n, "forward" if d == "forward" else "backward") for n, d, _ in unsettled + noisy}
+        if (_WHOLE, "forward") in chosen:  # every forward is measured again with the whole's
+            chosen = {(n, d) for n, d in chosen if n == _WHOLE or d != "forward"}
+        again = [name for name, direction in chosen if direction == "backward"]
         fresh = _measure(gm, inputs, device, warmup, repeats, progress, again)
-        for name, direction, _ in unsettled:
+        for name, direction in chosen:
             if name == _WHOLE and direction == "forward":
                 samples.forward, samples.whole[0][:] = fresh.forward, fresh.whole[0]
+                for r in rounds.values():
+                    r[0] += 1
             elif name == _WHOLE:
                 samples.whole[1][:] = fresh.whole[1]
+                rounds[_WHOLE][1] += 1
             elif direction == "forward":
                 samples.forward[name] = fresh.forward[name]
-            else:  # the whole backward and its parts are measured again together
+                rounds[name][0] += 1
+            else:
                 samples.backward[name] = fresh.backward[name]
-        profile = _summarize(samples)
+                rounds[name][1:] = [r + 1 for r in rounds[name][1:]]
+        profile = _summarize(samples, rounds)
     return profile, profile.unsettled()
 
 
@@ -391,8 +462,10 @@ def annotate_profile(
     path = cache_file(cache, key)
     found = read_cache(path, key, _settled) if path else None
     if found is not None:
-        times, measured_at = found
-        settings = replace(settings, cached=True, cache_path=str(path), measured_at=measured_at)
+        profile = _Profile(found.times, found.slowdown, found.spread, found.rounds,
+                           found.whole_s, found.backward_scale)  # fmt: skip
+        settings = replace(settings, cached=True, cache_path=str(path),
+                           measured_at=found.measured_at)  # fmt: skip
         _tell(f"{settings.origin()} (cache=False or --no-cache measures again)", progress)
     else:
         threads = torch.get_num_threads()
@@ -401,7 +474,6 @@ def annotate_profile(
             profile, unsettled = _measure_settled(gm, inputs, device, warmup, repeats, progress)
         finally:
             torch.set_num_threads(threads)
-        times = profile.times
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         settings = replace(settings, measured_at=now, unsettled=tuple(unsettled))
         if unsettled:
@@ -415,10 +487,13 @@ def annotate_profile(
             )
         elif path:
             settings = replace(settings, cache_path=str(path))
-            write_cache(path, key, settings, profile.times, profile.slowdown)
+            write_cache(path, key, settings, profile.cached(now))
+    settings = replace(settings, whole_s=profile.whole, backward_scale=profile.scale,
+                       noisy=profile.noisy_report())  # fmt: skip
     for node in gm.graph.nodes:
-        measured = times.get(node.name, (0.0,) * len(DIRECTIONS))
+        measured = profile.times.get(node.name, (0.0,) * len(DIRECTIONS))
         node.meta[MEASURED_S] = tuple(measured[:2])
         node.meta[MEASURED_SPLIT_S] = tuple(measured[2:])
+        node.meta[MEASURED_SPREAD] = tuple(profile.spread.get(node.name, (0.0, 0.0))[:2])
     gm.meta[PROFILE] = settings
     return gm

@@ -26,14 +26,32 @@ from pdcompile.ir import OUTPUTS
 
 log = logging.getLogger(__name__)
 
-# Cache files carry this; files of another (older pdcompile: 2 had no split backward, files
-# without one no record that their repeats agreed) are measured again and overwritten.
-CACHE_FORMAT = 3
+# Cache files carry this; files of another (older pdcompile: 3 had no spreads, 2 no split
+# backward, files without one no record that their repeats agreed) are measured again and
+# overwritten.
+CACHE_FORMAT = 4
 TIMES_PER_NODE = 4  # forward, backward, and the split backward's input and weight parts
 _KEYED = ("device", "num_threads", "warmup", "repeats", "torch_version")  # ProfileSettings
 
-# node -> [forward, backward, backward_input, backward_weight] (seconds, or median / fastest)
+# node -> [forward, backward, backward_input, backward_weight] (seconds, median / fastest,
+# spread or rounds)
 Times = dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class CachedProfile:
+    """What a cache file holds: per node its times, each time's median / fastest repeat, spread
+    ((p75 - p25) / median) and measuring rounds (the graph's own under `"(whole graph)"` in the
+    last three), when it was measured, the whole graph's forward and backward medians and the
+    backward's in-context scale (`ProfileSettings.whole_s`, `.backward_scale`)."""
+
+    times: Times
+    slowdown: Times
+    spread: Times
+    rounds: Times
+    measured_at: str
+    whole_s: tuple[float, float]
+    backward_scale: float
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,13 @@ class ProfileSettings:
         unsettled: `(node, direction, median over fastest repeat)` (direction: "forward",
             "backward", "backward_input" or "backward_weight") of the times
             still above `MAX_SLOWDOWN` after the extra rounds; such a profile is not cached.
+        whole_s: the whole graph's forward (sum of its nodes') and backward seconds per run,
+            medians, in context: the node times' totals.
+        backward_scale: the factor that took the nodes' backwards timed alone (less the grad
+            call) to their share of the whole backward (`framework_fold` carves with it).
+        noisy: `(node, direction, median seconds, spread, rounds)` of the times whose repeats
+            still spread above `MAX_SPREAD` ((p75 - p25) / median) after their rounds, the
+            largest first; used, cached, and listed by `pdcompile profile`.
     """
 
     device: str
@@ -59,6 +84,9 @@ class ProfileSettings:
     cache_path: str | None = None
     measured_at: str | None = None
     unsettled: tuple[tuple[str, str, float], ...] = ()
+    whole_s: tuple[float, float] = (0.0, 0.0)
+    backward_scale: float = 1.0
+    noisy: tuple[tuple[str, str, float, float, int], ...] = ()
 
     def origin(self, now: datetime | None = None) -> str:
         """One line for people: where the times came from and how old they are.
@@ -120,34 +148,43 @@ def cache_file(cache: bool | str | Path, key: str) -> Path | None:
 
 def read_cache(
     path: Path, key: str, settled: Callable[[Times, Times], bool]
-) -> tuple[Times, str] | None:
-    """The cached `(times, measured_at)` under `key`, or None to measure: no file, another key,
-    an older format, or times that `settled(times, slowdown)` finds unsettled by today's
-    thresholds."""
+) -> CachedProfile | None:
+    """The profile cached under `key`, or None to measure: no file, another key, an older
+    format, or times that `settled(times, slowdown)` finds unsettled by today's thresholds."""
     try:
         doc = json.loads(path.read_text())
         if doc.get("key") != key:
             return None
         if doc.get("format") != CACHE_FORMAT:
             log.info(
-                "profile cache %s predates format %d (settled-profile checks, split backward); "
-                "measuring again", path, CACHE_FORMAT,
+                "profile cache %s predates format %d (settled-profile checks, split backward, "
+                "spreads); measuring again", path, CACHE_FORMAT,
             )  # fmt: skip
             return None
         times = {name: [float(t) for t in pair] for name, pair in doc["nodes"].items()}
         slowdown = {name: [float(s) for s in pair] for name, pair in doc["slowdown"].items()}
+        spread = {name: [float(s) for s in pair] for name, pair in doc["spread"].items()}
+        rounds = {name: [int(r) for r in pair] for name, pair in doc["rounds"].items()}
+        forward_s, backward_s = (float(t) for t in doc["whole_s"])
+        scale = float(doc["backward_scale"])
         measured_at = str(doc["measured_at"])
         datetime.fromisoformat(measured_at)
         if not settled(times, slowdown):
             log.info("profile cache %s holds unsettled times; measuring again", path)
             return None
-        if any(len(t) != TIMES_PER_NODE or len(slowdown[n]) != len(t) for n, t in times.items()):
+        if any(
+            len(t) != TIMES_PER_NODE
+            or not len(slowdown[n]) == len(spread[n]) == len(rounds[n]) == len(t)
+            for n, t in times.items()
+        ):
             log.warning(
                 "ignoring profile cache %s: a node lacks its %d times; profiling again",
                 path, TIMES_PER_NODE,
             )  # fmt: skip
             return None
-        return times, measured_at
+        return CachedProfile(
+            times, slowdown, spread, rounds, measured_at, (forward_s, backward_s), scale
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -155,17 +192,20 @@ def read_cache(
     return None
 
 
-def write_cache(
-    path: Path, key: str, settings: ProfileSettings, times: Times, slowdown: Times
-) -> None:
-    """Write a settled profile: its medians, each time's median / fastest and `measured_at`."""
+def write_cache(path: Path, key: str, settings: ProfileSettings, profile: CachedProfile) -> None:
+    """Write a settled profile: its medians, each time's median / fastest, spread and rounds,
+    `measured_at`, and the whole graph's times and backward scale."""
     doc = {
         "format": CACHE_FORMAT,
         "key": key,
         "settings": asdict(replace(settings, cache_path=None)),
-        "measured_at": settings.measured_at,
-        "nodes": times,
-        "slowdown": slowdown,
+        "measured_at": profile.measured_at,
+        "nodes": profile.times,
+        "slowdown": profile.slowdown,
+        "spread": profile.spread,
+        "rounds": profile.rounds,
+        "whole_s": list(profile.whole_s),
+        "backward_scale": profile.backward_scale,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

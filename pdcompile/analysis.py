@@ -13,11 +13,24 @@ import torch.fx as fx
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
-from pdcompile.ir import CAPTURE, INPUTS, LOSS_S, OPTIMIZER, OPTIMIZER_PRICED, PROFILE
+from pdcompile.ir import (
+    CAPTURE,
+    FOLDED_S,
+    FRAMEWORK,
+    FRAMEWORK_OPS,
+    FRAMEWORK_S,
+    INPUTS,
+    LOSS_S,
+    OPTIMIZER,
+    OPTIMIZER_PRICED,
+    PROFILE,
+)
 from pdcompile.passes.analytic import annotate_analytic
 from pdcompile.passes.coarsening import coarsen as coarsen_layers
 from pdcompile.passes.cost_view import to_cost_graph
 from pdcompile.passes.device_model import DeviceModel
+from pdcompile.passes.framework_cost import FrameworkCost, framework_cost
+from pdcompile.passes.framework_fold import annotate_framework
 from pdcompile.passes.memory import annotate_memory
 from pdcompile.passes.profile import annotate_profile
 from pdcompile.passes.step_costs import (
@@ -73,6 +86,7 @@ def analyze(
     cache: bool | str = True,
     num_threads: int = 1,
     progress: bool = True,
+    calibration: bool | FrameworkCost | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     targets: Any = None,
 ) -> CostGraph:
@@ -94,13 +108,19 @@ def analyze(
         cache: profile cache: True (default directory), a directory, or False.
         num_threads: CPU threads while profiling.
         progress: show a progress bar while profiling.
+        calibration: the per-operation framework cost folded into the node times
+            (`pdcompile.calibrate`, docs/costs.md): True uses the one cached for this machine,
+            device and thread count (profiling measures it when none is, in under a second;
+            without profiling none is measured), a `FrameworkCost` that one, False none. None
+            (the default): True when profiling, False otherwise.
         loss_fn, targets: `loss_fn(output, targets) -> scalar` and targets for the example's
             rows: the loss is timed on the graph's output (forward and backward; without
             profiling, its FLOPs and bytes on the device model) into the CostGraph's
             `loss_forward_s` and `loss_backward_s`. Without both the loss is not priced (0.0).
 
     Returns:
-        The CostGraph; its `meta` records the model, capture path, device, optimizer and source.
+        The CostGraph; its `meta` records the model, capture path, device, optimizer and source,
+        and under `framework` the calibration folded in (None without).
 
     Raises:
         CostError: a pass failed (named) or an argument is wrong.
@@ -122,6 +142,9 @@ def analyze(
         gm = copy.deepcopy(gm).to(target)
         inputs = {k: v.to(target) for k, v in inputs.items()}
     model = DeviceModel.get(device_model) if device_model else default_device_model(target)
+    if calibration is None:
+        calibration = profile
+    cost = framework_cost(calibration, target, num_threads, cache, measure=profile)
 
     kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
     passes: list[tuple[str, Callable[[], Any]]] = [
@@ -142,6 +165,13 @@ def analyze(
         ("loss", lambda: annotate_loss(gm, inputs, loss_fn, targets, profile=profile,
                                        device_model=model, num_threads=num_threads))
     )  # fmt: skip
+    if cost is not None:
+        passes.append(("framework", lambda: annotate_framework(gm, inputs, cost, measured=profile)))
+    else:  # no times folded: what an earlier call folded must not reach this CostGraph
+        for node in gm.graph.nodes:
+            for key in (FOLDED_S, FRAMEWORK_S, FRAMEWORK_OPS):
+                node.meta.pop(key, None)
+        gm.meta.pop(FRAMEWORK, None)
     for name, run in passes:
         try:
             run()
@@ -163,6 +193,8 @@ def analyze(
         "torch_version": torch.__version__,
         # how, when and from which cache file the times came (`gm` is the graph profiled)
         "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
+        # the per-operation framework cost folded into the times, and how (framework_fold)
+        "framework": gm.meta[FRAMEWORK].to_dict() if cost is not None else None,
     }
     graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta, measured=profile)
     graph.loss_forward_s, graph.loss_backward_s = gm.meta[LOSS_S] or (0.0, 0.0)

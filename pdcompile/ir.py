@@ -40,6 +40,12 @@ MEASURED_S = "pdcompile.measured_s"  # (forward, backward): profiled seconds, me
 SPLIT_FLOPS = "pdcompile.split_flops"  # FLOPs of the two parts
 ANALYTIC_SPLIT_S = "pdcompile.analytic_split_s"  # roofline seconds of the two parts
 MEASURED_SPLIT_S = "pdcompile.measured_split_s"  # profiled seconds of the two parts, medians
+# (forward, backward): relative spread of the profiled repeats, (p75 - p25) / median
+MEASURED_SPREAD = "pdcompile.measured_spread"
+# The calibrated per-operation framework cost (passes/framework_fold.py):
+FRAMEWORK_OPS = "pdcompile.framework_ops"  # OperationCounts: ATen ops forward, autograd nodes
+FRAMEWORK_S = "pdcompile.framework_s"  # (forward, backward, I, W): their framework seconds
+FOLDED_S = "pdcompile.folded_s"  # (forward, backward, I, W): the times with the fold applied
 
 # gm.meta keys
 CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph
@@ -53,6 +59,7 @@ OPTIMIZER_PRICED = "pdcompile.optimizer_priced"  # str: the optimizer OPTIMIZER_
 LOSS_S = "pdcompile.loss_s"  # (forward, backward) seconds of the loss per batch, or None
 DEVICE_MODEL = "pdcompile.device_model"  # DeviceModel behind ANALYTIC_S
 PROFILE = "pdcompile.profile"  # ProfileSettings behind MEASURED_S
+FRAMEWORK = "pdcompile.framework"  # FrameworkFold behind FOLDED_S
 
 
 @dataclass(frozen=True)

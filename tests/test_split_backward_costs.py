@@ -34,6 +34,7 @@ from pdcompile.passes.cost_view import to_cost_graph
 from pdcompile.passes.device_model import PRESETS
 from pdcompile.passes.memory import annotate_memory
 from pdcompile.passes.profile import annotate_profile
+from pdcompile.passes.profile_cache import CACHE_FORMAT
 from pdcompile.plans import Plan
 
 DATA = Path(__file__).parent / "data" / "pipedream"
@@ -121,7 +122,7 @@ def test_the_cache_keeps_the_split(analysed, monkeypatch) -> None:
     measured = {n.name: n.meta[MEASURED_SPLIT_S] for n in gm.graph.nodes}
     (path,) = cache.glob("profile-*.json")
     doc = json.loads(path.read_text())
-    assert doc["format"] == 3 and all(len(t) == 4 for t in doc["nodes"].values())
+    assert doc["format"] == CACHE_FORMAT and all(len(t) == 4 for t in doc["nodes"].values())
     annotate_profile(gm, inputs, warmup=1, repeats=5, cache=cache, progress=False)
     assert gm.meta["pdcompile.profile"].cached
     assert {n.name: n.meta[MEASURED_SPLIT_S] for n in gm.graph.nodes} == measured
