@@ -71,6 +71,11 @@ def _quiet_plan(costs: CostGraph, cluster: Cluster, **kwargs):
         return pdcompile.plan(costs, cluster, **kwargs)
 
 
+def _replicas(row: dict) -> str:
+    """A layout: replicas per stage, e.g. [2, 2]."""
+    return "[" + ", ".join(map(str, row["replicas"])) + "]"
+
+
 def rows() -> list[dict]:
     results = []
     for model, costs in models().items():
@@ -96,7 +101,8 @@ def rows() -> list[dict]:
                 results.append({
                     "model": model, "cluster": text,
                     "memory": "none" if limit is None else f"{limit / 2**20:.1f} MiB",
-                    "chosen": next(f"{r['schedule']}/{r['chunks']}, M {r['num_microbatches']}"
+                    "chosen": next(f"{r['schedule']}/{r['chunks']} x{_replicas(r)}, M "
+                                   f"{r['num_microbatches']}"
                                    for r in auto.options["auto"] if r["chosen"]),
                     "batch": batch,
                     "step_time_s": auto.step_time, "ratios": ratios,

@@ -230,6 +230,7 @@ class PipelinedModule:
         lines = [decision.describe()]
         moved = self.replanner.moved_at
         if moved is not None:
+            lines.append(f"  moved after step {moved} in {self.replanner.move_s:.2f} s")
             steps = list(self._measured)
             after = steps[len(steps) - (self.steps - moved):] if self.steps > moved else []
             before = steps[: len(steps) - len(after)]

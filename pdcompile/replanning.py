@@ -13,6 +13,7 @@ schedule starts again. In one process the move hands the state over in memory, b
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,6 +40,7 @@ class Replanner:
     options: dict[str, Any] = field(default_factory=dict)
     decision: Decision | None = None
     moved_at: int | None = None  # the train steps run before the move
+    move_s: float = 0.0  # seconds the move took on this rank (checkpoint, build, load)
 
     def due(self, steps: int) -> bool:
         """Whether the job decides after `steps` train steps."""
@@ -79,8 +81,9 @@ class Replanner:
                 "rank: staying"))  # fmt: skip
         self.decision = decision
         if decision.move:
+            start = time.perf_counter()
             self._move(module, decision.new, distributed)
-            self.moved_at = module.steps
+            self.moved_at, self.move_s = module.steps, time.perf_counter() - start
 
     def _move(self, module: Any, plan: Plan, distributed: bool) -> None:
         if not distributed:
