@@ -95,11 +95,15 @@ def fits(plan: Plan, rules, m: int) -> bool:
     the simulated memory, so such a plan fits in simulation too)."""
     memory = plan.cluster.memory
     replicas = [s.replicas for s in plan.stages]
+    warmups = [(sum(replicas[s:]) - 1) // r for s, r in enumerate(replicas)]
     for s, stage in enumerate(plan.stages):
-        w = (sum(replicas[s:]) - 1) // replicas[s]
-        in_flight, versions = rules.memory_counts(len(replicas) - s, w, m)
-        need = stage.weight_bytes + versions * stage.param_bytes
-        if memory is not None and need + in_flight * stage.activation_bytes > memory:
+        counts = rules.memory_counts(len(replicas) - s, warmups[s], m, max(warmups))
+        need = (
+            stage.weight_bytes + counts.versions * stage.param_bytes
+            + counts.in_flight * stage.activation_bytes
+            + counts.deferred * stage.weight_grad_activation_bytes
+        )  # fmt: skip
+        if memory is not None and need > memory:
             return False
     return True
 
@@ -328,11 +332,12 @@ def test_cpsat_encodes_memory_counts_of_both_the_stages_and_the_warmup(memory) -
     from pdcompile.cost_model import Pricing, get_cost_model
     from pdcompile.passes.solvers.cpsat import _Model
     from pdcompile.passes.solvers.dp import Prefix
+    from pdcompile.schedules.base import MemoryCounts
     from pdcompile.schedules.one_f_one_b import OneForwardOneBackward
 
     class Both(OneForwardOneBackward):
-        def memory_counts(self, stages_from_here, warmup, num_microbatches):
-            return min(stages_from_here, num_microbatches) + warmup, warmup % 2
+        def memory_counts(self, stages_from_here, warmup, num_microbatches, deepest):
+            return MemoryCounts(min(stages_from_here, num_microbatches) + warmup, 0, warmup % 2)
 
     rules, prices, m = Both(), get_cost_model(), 4
     times, params, acts, outs = [3.0, 1.0, 2.0, 1.0], [40, 10, 30, 20], [20, 30, 10, 40], [10] * 4
@@ -343,7 +348,7 @@ def test_cpsat_encodes_memory_counts_of_both_the_stages_and_the_warmup(memory) -
         for s, r in enumerate(replicas):
             j, k = bounds[s], bounds[s + 1]
             w = (sum(replicas[s:]) - 1) // r
-            inflight, versions = rules.memory_counts(len(replicas) - s, w, m)
+            inflight, _, versions = rules.memory_counts(len(replicas) - s, w, m, w)
             if (2 + versions) * sum(params[j:k]) + inflight * sum(acts[j:k]) > memory:
                 return math.inf
             comm = prices.transfer_s(outs[j - 1], 100.0, r) if j else 0.0

@@ -371,20 +371,26 @@ def test_dp_is_never_worse_than_a_baseline(g, cluster_text, schedule) -> None:
 # -- solvers ask the cost model and the schedule ------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "pipedream", "2bw"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "pipedream", "2bw", "zb-h1", "zb-h2"])
 def test_memory_bounds_are_the_closed_forms_the_solvers_charge(schedule) -> None:
-    """A stage with r replicas and `after` devices from its first rank on has a warm-up of at
-    most w = (after - 1) // r: the in-flight and stashing closed forms of that warm-up (which
-    tests/test_schedule_truth.py checks against simulation) bound what it holds."""
+    """A stage with r replicas and `after` of the pipeline's D devices from its first rank on
+    has a warm-up of at most w = (after - 1) // r, and the pipeline one of at most D - 1 (after
+    - r - 1 with no stage before): (in flight, deferred W, versions) are the closed forms of
+    those (tests/test_split_memory_budget.py checks them against simulation)."""
     rules = get_schedule(schedule)
-    for after, r, m in itertools.product(range(1, 9), range(1, 9), (1, 3, 8)):
-        if r > after:
+    for d, after, r, m in itertools.product(range(1, 9), range(1, 9), range(1, 9), (1, 3, 8)):
+        if r > after or after > d:
             continue
         w = (after - 1) // r
+        deepest = max(w, after - r - 1 if after == d else d - 1)
         two = min(w, m)  # 2bw's warm-up is capped at the step
-        expected = {"1f1b": (min(w + 1, m), 0), "gpipe": (m, 0), "pipedream": (w + 1, w + 1),
-                    "2bw": (two + 1, 2 if two else 1)}[schedule]  # fmt: skip
-        assert rules.memory_bounds(after, r, m) == expected, (after, r, m)
+        h1, h2 = min(w + 1, m), min(2 * w + 1, m)  # I pending (zb-h2: twice 1F1B's warm-up)
+        expected = {
+            "1f1b": (h1, 0, 0), "gpipe": (m, 0, 0), "pipedream": (w + 1, 0, w + 1),
+            "2bw": (two + 1, 0, 2 if two else 1), "zb-h1": (h1, min(deepest + 1, m) - h1, 0),
+            "zb-h2": (h2, min(2 * deepest + 1, m) - h2, 0),
+        }[schedule]  # fmt: skip
+        assert rules.memory_bounds(after, r, m, d) == expected, (d, after, r, m)
 
 
 @register_cost_model("test-free-links")

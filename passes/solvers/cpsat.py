@@ -16,10 +16,13 @@ Prefix tables over the order are read at b_s through a thermometer z_{s,v} = [v 
 (table[b_s] = table[n] - sum_v (table[v + 1] - table[v]) z_{s,v}: linear, exact). Speeds: one
 compute table per distinct speed, its constraint enforced when the stage holds a device that slow.
 Memory is the schedule's `memory_counts` for the layout exactly: a function of the stages from s
-on, S - s (S one-hot), and of w_s = floor((sum_{t >= s} r_t - 1) / r_s) (one-hot), each encoded
-only if the schedule's counts depend on it (1f1b/2bw: min(S - s, M) in flight; pipedream: w_s + 1
-and w_s versions; gpipe: M). On one order `dp` is exact too, except for memory, where its safe
-bound can miss plans that fit: that is what `cpsat` adds.
+on, S - s (S one-hot), of w_s = floor((sum_{t >= s} r_t - 1) / r_s) (one-hot) and of the deepest
+warm-up max_t w_t (a thermometer at least every w_t: each stage's constraint holds for every
+depth up to it), each encoded only if the schedule's counts depend on it (1f1b: min(w_s + 1, M)
+in flight; 2bw: min(w_s, M) + 1; pipedream: w_s + 1 and w_s versions; gpipe: M; zb-h1/zb-h2: also
+the microbatches whose W alone is pending, which grow with the deepest warm-up, at
+`weight_grad_activation_bytes` each). On one order `dp` is exact too, except for memory, where
+its safe bound can miss plans that fit: that is what `cpsat` adds.
 
 Times are integer ticks, `dp`'s bottleneck being 10^6 ticks (fewer if a table would overflow).
 Table entries are rounded to the nearest tick, so a stage's model time is within 1.5 ticks of its
@@ -35,6 +38,7 @@ does not say) fall back to `dp` (`fallback`, `reason` recorded).
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -90,6 +94,7 @@ class _Model:
         self.weights = [int(x) for x in p.weights]
         self.params = [int(x) for x in p.params]
         self.activations = [int(x) for x in p.activations]
+        self.weight_grad_activations = [int(x) for x in p.weight_grad_activations]
         self.model = cp_model.CpModel()
         self._lookups: dict[tuple[str, int, int], Any] = {}
         self._build(cluster.memory)
@@ -176,23 +181,32 @@ class _Model:
                 model.add(pace * work + (r - 1) * ring <= r * pace * t).only_enforce_if(when)
 
     def _memory_counts(self) -> None:
-        """`memory_counts` per (stages from here - 1, warm-up w), and whether the schedule's
-        counts depend on the stages from here (then S, the stages used, is one-hot) and on w
-        (one-hot per stage): probed a size beyond this model's, with a count of microbatches
-        that caps neither, so the model has one shape at every size."""
+        """`memory_counts` per (stages from here - 1, warm-up w, deepest warm-up), and whether
+        the schedule's counts depend on the stages from here (then S, the stages used, is
+        one-hot), on w (one-hot per stage) and on the deepest warm-up of the pipeline (then it
+        is a thermometer at least every stage's w), and whether it defers W's (then the bytes
+        they keep are looked up): probed a size beyond this model's, with a count of
+        microbatches that caps none, so the model has one shape at every size."""
         model, rules, m = self.model, self.rules, self.microbatches
         d, slots = self.devices, self.slots
-        self.table = [[rules.memory_counts(k, w, m) for w in range(d)]
-                      for k in range(1, slots + 1)]  # fmt: skip
         room = max(m, slots + 1, d + 1)
-        probe = [[rules.memory_counts(k, w, room) for w in range(d + 1)]
+        probe = [[rules.memory_counts(k, w, room, d) for w in range(d + 1)]
                  for k in range(1, slots + 2)]  # fmt: skip
         self.by_stages = any(row != probe[0] for row in probe)
         self.by_warmup = any(x != row[0] for row in probe for x in row)
+        self.by_deepest = rules.memory_counts(1, 0, room, 0) != probe[0][0]
+        self.defers = any(x.deferred for row in probe for x in row)
+        deepest = range(d) if self.by_deepest else [d - 1]
+        self.table = [[[rules.memory_counts(k, w, m, x) for x in deepest] for w in range(d)]
+                      for k in range(1, (slots if self.by_stages else 1) + 1)]  # fmt: skip
         if self.by_stages:
             self.count = [model.new_bool_var(f"S{k}") for k in range(1, self.slots + 1)]
             model.add_exactly_one(self.count)
             model.add(sum(k * c for k, c in enumerate(self.count, 1)) == sum(self.a))
+        if self.by_deepest:  # deep[x - 1]: the deepest warm-up is x or more
+            self.deep = [model.new_bool_var(f"deep{x}") for x in range(1, d)]
+            for low, high in pairwise(self.deep):
+                model.add_implication(high, low)
 
     def _warmup_marks(self, s: int) -> list[Any]:
         """One-hot w_s = floor((devices from s on - 1) / r_s), for a used slot (none otherwise)."""
@@ -207,17 +221,28 @@ class _Model:
         return marks
 
     def _stage_memory(self, s: int, memory: int) -> None:
+        """Stage s fits `memory` under the counts of its stages from here, warm-up and every
+        deepest warm-up up to the pipeline's (the thermometer `deep`, at least s's warm-up)."""
         weights, params = self._diff("weights", s), self._diff("params", s)
         acts = self._diff("activations", s)
         if s == 0:
             self._memory_counts()
-        marks = self._warmup_marks(s) if self.by_warmup else []
+        kept = self._diff("weight_grad_activations", s) if self.defers else 0
+        marks = self._warmup_marks(s) if self.by_warmup or self.by_deepest else []
+        if self.by_deepest and marks:
+            self.model.add(sum(self.deep) >= sum(w * x for w, x in enumerate(marks)))
         for used in range(s + 1, self.slots + 1) if self.by_stages else [s + 1]:
+            when = [self.count[used - 1]] if self.by_stages else []
             for w in range(self.devices) if marks else [0]:
-                inflight, versions = self.table[used - s - 1][w]
-                usage = weights + versions * params + inflight * acts
-                when = [self.count[used - 1]] if self.by_stages else []
-                self.model.add(usage <= memory).only_enforce_if(when + marks[w : w + 1])
+                row = self.table[used - s - 1 if self.by_stages else 0][w]
+                for x, (in_flight, deferred, versions) in enumerate(row):
+                    if x and row[x] == row[x - 1]:
+                        continue  # the same constraint, already enforced from a shallower one
+                    usage = weights + versions * params + in_flight * acts + deferred * kept
+                    deeper = [self.deep[x - 1]] if x else []
+                    self.model.add(usage <= memory).only_enforce_if(
+                        when + marks[w : w + 1] + deeper
+                    )
 
     def hint(self, bounds: list[int], replicas: list[int]) -> None:
         """Warm start from a plan: stage s is positions bounds[s]..bounds[s + 1] on replicas[s]."""

@@ -18,8 +18,10 @@ Two exact algorithms:
 Stages are priced by the cost model (`options["cost_model"]`, default "pdcompile"). Memory
 (when the cluster has a limit) is checked per stage with the schedule's `memory_bounds`: its
 `memory_counts` as large as the devices after the stage allow (the later stages are not placed
-yet), so no plan over the limit under those counts is returned, but one that barely fits may be
-missed.
+yet) and, for the W's a split schedule leaves pending, the deepest warm-up the cluster's devices
+allow before it (the earlier stages are not kept): weights + versions x params + in flight x
+activations + deferred x `weight_grad_activation_bytes`. No plan over the limit under those
+counts is returned, but one that fits may be missed.
 
 Under a schedule that does not replicate ties (`replicates_ties`, e.g. `pipedream`) a stage
 holding some but not all users of a tied tensor (the CostGraph's `meta["ties"]`) gets one
@@ -42,6 +44,7 @@ from pdcompile.passes.solvers.bisection import ring_pace, solve_bisection
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
+from pdcompile.schedules.base import MemoryCounts
 
 
 class Prefix:
@@ -57,6 +60,8 @@ class Prefix:
         weights = [a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs]
         self.weights = np.concatenate([[0], np.cumsum(weights)])
         self.activations = np.concatenate([[0], np.cumsum([a["activation_bytes"] for a in attrs])])
+        kept = [a["weight_grad_activation_bytes"] for a in attrs]  # of them, kept from I to W
+        self.weight_grad_activations = np.concatenate([[0], np.cumsum(kept)])
         position = {n: i for i, n in enumerate(order)}
         diff = np.zeros(len(order) + 2)
         for u in order:
@@ -68,11 +73,13 @@ class Prefix:
         self.cut = np.cumsum(diff)[: len(order) + 1]  # cut[j]: bytes into position j
 
 
-def _stage_memory(p: Prefix, j: int, ks: np.ndarray, inflight: int, versions: int) -> np.ndarray:
+def _stage_memory(p: Prefix, j: int, ks: np.ndarray, counts: MemoryCounts) -> np.ndarray:
+    """The bytes `counts` charge a replica of each stage [j, k), k in `ks`."""
     return (
         p.weights[ks] - p.weights[j]
-        + versions * (p.params[ks] - p.params[j])
-        + inflight * (p.activations[ks] - p.activations[j])
+        + counts.versions * (p.params[ks] - p.params[j])
+        + counts.in_flight * (p.activations[ks] - p.activations[j])
+        + counts.deferred * (p.weight_grad_activations[ks] - p.weight_grad_activations[j])
     )  # fmt: skip
 
 
@@ -123,6 +130,10 @@ def _solve_general(
     speed = cluster.speed or (1.0,) * total
     memory = cluster.memory
     every = [0, *(prices.updates_every(rules, r, microbatches) for r in range(1, total + 1))]
+    counts = {
+        (m, r): rules.memory_bounds(total - m, r, microbatches, total)
+        for m in range(total) for r in range(1, total - m + 1)
+    } if memory is not None else {}  # fmt: skip
     for j in range(n):
         ks = np.arange(j + 1, n + 1)
         compute = p.compute[ks] - p.compute[j]
@@ -144,8 +155,7 @@ def _solve_general(
                     sigma = min(speed[m : m + r])
                     time = prices.stage_time(compute / sigma, r, comm, allreduce)
                     if memory is not None:
-                        inflight, versions = rules.memory_bounds(total - m, r, microbatches)
-                        fits = _stage_memory(p, j, ks, inflight, versions) <= memory
+                        fits = _stage_memory(p, j, ks, counts[m, r]) <= memory
                         time = np.where(fits, time, np.inf)
                     if split is not None and r > 1:
                         time = np.where(split[j, ks], np.inf, time)

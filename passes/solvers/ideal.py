@@ -15,7 +15,8 @@ per-ideal sums. Ideals are processed by size, with numpy over every (sub-ideal, 
 size and every replica count: O(P D^2) for P comparable pairs and D devices.
 
 Memory (when the cluster has a limit) is checked per stage with the schedule's `memory_bounds`
-(as `dp` does), so the plan fits under those counts but one that barely fits may be missed.
+(as `dp` does, the W's a split schedule leaves pending included), so the plan fits under those
+counts but one that fits may be missed.
 Clusters with more than one level, graphs with more than `max_ideals` ideals, problems of more
 than `max_transitions` DP transitions (P D (D + 1) / 2), and graphs with tied tensors under a
 schedule that does not replicate ties (`pipedream`: a stage holding part of a tie needs one
@@ -44,8 +45,9 @@ MAX_TRANSITIONS = 3_000_000_000  # about 15 s at ~0.2 G transitions/s
 _CHUNK = 1 << 22  # (pair, device count) cells relaxed at once: bounds numpy temporaries
 
 
-# per ideal: sums over its nodes, and `cut`: bytes produced inside it and consumed outside
-_SUMS = ("compute", "grad", "weights", "params", "activations", "cut")
+# per ideal: sums over its nodes (`kept`: the activation bytes a pending W keeps), and `cut`:
+# bytes produced inside it and consumed outside
+_SUMS = ("compute", "grad", "weights", "params", "activations", "kept", "cut")
 
 
 @dataclass
@@ -89,6 +91,7 @@ class _Graph:
         self.weights = [a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs]
         self.params = [a["param_bytes"] for a in attrs]
         self.activations = [a["activation_bytes"] for a in attrs]
+        self.kept = [a["weight_grad_activation_bytes"] for a in attrs]
         self.sources = sum(
             1 << i for i, a in enumerate(attrs) if a["kind"] == "input" and not self.preds[i]
         )
@@ -99,17 +102,17 @@ class _Graph:
         return (
             sum(self.compute[i] for i in members), sum(self.grad[i] for i in members),
             sum(self.weights[i] for i in members), sum(self.params[i] for i in members),
-            sum(self.activations[i] for i in members), cut,
+            sum(self.activations[i] for i in members), sum(self.kept[i] for i in members), cut,
         )  # fmt: skip
 
     def extend(self, sums: tuple, mask: int, v: int) -> tuple:
         """The sums of ideal `mask` plus node `v`, from those of `mask`."""
         new = mask | 1 << v
-        cut = sums[5] + (self.out[v] if self.succ_mask[v] & ~new else 0)
+        cut = sums[6] + (self.out[v] if self.succ_mask[v] & ~new else 0)
         cut -= sum(self.out[u] for u in self.preds[v] if not self.succ_mask[u] & ~new)
         return (
             sums[0] + self.compute[v], sums[1] + self.grad[v], sums[2] + self.weights[v],
-            sums[3] + self.params[v], sums[4] + self.activations[v], cut,
+            sums[3] + self.params[v], sums[4] + self.activations[v], sums[5] + self.kept[v], cut,
         )  # fmt: skip
 
 
@@ -117,7 +120,7 @@ def _enumerate(cost_graph: CostGraph, limit: int) -> _Lattice | int:
     """The ideals holding every data source, plus the empty one; their count if over `limit`."""
     graph = _Graph(cost_graph)
     lattice = _Lattice()
-    lattice.add(0, (0.0, 0, 0, 0, 0, 0))
+    lattice.add(0, (0.0, 0, 0, 0, 0, 0, 0))
     lattice.levels.append([0])
     if graph.sources:
         j = lattice.add(graph.sources, graph.sums(graph.sources))
@@ -165,19 +168,16 @@ class _Model:
         speed = cluster.speed or (1.0,) * self.total
         d = self.total
         self.speed = np.ones((d + 1, d + 1))  # [m, r]: the slowest of ranks m .. m + r - 1
-        self.inflight = np.zeros((d + 1, d + 1))
-        self.versions = np.zeros((d + 1, d + 1))
+        self.counts = np.zeros((3, d + 1, d + 1))  # `MemoryCounts` fields x [m, r]
         for m in range(d):
             for r in range(1, d - m + 1):
                 self.speed[m, r] = min(speed[m : m + r])
-                self.inflight[m, r], self.versions[m, r] = rules.memory_bounds(
-                    d - m, r, microbatches
-                )
+                self.counts[:, m, r] = rules.memory_bounds(d - m, r, microbatches, d)
         self.arrays = dict(zip(_SUMS, np.array(lattice.sums, dtype=float).T, strict=True))
 
     def parts(self, pi: np.ndarray, pj: np.ndarray) -> dict[str, np.ndarray]:
         a = self.arrays
-        diff = {name: a[name][pj] - a[name][pi] for name in _SUMS[:5]}
+        diff = {name: a[name][pj] - a[name][pi] for name in _SUMS[:-1]}
         diff["cut"] = a["cut"][pi]
         return diff
 
@@ -192,10 +192,12 @@ class _Model:
         speed = self.speed[0, r] if self.homogeneous else self.speed[ms, r][None, :]
         time = prices.stage_time(parts["compute"][:, None] / speed, r, comm, allreduce)
         if self.memory is not None:
+            in_flight, deferred, versions = self.counts[:, ms, r][:, None, :]
             memory = (
                 parts["weights"][:, None]
-                + self.versions[ms, r][None, :] * parts["params"][:, None]
-                + self.inflight[ms, r][None, :] * parts["activations"][:, None]
+                + versions * parts["params"][:, None]
+                + in_flight * parts["activations"][:, None]
+                + deferred * parts["kept"][:, None]
             )
             time = np.where(memory <= self.memory, time, np.inf)
         return time

@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from pdcompile.errors import ScheduleError
 
 MAX_MICROBATCHES = 1 << 16  # a documented cap: plans and simulations of more are refused
 SPLIT = 0.5  # a stage's input-gradient part I takes this share of its backward_s, W the rest
+
+
+class MemoryCounts(NamedTuple):
+    """Per replica of a stage, what the solvers charge: `in_flight` microbatches holding all
+    their `activation_bytes`, `deferred` holding only `weight_grad_activation_bytes` (W
+    pending), `versions` weight copies besides the live weights."""
+
+    in_flight: int
+    deferred: int
+    versions: int
 
 
 def split_parts(backward_s: float, weight_s: float | None = None) -> tuple[float, float]:
@@ -246,28 +257,46 @@ class PipelineSchedule:
 
     # -- bounds for solvers ----------------------------------------------------------------
 
+    def deferred_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """Of the `in_flight_bound` microbatches, those a replica of `stage` may hold with only
+        their W (weight gradients) left to run, keeping `weight_grad_activation_bytes` of
+        their activations: none unless the schedule defers W's."""
+        return 0
+
     def memory_counts(
-        self, stages_from_here: int, warmup: int, num_microbatches: int
-    ) -> tuple[int, int]:
-        """(microbatches in flight, weight copies besides the live weights) the solvers charge a
-        replica whose PipeDream warm-up is `warmup` (w = (devices from here - 1) // replicas, at
-        least the one its layout gives): `in_flight_bound` and `stashed_versions_bound` of the
-        first stage of a straight pipeline w + 1 stages long, which has that warm-up. A replica
-        of r > 1 runs M / r of the M microbatches, so this bounds it too; non-decreasing in w
-        (what `cpsat` encodes; `stages_from_here` is there for schedules that need it)."""
-        straight = [1] * (warmup + 1)
-        return (
-            self.in_flight_bound(straight, 0, num_microbatches),
-            self.stashed_versions_bound(straight, 0, num_microbatches),
+        self, stages_from_here: int, warmup: int, num_microbatches: int, deepest: int
+    ) -> MemoryCounts:
+        """What the solvers charge a replica whose PipeDream warm-up is `warmup` (w, at least
+        its layout's) in a pipeline whose deepest PipeDream warm-up is `deepest` (at least its
+        layout's): the closed forms at the stage of warm-up w of a straight pipeline of
+        max(deepest, w) + 1 stages (the W's a split schedule leaves pending grow with the
+        deepest): `in_flight_bound` - `deferred_bound`, `deferred_bound`,
+        `stashed_versions_bound`. A replica of r > 1 runs M / r of the M microbatches, so they
+        bound it too. in_flight, in_flight + deferred and versions are non-decreasing in w and
+        `deepest`, and so are the bytes (a deferred microbatch keeps at most what one in flight
+        does). `stages_from_here` is there for schedules that need it."""
+        straight = [1] * (max(deepest, warmup) + 1)
+        stage = len(straight) - 1 - warmup
+        deferred = self.deferred_bound(straight, stage, num_microbatches)
+        return MemoryCounts(
+            self.in_flight_bound(straight, stage, num_microbatches) - deferred,
+            deferred,
+            self.stashed_versions_bound(straight, stage, num_microbatches),
         )
 
     def memory_bounds(
-        self, devices_from_here: int, replicas: int, num_microbatches: int
-    ) -> tuple[int, int]:
-        """`memory_counts` at least as large as for any layout of the later stages (for a
-        search that has not placed them): a stage with `replicas` and `devices_from_here`
-        devices from its first rank on has at most devices_from_here - replicas + 1 stages from
-        here and a warm-up of at most (devices_from_here - 1) // replicas."""
+        self, devices_from_here: int, replicas: int, num_microbatches: int, num_devices: int
+    ) -> MemoryCounts:
+        """`memory_counts` at least as large as for any layout of the other stages (for a
+        search that has not placed the later ones and does not keep the earlier ones): a stage
+        with `replicas` and `devices_from_here` of a pipeline's at most `num_devices` devices
+        from its first rank on has at most devices_from_here - replicas + 1 stages from here
+        and a warm-up of at most (devices_from_here - 1) // replicas; the pipeline's deepest is
+        at most num_devices - 1 (a first stage on one rank) or, the stage being the first, the
+        larger of its own and devices_from_here - replicas - 1 (a later stage's)."""
+        warmup = (devices_from_here - 1) // replicas
+        first = devices_from_here >= num_devices
+        deepest = devices_from_here - replicas - 1 if first else num_devices - 1
         return self.memory_counts(
-            devices_from_here - replicas + 1, (devices_from_here - 1) // replicas, num_microbatches
+            devices_from_here - replicas + 1, warmup, num_microbatches, deepest
         )
