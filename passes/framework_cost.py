@@ -69,9 +69,10 @@ def fit_slope(counts: Sequence[float], seconds: Sequence[float]) -> Fit:
     Raises:
         CostError: fewer than two distinct counts, or lengths that differ.
 
-    Example:
-        >>> fit_slope([0, 10, 20, 30], [1.0, 2.0, 3.0, 9.0])
-        Fit(slope=0.1, intercept=1.0, spread=0.5)
+    Example (one point far off the line, which least squares would follow to a slope of 0.4):
+        >>> fit = fit_slope([0, 10, 20, 30, 40], [1.0, 2.0, 3.0, 4.0, 20.0])
+        >>> fit.slope, fit.intercept, round(fit.spread, 2)
+        (0.1, 1.0, 4.69)
     """
     if len(counts) != len(seconds):
         raise CostError(f"fit_slope: {len(counts)} counts but {len(seconds)} times")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.table import Table
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.pictures.stage_colours import crosses, crossing_edge, stage_colour, stages_of
 from pdcompile.plans import Plan
 from pdcompile.text import dot_quote, human_bytes, human_seconds
+
+if TYPE_CHECKING:  # torch-free at run time
+    from pdcompile.passes.framework_cost import FrameworkCost
 
 
 def cost_table(graph: CostGraph, title: str, top: int | None = None) -> Table:
@@ -83,3 +88,62 @@ def cost_dot(graph: CostGraph, name: str, plan: Plan | None = None) -> str:
         lines.append(f"  {dot_quote(u)} -> {dot_quote(v)} [{edge}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def noisy_table(graph: CostGraph) -> Table | None:
+    """The profile's noisy times (`ProfileSettings.noisy`: spread above `MAX_SPREAD` after their
+    rounds), or None when there are none or the costs were not profiled."""
+    noisy = (graph.meta.get("profile") or {}).get("noisy") or []
+    if not noisy:
+        return None
+    table = Table(title="noisy times: repeats spread widely after measuring again")
+    for column in ("node", "time", "median", "spread", "rounds"):
+        table.add_column(column, justify="left" if column in ("node", "time") else "right")
+    for node, direction, median, spread, rounds in noisy:
+        table.add_row(node, direction, human_seconds(median), f"{spread:.2f}", str(rounds))
+    table.caption = (
+        "spread: (p75 - p25) / median of the repeats; these medians are used. Profile on an idle "
+        "machine or raise repeats"
+    )
+    return table
+
+
+def framework_line(graph: CostGraph) -> str | None:
+    """One line on the framework cost folded into the times (None when none was)."""
+    folded = graph.meta.get("framework")
+    if not folded:
+        return None
+    cost, how = folded["cost"], folded["mode"]
+    where = f"cached in {cost['cache_path']}" if cost.get("cache_path") else "not cached"
+    share = (
+        f"{human_seconds(folded['forward_s'])} of the forward and "
+        f"{human_seconds(folded['backward_s'])} of the backward"
+    )
+    return (
+        f"framework cost folded in ({how}): {cost['forward_op_s'] * 1e6:.3g} us per op forward, "
+        f"{cost['backward_node_s'] * 1e6:.3g} us per autograd node backward, {share}; "
+        f"calibrated on {cost['host']} ({cost['device']}, {_threads(cost['num_threads'])}, torch "
+        f"{cost['torch_version']}) at {cost['measured_at']}, {where}"
+    )
+
+
+def calibration_table(cost: FrameworkCost) -> Table:
+    """`pdcompile calibrate`'s result: the two costs, their spreads and the provenance."""
+    table = Table(title="per-operation framework cost", header_style="bold")
+    for column in ("", "seconds", "spread of the fit"):
+        table.add_column(column, justify="left" if not column else "right")
+    table.add_row("forward, per ATen operation", human_seconds(cost.forward_op_s),
+                  f"{cost.spread[0]:.2f}")  # fmt: skip
+    table.add_row("backward, per autograd node", human_seconds(cost.backward_node_s),
+                  f"{cost.spread[1]:.2f}")  # fmt: skip
+    where = f"cached in {cost.cache_path}" if cost.cache_path else "not cached"
+    table.caption = (
+        f"{cost.device}, {_threads(cost.num_threads)}, torch {cost.torch_version}, "
+        f"host {cost.host}, measured {cost.measured_at}; chains of "
+        f"{', '.join(map(str, cost.chain_lengths))} operations, {cost.repeats} repeats; {where}"
+    )
+    return table
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"

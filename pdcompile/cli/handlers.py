@@ -2,7 +2,8 @@
 
 pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME ...]
 pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
-                       [--out costs.json]
+                       [--calibration on|off] [--out costs.json]
+pdcompile calibrate [--device cpu|cuda] [--threads N] [--repeats R] [--no-cache] [--json FILE]
 pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME] [--chunks N]) --out DIR
 pdcompile simulate INPUT [--cluster SPEC] [--solver NAME] [--schedule NAME] [--microbatches M]
                          [--chunks N] [--png FILE | --svg FILE] [--trace FILE] [--measured TRACE]
@@ -134,7 +135,7 @@ def _graph(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from pdcompile.analysis import analyze
-    from pdcompile.cli.cost_report import cost_table
+    from pdcompile.cli.cost_report import cost_table, framework_line, noisy_table
 
     spec, gm = _trace_spec(args)
     costs = analyze(
@@ -148,11 +149,31 @@ def _profile(args: argparse.Namespace) -> int:
         coarsen=args.coarsen,
         num_threads=args.threads,
         cache=not args.no_cache,
+        calibration={"on": True, "off": False}.get(args.calibration),
     )
     _print_table(cost_table(costs, type(spec.model).__name__, top=args.top), None)
+    noisy = noisy_table(costs)
+    if noisy is not None:
+        _print_table(noisy, None)
+    line = framework_line(costs)
+    if line:
+        print(line)
     if args.out:
         costs.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from pdcompile.cli.cost_report import calibration_table
+    from pdcompile.passes.framework_cost import calibrate
+
+    cost = calibrate(args.device, num_threads=args.threads, repeats=args.repeats,
+                     cache=not args.no_cache, refresh=True)  # fmt: skip
+    _print_table(calibration_table(cost), None)
+    if args.json:
+        _write(json.dumps(cost.to_dict(), indent=2) + "\n", args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
@@ -389,7 +410,8 @@ def _bench_solvers(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "graph": _graph, "profile": _profile, "plan": _plan, "codegen": _codegen,
+    "graph": _graph, "profile": _profile, "calibrate": _calibrate, "plan": _plan,
+    "codegen": _codegen,
     "simulate": _simulate, "solvers": _solvers, "bench-solvers": _bench_solvers,
     "compare": _bench_solvers,
 }  # fmt: skip

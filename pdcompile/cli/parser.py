@@ -101,7 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--top", type=int, default=15, help="rows in the table")
     profile.add_argument("--no-cache", action="store_true", help="profile again, skip the cache")
     profile.add_argument("--out", metavar="FILE", help="write the CostGraph JSON here")
+    profile.add_argument(
+        "--calibration", choices=("on", "off"),
+        help="fold the per-operation framework cost into the times (default: on when "
+        "profiling, off with --analytic; on with --analytic folds the cached calibration)",
+    )  # fmt: skip
     _capture_options(profile)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure the per-operation framework cost of this machine (seconds)",
+        description="Measure what a training step pays per ATen operation forward and per "
+        "autograd node backward besides the arithmetic (dispatch, autograd bookkeeping, "
+        "allocation; on CUDA the kernel launch), at the profiling thread count, and cache it "
+        "beside the profile cache; `analyze` folds it into every node's times.",
+    )
+    calibrate.add_argument("--device", help="cpu, cuda, cuda:1 (default: cpu)")
+    calibrate.add_argument("--threads", type=int, default=1, help="CPU threads (the profile's)")
+    calibrate.add_argument("--repeats", type=int, default=30, help="timed runs of every chain")
+    calibrate.add_argument("--no-cache", action="store_true", help="measure without saving")
+    calibrate.add_argument("--json", metavar="FILE", help="write the calibration as JSON here")
 
     plan = commands.add_parser(
         "plan",
