@@ -101,10 +101,7 @@ def noisy_table(graph: CostGraph) -> Table | None:
         table.add_column(column, justify="left" if column in ("node", "time") else "right")
     for node, direction, median, spread, rounds in noisy:
         table.add_row(node, direction, human_seconds(median), f"{spread:.2f}", str(rounds))
-    table.caption = (
-        "spread: (p75 - p25) / median of the repeats; these medians are used. Profile on an idle "
-        "machine or raise repeats"
-    )
+    table.caption = "spread = (p75 - p25) / median of the repeats; the medians are used"
     return table
 
 
