@@ -38,6 +38,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     example_inputs: Sequence[Any],
     *,
     example_kwargs: dict[str, Any] | None = None,
+    example_targets: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     cluster: Cluster | str | int | None = None,
@@ -66,8 +67,12 @@ def compile(  # noqa: A001 - the public name API.md gives it
         model: the model, in the mode to train (`model.train()`).
         example_inputs: one example call's positional inputs (a microbatch or a batch).
         example_kwargs: its keyword inputs.
+        example_targets: the targets of the example's rows, as `train_step` gets them: with
+            them the profile prices `loss_fn` on the last stage (`analyze(loss_fn=,
+            targets=)`); None: the loss is left out of the plan, which `explain()` says.
         loss_fn: `loss_fn(output, target) -> scalar`, run on the last stage.
-        optimizer: a factory `params -> torch.optim.Optimizer`, applied to each stage.
+        optimizer: a factory `params -> torch.optim.Optimizer`, applied to each stage; the
+            profile times its step per node and sizes its state.
         cluster: the devices (a `Cluster`, its text or a number of devices:
             `Cluster.coerce`); None: the job's ranks on one level (one device in a single
             process).
@@ -181,7 +186,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
             if isinstance(costs, str):
                 costs = CostGraph.load(costs)
             if costs is None:
-                costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile)
+                costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile,
+                                optimizer=optimizer, loss_fn=loss_fn,
+                                targets=example_targets)  # fmt: skip
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
                              num_microbatches=num_microbatches, allow_async=allow_async,
                              global_batch_size=global_batch_size)  # fmt: skip

@@ -6,11 +6,12 @@ instead of writing the formula again. Its methods take floats or numpy arrays al
 solvers price many candidate stages at once). The default (`"pdcompile"`) is PipeDream's
 (docs/cost_model.md): for stage s with r_s replicas,
 
-    compute_s   = (forward + backward) / speed
+    compute_s   = (forward + backward [+ the loss, on the stage holding the output]) / speed
     comm_s      = 2 * cut_s / bandwidth / r_s                 (activations in, gradients out)
     allreduce_s = 2 (r_s - 1) / r_s * grad_bytes / bandwidth / u_s
                   (u_s: microbatches per update of the stage, the schedule's `round_size`)
-    time_s      = compute_s / r_s + comm_s + allreduce_s     (nothing overlapped)
+    update_s    = optimizer_s / speed / u_s                  (one optimizer step per update)
+    time_s      = compute_s / r_s + comm_s + allreduce_s + update_s   (nothing overlapped)
 
 A researcher swaps it like a solver: `@register_cost_model("mine")` on a subclass, then
 `plan(..., cost_model="mine")`. The solvers price stages through these methods only; the fast
@@ -60,17 +61,33 @@ class CostModel:
         (`updates_every`)."""
         return self.ring_s(grad_bytes, replicas, bandwidth) / every
 
-    def stage_time(self, compute_s: Any, replicas: Any, comm_s: Any, allreduce_s: Any) -> Any:
+    def update_s(self, optimizer_s: Any, every: Any) -> Any:
+        """A stage's share of its optimizer step per microbatch: one step of `optimizer_s`
+        (every replica steps its own copy, at once) per `every` microbatches."""
+        return optimizer_s / every
+
+    def stage_time(
+        self, compute_s: Any, replicas: Any, comm_s: Any, allreduce_s: Any, update_s: Any = 0.0
+    ) -> Any:
         """Steady-state seconds per microbatch of a stage: its compute shared by its replicas,
-        plus its transfers and its share of the all-reduce."""
-        return compute_s / replicas + comm_s + allreduce_s
+        plus its transfers, its share of the all-reduce and of the optimizer step
+        (`update_s`; the solvers leave it out: docs/cost_model.md)."""
+        return compute_s / replicas + comm_s + allreduce_s + update_s
 
     def data_parallel_time(
-        self, compute_s: Any, grad_bytes: Any, replicas: Any, bandwidth: Any, every: Any
+        self,
+        compute_s: Any,
+        grad_bytes: Any,
+        replicas: Any,
+        bandwidth: Any,
+        every: Any,
+        optimizer_s: Any = 0.0,
     ) -> Any:
         """`stage_time` of the whole model as one stage on `replicas` (no transfers)."""
         allreduce = self.allreduce_s(grad_bytes, replicas, bandwidth, every)
-        return self.stage_time(compute_s, replicas, 0.0, allreduce)
+        return self.stage_time(
+            compute_s, replicas, 0.0, allreduce, self.update_s(optimizer_s, every)
+        )
 
 
 COST_MODELS: Registry[CostModel] = Registry("cost model", (), PartitionError)

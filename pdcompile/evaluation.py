@@ -41,6 +41,8 @@ class NodeSums:
     backward_input_s: float = 0.0
     backward_weight_s: float = 0.0
     weight_grad_activation_bytes: int = 0  # of activation_bytes, kept until W
+    loss_s: float = 0.0  # the loss function (forward + backward), in forward_s and backward_s
+    optimizer_s: float = 0.0  # one optimizer step over the nodes' parameters
 
     @property
     def compute_s(self) -> float:
@@ -48,19 +50,27 @@ class NodeSums:
 
 
 def node_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> NodeSums:
-    """Sums over `nodes`; data-source (kind "input") nodes have no compute."""
+    """Sums over `nodes`; data-source (kind "input") nodes have no compute. The loss function
+    counts where `nodes` hold the graph's `loss_node`: its forward in `forward_s`, its
+    backward in `backward_s` and `backward_input_s` (it has no weights)."""
     attrs = [cost_graph.graph.nodes[n] for n in nodes]
     compute = [a for a in attrs if a["kind"] != "input"]
+    loss = cost_graph.loss_node in nodes and cost_graph.loss_s > 0
+    loss_forward, loss_backward = (
+        (cost_graph.loss_forward_s, cost_graph.loss_backward_s) if loss else (0.0, 0.0)
+    )
     return NodeSums(
-        forward_s=math.fsum(a["forward_s"] for a in compute),
-        backward_s=math.fsum(a["backward_s"] for a in compute),
+        forward_s=math.fsum([*(a["forward_s"] for a in compute), loss_forward]),
+        backward_s=math.fsum([*(a["backward_s"] for a in compute), loss_backward]),
         grad_bytes=sum(a["grad_bytes"] for a in attrs),
         weight_bytes=sum(a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs),
         param_bytes=sum(a["param_bytes"] for a in attrs),
         activation_bytes=sum(a["activation_bytes"] for a in attrs),
-        backward_input_s=math.fsum(a["backward_input_s"] for a in compute),
+        backward_input_s=math.fsum([*(a["backward_input_s"] for a in compute), loss_backward]),
         backward_weight_s=math.fsum(a["backward_weight_s"] for a in compute),
         weight_grad_activation_bytes=sum(a["weight_grad_activation_bytes"] for a in attrs),
+        loss_s=loss_forward + loss_backward,
+        optimizer_s=math.fsum(a["optimizer_s"] for a in attrs),
     )
 
 
@@ -194,8 +204,8 @@ def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str,
 
 
 def lower_bound(cost_graph: CostGraph, cluster: Cluster | str | int) -> float:
-    """Seconds per minibatch no plan beats: the total compute spread over every device at its
-    speed (`cluster`: any spelling `Cluster.coerce` takes)."""
+    """Seconds per minibatch no plan beats: the total compute (the loss too) spread over every
+    device at its speed (`cluster`: any spelling `Cluster.coerce` takes)."""
     cluster = Cluster.coerce(cluster)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
     return node_sums(cost_graph, cost_graph.nodes).compute_s / math.fsum(speeds)
@@ -270,6 +280,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         ring = prices.ring_s(
             sums.grad_bytes, s.replicas, cluster.bandwidth(s.ranks[0], s.ranks[-1])
         )
+        update = prices.update_s(sums.optimizer_s / speed, every)
         stages.append(
             Stage(
                 index=s.index, nodes=s.nodes, replicas=s.replicas, ranks=s.ranks,
@@ -277,7 +288,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
                 backward_input_s=sums.backward_input_s / speed,
                 backward_weight_s=sums.backward_weight_s / speed,
                 comm_s=comm, allreduce_s=ring / every,
-                time_s=prices.stage_time(compute, s.replicas, comm, ring / every),
+                time_s=prices.stage_time(compute, s.replicas, comm, ring / every, update),
                 recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
                 activation_bytes=sums.activation_bytes,
                 weight_grad_activation_bytes=sums.weight_grad_activation_bytes,
@@ -285,6 +296,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
                 grad_bytes=sums.grad_bytes, weight_bytes=sums.weight_bytes,
                 param_tensors=tensors[s.index],
                 no_grad_from=tuple(sorted(a for a, d in silent if d == s.index)),
+                loss_s=sums.loss_s / speed, optimizer_s=sums.optimizer_s / speed,
             )
         )  # fmt: skip
     predicted = bottleneck(stages)
@@ -295,13 +307,24 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     dp_time = prices.data_parallel_time(
         total.compute_s / min(speeds), total.grad_bytes, everyone,
         cluster.bandwidth(0, everyone - 1), prices.updates_every(rules.name, everyone, m),
+        total.optimizer_s / min(speeds),
     )  # fmt: skip
     return plan.with_(
         stages=tuple(stages), cluster=cluster, schedule=rules.name, num_microbatches=m,
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0, data_parallel_time=dp_time, ties=ties,
-        step_time=0.0, rank_memory=(), rank_idle=(),
+        step_time=0.0, rank_memory=(), rank_idle=(), unpriced=unpriced(cost_graph),
     )  # fmt: skip
+
+
+def unpriced(cost_graph: CostGraph) -> tuple[str, ...]:
+    """`Plan.unpriced`: "loss" when the graph has no `loss_s`, "optimizer" when no node has
+    `optimizer_s` and it names no optimizer (a model without parameters has a free step)."""
+    loss = () if cost_graph.loss_s > 0 else ("loss",)
+    priced = cost_graph.optimizer or any(
+        d["optimizer_s"] > 0 for _, d in cost_graph.graph.nodes(data=True)
+    )
+    return (*loss, *(() if priced else ("optimizer",)))
 
 
 def bottleneck(stages: Sequence[Stage]) -> float:
@@ -363,12 +386,15 @@ def rescore(
         forward, backward, comm = s.forward_s * factor, s.backward_s * factor, s.comm_s * factor
         # one all-reduce per update: its share per microbatch follows the microbatches per update
         before = prices.updates_every(plan.schedule, s.replicas, plan.num_microbatches)
-        allreduce = s.allreduce_s * before / prices.updates_every(plan.schedule, s.replicas, count)
+        after = prices.updates_every(plan.schedule, s.replicas, count)
+        allreduce = s.allreduce_s * before / after
+        # the loss scales with the rows (it is in forward and backward); the optimizer step not
+        update = prices.update_s(s.optimizer_s, after)
         stages.append(replace(
             s, forward_s=forward, backward_s=backward, comm_s=comm, allreduce_s=allreduce,
             backward_input_s=s.backward_input_s * factor,
-            backward_weight_s=s.backward_weight_s * factor,
-            time_s=prices.stage_time(forward + backward, s.replicas, comm, allreduce),
+            backward_weight_s=s.backward_weight_s * factor, loss_s=s.loss_s * factor,
+            time_s=prices.stage_time(forward + backward, s.replicas, comm, allreduce, update),
             activation_bytes=round(s.activation_bytes * factor),
             weight_grad_activation_bytes=round(s.weight_grad_activation_bytes * factor),
             recv_bytes=tuple((src, round(b * factor)) for src, b in s.recv_bytes),

@@ -43,6 +43,14 @@ class Stage:
     `backward_s`); of `activation_bytes`, `weight_grad_activation_bytes` stay from I to W. Left
     out (plans of an older pdcompile, stages built by hand): half of `backward_s` each, and all
     of `activation_bytes`.
+
+    `loss_s`: seconds per minibatch of the loss function, on the stage holding the graph's
+    output (0 elsewhere, and where it was not priced); already in `forward_s` and
+    `backward_s` (and in `backward_input_s`: the loss has no weights).
+    `optimizer_s`: seconds of one optimizer step over the stage's parameters, once per update
+    (`time_s` carries its share per minibatch, optimizer_s / the schedule's microbatches per
+    update, like `allreduce_s`); 0 where it was not priced, and the simulator then charges the
+    step the runtime's memory-traffic estimate (docs/simulator.md).
     """
 
     index: int
@@ -65,6 +73,8 @@ class Stage:
     weight_bytes: int = 0
     param_tensors: int = 0
     no_grad_from: tuple[int, ...] = ()
+    loss_s: float = 0.0
+    optimizer_s: float = 0.0
 
     def __post_init__(self) -> None:
         # JSON gives lists of lists: keep the pairs hashable and equal to the original
@@ -99,6 +109,9 @@ class Plan:
     `simulate(plan).bubble_fraction[r]`).
     `uneven_splits`: the stages whose replicas run different numbers of microbatches per step
     (M not a multiple of the replica count; `str(plan)` and `plan()`'s `PlanWarning` say so).
+    `unpriced`: what a step does that the costs left out, `"loss"` and/or `"optimizer"` (the
+    CostGraph had no `loss_s`, no `optimizer_s`; `str(plan)` says how to price them); () also
+    for plans scored before these were priced.
     `cluster` may be given in any spelling `Cluster.coerce` takes.
     """
 
@@ -119,6 +132,7 @@ class Plan:
     ties: tuple[tuple[tuple[int, ...], int], ...] = ()
     rank_memory: tuple[int, ...] = ()
     rank_idle: tuple[float, ...] = ()
+    unpriced: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cluster", Cluster.coerce(self.cluster))
@@ -199,6 +213,7 @@ class Plan:
             f"(gap {self.gap:.1%}), speed-up over data parallelism {speedup}"
             + ("" if self.fits_memory else "; DOES NOT FIT device memory")
         )
+        lines += self._step_cost_lines()
         stages_of_rank: dict[int, list[str]] = {}
         for s in self.stages:
             for rank in s.ranks:
@@ -212,6 +227,30 @@ class Plan:
                 lines.append(line)
         lines += [f"note: {self.uneven_note(u)}" for u in self.uneven_splits]
         return "\n".join(lines)
+
+    def _step_cost_lines(self) -> list[str]:
+        """The loss and the optimizer step, where priced (in fwd/bwd and time above)."""
+        lines = []
+        for s in self.stages:
+            if s.loss_s:
+                lines.append(
+                    f"loss {human_seconds(s.loss_s)}/minibatch on stage {s.index} (in its fwd "
+                    "and bwd)"
+                )
+        if any(s.optimizer_s for s in self.stages):
+            steps = ", ".join(
+                f"stage {s.index} {human_seconds(s.optimizer_s)}" for s in self.stages
+            )
+            lines.append(f"optimizer step per update: {steps}")
+        how = {
+            "loss": "the loss function (analyze(..., loss_fn=, targets=); compile(..., "
+            "example_targets=))",
+            "optimizer": "the optimizer step (analyze(..., optimizer=))",
+        }
+        if self.unpriced:
+            missing = ", ".join(how.get(what, what) for what in self.unpriced)
+            lines.append(f"not priced: {missing}")
+        return lines
 
     # -- JSON ------------------------------------------------------------------------------
 

@@ -13,8 +13,11 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
     transfer      alpha + bytes / bandwidth           (the bytes share the link; docs/simulator.md)
     copy          2 * P / B + n * t                   (a weight version kept: `push`; `2bw`'s
                                                        `step`; `simulated_weights` says when)
-    step          (2 * W - G) / B + n * t             (read weights, gradients and state; write
-                                                       weights and state)
+    step          the stage's measured `optimizer_s` (the optimizer's step timed on tensors of
+                  the stage's sizes: `analyze(optimizer=...)`) where the plan has it, else
+                  (2 * W - G) / B + n * t             (read weights, gradients and state; write
+                                                       weights and state); a tied tensor's
+                                                       copies scale either by their bytes
     F on a weight + n * t: the weights swapped in for the call (`runtime/weight_slots.py`;
     copy          `pipedream`, `2bw`)
     F after a B   + P / B: the backward's gradients pushed the weights out of the caches, so the
@@ -64,7 +67,9 @@ def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
         scale = (s.param_bytes + extra) / s.param_bytes if s.param_bytes else 1.0
         grads, n = s.grad_bytes + extra, s.param_tensors
         copy = runtime.moved_s(2 * (s.param_bytes + extra), n)
-        step = runtime.moved_s((2 * s.weight_bytes - s.grad_bytes) * scale, n)
+        # the measured step replaces the estimate of its memory traffic (it is that traffic)
+        step = s.optimizer_s * scale if s.optimizer_s > 0 else runtime.moved_s(
+            (2 * s.weight_bytes - s.grad_bytes) * scale, n)  # fmt: skip
         costs[s.index] = StageCosts(
             copy_s=copy,
             step_s=step,

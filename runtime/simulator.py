@@ -153,7 +153,8 @@ def _on(plan: Plan, cluster: Cluster) -> Plan:
         stages.append(replace(
             s, forward_s=s.forward_s * factor, backward_s=s.backward_s * factor,
             backward_input_s=s.backward_input_s * factor,
-            backward_weight_s=s.backward_weight_s * factor,
+            backward_weight_s=s.backward_weight_s * factor, loss_s=s.loss_s * factor,
+            optimizer_s=s.optimizer_s * factor,
         ))  # fmt: skip
     return plan.with_(stages=tuple(stages), cluster=cluster)
 

@@ -5,17 +5,31 @@ in the CostGraph, its JSON, the solvers, `evaluate`, the simulator and plan file
 from __future__ import annotations
 
 import json
+import statistics
+import time
+from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
+import pdcompile
+from pdcompile.cluster import Cluster, RuntimeCosts
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError
 from pdcompile.passes.coarsening import coarsen
+from pdcompile.passes.device_model import DeviceModel
+from pdcompile.passes.step_costs import describe_optimizer
+from pdcompile.plans import Plan, Stage
+from pdcompile.runtime.action_costs import stage_costs
 
 
-def chain(loss_s: float = 0.0, optimizer_s: float = 0.0, n: int = 4) -> CostGraph:
-    """x -> n0 .. n{n-1} -> out: equal nodes of 1 s forward and 2 s backward, 100 parameter
-    bytes each; the loss split 1:2 like the nodes."""
+def chain(
+    loss_s: float = 0.0, optimizer_s: float = 0.0, n: int = 4, param_bytes: int = 100
+) -> CostGraph:
+    """x -> n0 .. n{n-1} -> out: equal nodes of 1 s forward and 2 s backward, `param_bytes`
+    each; the loss split 1:2 like the nodes."""
     g = CostGraph(
         batch_size=8, meta={"source": "test"}, loss_forward_s=loss_s / 3,
         loss_backward_s=2 * loss_s / 3, optimizer="sgd" if optimizer_s else "",
@@ -24,7 +38,8 @@ def chain(loss_s: float = 0.0, optimizer_s: float = 0.0, n: int = 4) -> CostGrap
     previous = "x"
     for i in range(n):
         g.add_node(
-            f"n{i}", forward_s=1.0, backward_s=2.0, param_bytes=100, grad_bytes=100,
+            f"n{i}", forward_s=1.0, backward_s=2.0, param_bytes=param_bytes,
+            grad_bytes=param_bytes,
             activation_bytes=64, output_bytes=64, optimizer_s=optimizer_s,
             forward_spread=0.1 * i, backward_spread=0.05,
         )  # fmt: skip
@@ -130,3 +145,237 @@ def test_str_shows_the_loss_and_the_step_when_priced() -> None:
     text = str(chain(loss_s=3.0, optimizer_s=0.5))
     assert "loss per batch: forward 1.00 s, backward 2.00 s; optimizer step: 2.00 s (sgd)" in text
     assert "loss per batch" not in str(chain())
+
+
+# -- the solvers, evaluate, the simulator ----------------------------------------------------
+
+
+def one_stage(costs: CostGraph, num_microbatches: int = 4, schedule: str = "1f1b") -> Plan:
+    stage = Stage(index=0, nodes=tuple(costs.nodes), replicas=1, ranks=(0,))
+    plan = Plan(stages=(stage,), cluster="1", schedule=schedule, num_microbatches=num_microbatches)
+    return pdcompile.evaluate(plan, costs)
+
+
+def test_the_last_stage_pays_the_loss_in_its_forward_and_backward() -> None:
+    plain = pdcompile.evaluate(
+        pdcompile.plan(chain(), "2", num_microbatches=4, replica_counts=(1,)), chain()
+    )
+    lossy = pdcompile.evaluate(plain, chain(loss_s=3.0))
+    first, last = lossy.stages
+    assert (first.loss_s, last.loss_s) == (0.0, pytest.approx(3.0))
+    assert last.forward_s == pytest.approx(plain.stages[1].forward_s + 1.0)
+    assert last.backward_s == pytest.approx(plain.stages[1].backward_s + 2.0)
+    assert last.backward_input_s == pytest.approx(plain.stages[1].backward_input_s + 2.0)
+    assert last.backward_weight_s == plain.stages[1].backward_weight_s  # the loss has no weights
+    assert last.time_s == pytest.approx(plain.stages[1].time_s + 3.0)
+    assert first == plain.stages[0]
+    assert lossy.lower_bound == pytest.approx(plain.lower_bound + 3.0 / 2)
+    assert plain.unpriced == ("loss", "optimizer") and lossy.unpriced == ("optimizer",)
+    assert "not priced: the loss function" in str(plain)
+    assert "loss 3.00 s/minibatch on stage 1" in str(lossy)
+
+
+@pytest.mark.parametrize("solver", ["dp", "ideal", "cpsat"])
+def test_solvers_leave_the_last_stage_lighter_for_a_heavy_loss(solver: str) -> None:
+    options = {"solver": solver, "num_microbatches": 4, "replica_counts": (1,)}
+    plain = pdcompile.plan(chain(n=8), "2", **options)
+    lossy = pdcompile.plan(chain(loss_s=9.0, n=8), "2", **options)
+    assert len(plain.stages[-1].nodes) == 5  # n4..n7 and out: 4 of the 8 nodes
+    assert len(lossy.stages[-1].nodes) < len(plain.stages[-1].nodes)
+    # 8 nodes of 3 s and a loss of 9 s: 5 and 3 nodes (15 s against 9 + 9 s) is a best split
+    assert lossy.predicted_time == pytest.approx(18.0)
+
+
+def test_dp_bisection_leaves_the_last_stage_lighter_for_a_heavy_loss() -> None:
+    # slow links and large gradients: replicas would cost more than they save, so the fast
+    # path (bisection on a flat cluster without memory limit) cuts a two-stage pipeline
+    plain = pdcompile.plan(chain(n=8, param_bytes=10_000), "2@1KB/s", num_microbatches=4)
+    lossy = pdcompile.plan(
+        chain(loss_s=9.0, n=8, param_bytes=10_000), "2@1KB/s", num_microbatches=4
+    )
+    assert [s.replicas for s in lossy.stages] == [1, 1]
+    assert len(lossy.stages[-1].nodes) < len(plain.stages[-1].nodes)
+    assert lossy.predicted_time == pytest.approx(18.0)
+
+
+def test_the_simulated_step_grows_by_m_losses_and_one_optimizer_step() -> None:
+    m = 4
+    base = one_stage(chain(), m)
+    lossy = one_stage(chain(loss_s=3.0), m)
+    stepped = one_stage(chain(loss_s=3.0, optimizer_s=0.5), m)
+    assert lossy.step_time == pytest.approx(base.step_time + m * 3.0)
+    assert stepped.step_time == pytest.approx(lossy.step_time + 4 * 0.5)  # 4 nodes' steps
+    assert pdcompile.simulate(stepped).time_per_step == stepped.step_time
+    (stage,) = stepped.stages
+    assert stage.optimizer_s == 2.0 and stage.time_s == pytest.approx(
+        lossy.stages[0].time_s + 2 / m
+    )
+    # pipedream updates after every microbatch: m steps per train_step call
+    streaming = one_stage(chain(optimizer_s=0.5), m, "pipedream")
+    without = one_stage(chain(), m, "pipedream")
+    assert streaming.step_time == pytest.approx(without.step_time + m * 2.0)
+    assert streaming.stages[0].time_s == pytest.approx(without.stages[0].time_s + 2.0)
+
+
+def test_the_measured_step_replaces_the_memory_traffic_estimate() -> None:
+    cluster = Cluster([(1, 1e9)], runtime=RuntimeCosts(memory_bandwidth=1e6, tensor_s=1e-3))
+    estimated = pdcompile.evaluate(one_stage(chain()), chain(), cluster=cluster)
+    measured = pdcompile.evaluate(one_stage(chain()), chain(optimizer_s=0.5), cluster=cluster)
+    costs = {
+        name: stage_costs(plan, cluster)[0].step_s
+        for name, plan in (("estimated", estimated), ("measured", measured))
+    }
+    assert costs["estimated"] > 0 and costs["measured"] == 2.0
+    assert measured.step_time == pytest.approx(estimated.step_time - costs["estimated"] + 2.0)
+
+
+def test_rescore_scales_the_loss_not_the_optimizer_step() -> None:
+    plan = pdcompile.evaluate(
+        pdcompile.plan(chain(), "2", num_microbatches=4, replica_counts=(1,)),
+        chain(loss_s=3.0, optimizer_s=0.5),
+    )
+    plan = plan.with_(microbatch_size=8)
+    double = pdcompile.evaluation.rescore(plan, microbatch_size=16, num_microbatches=8)
+    again = pdcompile.evaluate(plan, chain(loss_s=3.0, optimizer_s=0.5).scaled(16), None, None, 8)
+    for mine, truth in zip(double.stages, again.stages, strict=True):
+        assert mine.loss_s == pytest.approx(truth.loss_s)
+        assert mine.optimizer_s == truth.optimizer_s == 1.0
+        assert mine.time_s == pytest.approx(truth.time_s)
+    assert double.step_time == pytest.approx(again.step_time)
+
+
+def test_plan_json_round_trip_and_older_plans_load_with_zeros(tmp_path: Path) -> None:
+    plan = pdcompile.evaluate(
+        pdcompile.plan(chain(), "2", num_microbatches=4, replica_counts=(1,)),
+        chain(loss_s=3.0, optimizer_s=0.5),
+    )
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.stages[1].loss_s == pytest.approx(3.0)
+    assert back.unpriced == ()
+    doc = json.loads(plan.to_json())
+    del doc["unpriced"]
+    for stage in doc["stages"]:
+        del stage["loss_s"], stage["optimizer_s"]
+    old = Plan.from_dict(doc)
+    assert all(s.loss_s == s.optimizer_s == 0.0 for s in old.stages) and old.unpriced == ()
+
+
+# -- analyze: the loss and the optimizer step measured and modelled --------------------------
+
+
+class TokenHead(nn.Module):
+    """Tokens -> an embedding, a small body, and a head onto `vocab` classes: with
+    cross-entropy, the loss is the heaviest single operation of a step."""
+
+    def __init__(self, vocab: int = 16384, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, vocab]
+        return self.head(torch.relu(self.body(self.embed(tokens))))
+
+
+def token_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
+def token_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return TokenHead(), torch.randint(0, 16384, (4, 8)), torch.randint(0, 16384, (4, 8))
+
+
+def test_analyze_times_a_heavy_loss_near_what_it_takes_directly(tmp_path: Path) -> None:
+    model, x, y = token_case()
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), loss_fn=token_loss, targets=y, cache=tmp_path,
+                              progress=False, calibration=False)  # fmt: skip
+    assert costs.loss_forward_s > 0 and costs.loss_backward_s > 0
+    out = model(x).detach().requires_grad_()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        direct = []
+        for _ in range(7):
+            start = time.perf_counter()
+            token_loss(out, y).backward()
+            direct.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    ratio = costs.loss_s / statistics.median(direct)
+    assert 0.1 < ratio < 10, ratio  # the same work; a loose factor for a loaded machine
+    assert costs.optimizer == "sgd" and costs.loss_node == "output"
+    assert pdcompile.analyze(gm, (x,), profile=False, calibration=False).loss_s == 0.0
+
+
+def test_analytic_loss_is_its_flops_and_bytes_on_the_device_model() -> None:
+    model, x, _ = token_case()
+    gm = pdcompile.trace(model, (x,))
+    columns = torch.ones(16384, 3)
+    compute_bound = DeviceModel(peak_flops=1e9, memory_bandwidth=1e30, name="flops")
+    costs = pdcompile.analyze(
+        gm, (x,), profile=False, device_model=compute_bound, calibration=False,
+        loss_fn=lambda out, t: (out.flatten(0, 1) @ t).sum(), targets=columns,
+    )  # fmt: skip
+    rows = 4 * 8
+    assert costs.loss_forward_s == pytest.approx(2 * rows * 16384 * 3 / 1e9)  # the matmul
+    assert costs.loss_backward_s == pytest.approx(2 * rows * 16384 * 3 / 1e9)  # its input grad
+    memory_bound = DeviceModel(peak_flops=1e30, memory_bandwidth=1e9, name="bytes")
+    targets = torch.zeros(4, 8, dtype=torch.long)
+    ce = pdcompile.analyze(gm, (x,), profile=False, device_model=memory_bound, calibration=False,
+                           loss_fn=token_loss, targets=targets)  # fmt: skip
+    logits = rows * 16384 * 4
+    assert ce.loss_forward_s >= 2 * logits / 1e9  # reads the logits, writes log-softmax
+
+
+def test_optimizer_step_per_node_modelled_exactly_and_timed_by_size(tmp_path: Path) -> None:
+    model, x, _ = token_case()
+    gm = pdcompile.trace(model, (x,))
+    device = DeviceModel(peak_flops=1e12, memory_bandwidth=1e9, overhead_s=1e-6, name="d")
+    for name, state in (("sgd", 0), ("adam", 2)):
+        costs = pdcompile.analyze(gm, (x,), profile=False, device_model=device, optimizer=name,
+                                  calibration=False)  # fmt: skip
+        assert costs.optimizer == name
+        for node in costs.nodes:
+            data = costs.graph.nodes[node]
+            tensors = {"embed": 1, "body": 2, "head": 2}.get(node, 0)
+            expected = tensors * 1e-6 + (3 + 2 * state) * data["param_bytes"] / 1e9
+            assert data["optimizer_s"] == pytest.approx(expected), node
+    timed = pdcompile.analyze(gm, (x,), optimizer="adam", cache=tmp_path, progress=False,
+                              calibration=False)  # fmt: skip
+    step = {n: timed.graph.nodes[n]["optimizer_s"] for n in ("embed", "body", "head")}
+    # 1 MiB of weights against 1 KiB: the step follows the bytes
+    assert step["embed"] > 4 * step["body"] and step["head"] > 4 * step["body"]
+    again = pdcompile.analyze(gm, (x,), optimizer="adam", cache=tmp_path, progress=False,
+                              calibration=False)  # fmt: skip
+    assert all(again.graph.nodes[n]["optimizer_s"] == s for n, s in step.items())  # cached
+
+
+def test_a_factory_is_named_sized_and_timed() -> None:
+    adamw = describe_optimizer(lambda p: torch.optim.AdamW(p, lr=3e-4, weight_decay=0.1))
+    assert adamw.name.startswith("AdamW(lr=0.0003, betas=(0.9, 0.999)") and adamw.kind == "adam"
+    momentum = describe_optimizer(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert momentum.kind == "momentum" and describe_optimizer("sgd").kind == "sgd"
+    with pytest.raises(CostError, match="optimizer must be one of"):
+        describe_optimizer("lion")
+    model, x, _ = token_case()
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), profile=False, calibration=False,
+                              optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4))  # fmt: skip
+    head = costs.graph.nodes["head"]
+    assert head["optimizer_bytes"] == 2 * head["grad_bytes"] and costs.optimizer.startswith("AdamW")
+
+
+def test_compile_prices_the_loss_given_example_targets_and_says_when_not() -> None:
+    model, x, y = token_case()
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    pipe = pdcompile.compile(model, (x,), loss_fn=token_loss, optimizer=sgd, cluster="2",
+                             solver="uniform", profile=False, example_targets=y)  # fmt: skip
+    assert pipe.plan.stages[-1].loss_s > 0 and pipe.plan.unpriced == ()
+    assert "not priced" not in pipe.explain()
+    pipe.train_step(x, y)
+    blind = pdcompile.compile(model, (x,), loss_fn=token_loss, optimizer=sgd, cluster="2",
+                              solver="uniform", profile=False)  # fmt: skip
+    assert blind.plan.stages[-1].loss_s == 0.0
+    assert "not priced: the loss function" in blind.explain()

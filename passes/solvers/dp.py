@@ -53,7 +53,7 @@ class Prefix:
     def __init__(self, cost_graph: CostGraph, order: list[str]) -> None:
         g = cost_graph.graph
         attrs = [g.nodes[n] for n in order]
-        compute = [0.0 if a["kind"] == "input" else a["forward_s"] + a["backward_s"] for a in attrs]
+        compute = cost_graph.compute_times(order)  # the loss at the output's position
         self.compute = np.concatenate([[0.0], np.cumsum(compute)])
         self.grad = np.concatenate([[0], np.cumsum([a["grad_bytes"] for a in attrs])])
         self.params = np.concatenate([[0], np.cumsum([a["param_bytes"] for a in attrs])])

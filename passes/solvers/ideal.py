@@ -85,8 +85,7 @@ class _Graph:
         self.succ_mask = [sum(1 << index[s] for s in g.successors(n)) for n in self.nodes]
         self.out = [producer_bytes(cost_graph, n) for n in self.nodes]
         attrs = [g.nodes[n] for n in self.nodes]
-        self.compute = [0.0 if a["kind"] == "input" else a["forward_s"] + a["backward_s"]
-                        for a in attrs]  # fmt: skip
+        self.compute = cost_graph.compute_times()  # the loss at the output's node
         self.grad = [a["grad_bytes"] for a in attrs]
         self.weights = [a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs]
         self.params = [a["param_bytes"] for a in attrs]
