@@ -39,8 +39,12 @@ def cost_table(graph: CostGraph, title: str, top: int | None = None) -> Table:
     table.add_column("params", justify="right", footer=human_bytes(t["param_bytes"]))
     table.add_column("activations", justify="right", footer=human_bytes(t["activation_bytes"]))
     table.add_column("output", justify="right")
+    stepped = t["optimizer_s"] > 0  # the optimizer step per node, where it was priced
+    if stepped:
+        table.add_column("optimizer", justify="right", footer=human_seconds(t["optimizer_s"]))
     for name in nodes:
         a = graph.graph.nodes[name]
+        step = [human_seconds(a["optimizer_s"]) if a["optimizer_s"] else ""] if stepped else []
         table.add_row(
             name,
             a["kind"],
@@ -51,11 +55,26 @@ def cost_table(graph: CostGraph, title: str, top: int | None = None) -> Table:
             human_bytes(a["param_bytes"]) if a["param_bytes"] else "",
             human_bytes(a["activation_bytes"]) if a["activation_bytes"] else "",
             human_bytes(a["output_bytes"]) if a["output_bytes"] else "",
+            *step,
         )
     source = graph.meta.get("source", "?")
     memory = human_bytes(t["memory_bytes"])
-    table.caption = f"costs from {source}, batch size {graph.batch_size}; memory total {memory}"
+    table.caption = (
+        f"costs from {source}, batch size {graph.batch_size}; memory total {memory}; "
+        + _step_caption(graph)
+    )
     return table
+
+
+def _step_caption(graph: CostGraph) -> str:
+    """The loss (on the stage holding `loss_node`) and what priced the optimizer column."""
+    loss = (
+        f"loss forward {human_seconds(graph.loss_forward_s)}, backward "
+        f"{human_seconds(graph.loss_backward_s)} (at {graph.loss_node})"
+        if graph.loss_s
+        else "loss not priced"
+    )
+    return f"{loss}; optimizer step: {graph.optimizer or 'not priced'}"
 
 
 def cost_dot(graph: CostGraph, name: str, plan: Plan | None = None) -> str:
