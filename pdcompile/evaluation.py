@@ -41,18 +41,24 @@ class NodeSums:
     backward_input_s: float = 0.0
     backward_weight_s: float = 0.0
     weight_grad_activation_bytes: int = 0  # of activation_bytes, kept until W
-    loss_s: float = 0.0  # the loss function (forward + backward), in forward_s and backward_s
+    loss_forward_s: float = 0.0  # the loss function, where the nodes hold the loss node
+    loss_backward_s: float = 0.0  # (not in forward_s and backward_s: those are the nodes')
     optimizer_s: float = 0.0  # one optimizer step over the nodes' parameters
 
     @property
     def compute_s(self) -> float:
+        """The nodes' forward and backward, without the loss."""
         return self.forward_s + self.backward_s
+
+    @property
+    def loss_s(self) -> float:
+        return self.loss_forward_s + self.loss_backward_s
 
 
 def node_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> NodeSums:
-    """Sums over `nodes`; data-source (kind "input") nodes have no compute. The loss function
-    counts where `nodes` hold the graph's `loss_node`: its forward in `forward_s`, its
-    backward in `backward_s` and `backward_input_s` (it has no weights)."""
+    """Sums over `nodes`; data-source (kind "input") nodes have no compute. Where `nodes` hold
+    the graph's `loss_node`, `loss_forward_s` and `loss_backward_s` are the loss function's
+    (kept apart: the times are the nodes' own; `price` adds them to the stage's)."""
     attrs = [cost_graph.graph.nodes[n] for n in nodes]
     compute = [a for a in attrs if a["kind"] != "input"]
     loss = cost_graph.loss_node in nodes and cost_graph.loss_s > 0
@@ -60,16 +66,17 @@ def node_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> NodeSums:
         (cost_graph.loss_forward_s, cost_graph.loss_backward_s) if loss else (0.0, 0.0)
     )
     return NodeSums(
-        forward_s=math.fsum([*(a["forward_s"] for a in compute), loss_forward]),
-        backward_s=math.fsum([*(a["backward_s"] for a in compute), loss_backward]),
+        forward_s=math.fsum(a["forward_s"] for a in compute),
+        backward_s=math.fsum(a["backward_s"] for a in compute),
         grad_bytes=sum(a["grad_bytes"] for a in attrs),
         weight_bytes=sum(a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs),
         param_bytes=sum(a["param_bytes"] for a in attrs),
         activation_bytes=sum(a["activation_bytes"] for a in attrs),
-        backward_input_s=math.fsum([*(a["backward_input_s"] for a in compute), loss_backward]),
+        backward_input_s=math.fsum(a["backward_input_s"] for a in compute),
         backward_weight_s=math.fsum(a["backward_weight_s"] for a in compute),
         weight_grad_activation_bytes=sum(a["weight_grad_activation_bytes"] for a in attrs),
-        loss_s=loss_forward + loss_backward,
+        loss_forward_s=loss_forward,
+        loss_backward_s=loss_backward,
         optimizer_s=math.fsum(a["optimizer_s"] for a in attrs),
     )
 
@@ -208,7 +215,8 @@ def lower_bound(cost_graph: CostGraph, cluster: Cluster | str | int) -> float:
     device at its speed (`cluster`: any spelling `Cluster.coerce` takes)."""
     cluster = Cluster.coerce(cluster)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
-    return node_sums(cost_graph, cost_graph.nodes).compute_s / math.fsum(speeds)
+    total = node_sums(cost_graph, cost_graph.nodes)
+    return (total.compute_s + total.loss_s) / math.fsum(speeds)
 
 
 def evaluate(
@@ -270,7 +278,13 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     for s in plan.stages:
         sums = node_sums(cost_graph, s.nodes)
         speed = cluster.device_speed(s.ranks)
-        compute = sums.compute_s / speed
+        # the stage holding the output runs the loss: its forward, and its backward (no weights:
+        # all of it in the split backward's I)
+        forward, backward = (
+            sums.forward_s + sums.loss_forward_s,
+            sums.backward_s + sums.loss_backward_s,
+        )
+        compute = (forward + backward) / speed
         comm = 0.0
         prev = plan.stages[s.index - 1].ranks if s.index > 0 else s.ranks
         if prev != s.ranks:  # stages on the same ranks hand their tensors over
@@ -284,8 +298,8 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         stages.append(
             Stage(
                 index=s.index, nodes=s.nodes, replicas=s.replicas, ranks=s.ranks,
-                forward_s=sums.forward_s / speed, backward_s=sums.backward_s / speed,
-                backward_input_s=sums.backward_input_s / speed,
+                forward_s=forward / speed, backward_s=backward / speed,
+                backward_input_s=(sums.backward_input_s + sums.loss_backward_s) / speed,
                 backward_weight_s=sums.backward_weight_s / speed,
                 comm_s=comm, allreduce_s=ring / every,
                 time_s=prices.stage_time(compute, s.replicas, comm, ring / every, update),
@@ -305,7 +319,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     bound = lower_bound(cost_graph, cluster)
     everyone = cluster.num_devices
     dp_time = prices.data_parallel_time(
-        total.compute_s / min(speeds), total.grad_bytes, everyone,
+        (total.compute_s + total.loss_s) / min(speeds), total.grad_bytes, everyone,
         cluster.bandwidth(0, everyone - 1), prices.updates_every(rules.name, everyone, m),
         total.optimizer_s / min(speeds),
     )  # fmt: skip
