@@ -2,17 +2,21 @@
 
 Every ATen operation a training step runs pays a fixed cost besides its arithmetic: the
 dispatcher, autograd's bookkeeping (recording a backward node), allocating its output, and on
-CUDA a kernel launch; every autograd node its backward runs pays the engine's share again. On a
-small operation that fixed cost is most of its time (about 5-10 us each on a CPU core).
+CUDA a kernel launch. The backward pays the autograd engine per node it runs, and each node pays
+again for the operations it runs (a Linear's `AddmmBackward0` runs about ten: two `mm`, a `sum`,
+transposes, views; a ReLU's one). On a small operation that fixed cost is most of its time
+(several microseconds each on a CPU core).
 
-`calibrate` measures it in a real training step: a chain of N tiny elementwise operations (a
-multiply, an add, a ReLU and a view, in turn, on 16 floats) run forward with autograd on, then
-backward, for several N. The operations and backward nodes of each chain are counted exactly as
-`framework_fold` counts a graph's nodes, and the slope of time against count (Theil-Sen: the
-median of the pairwise slopes between the chain lengths, each length's time a median over the
-repeats) is the cost of one more operation forward (`forward_op_s`) and of one more autograd
-node backward (`backward_node_s`). Chain lengths alternate in order between repeats, so a slow
-spell of the machine falls on all of them alike.
+`calibrate` measures it in real training steps of chains of N tiny operations on 16 floats, for
+several N: *mixed* chains (a multiply, an add, a ReLU and a view, in turn) and *pass-through*
+chains (adds of a constant, whose backward nodes run no operation). The operations forward, the
+autograd nodes backward and the operations they run are counted exactly as `framework_fold`
+counts a graph's nodes, and slopes of time against count (Theil-Sen: the median of the pairwise
+slopes between the chain lengths, each length's time a median over the repeats) give the cost
+of one more operation forward (`forward_op_s`: the mixed chains), of one more backward node
+(`backward_node_s`: the pass-through chains' backward) and of one more operation in a backward
+node (`backward_op_s`: the mixed chains' backward less their nodes' cost). Chain lengths and
+kinds alternate in order between repeats, so a slow spell of the machine falls on all alike.
 
 A calibration is cached on disk beside the profile cache (`framework-<key>.json`, keyed by host,
 torch version, device and thread count) with its provenance; `pdcompile calibrate` measures it
@@ -38,12 +42,12 @@ from typing import Any
 import torch
 
 from pdcompile.errors import CostError
-from pdcompile.passes.framework_fold import count_backward, count_forward
+from pdcompile.passes.framework_fold import count_backward, count_forward, count_grad_ops
 from pdcompile.passes.profile_cache import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: backward_op_s
 CHAIN_LENGTHS = (0, 32, 64, 128, 192)  # operations per chain (a length-0 chain fits the intercept)
 _WIDTH = 16  # floats per tensor: the arithmetic is negligible next to the fixed cost
 # One process measures once per key when the disk cache is off (`cache=False`).
@@ -99,9 +103,11 @@ class FrameworkCost:
     Attributes:
         forward_op_s: per ATen operation run forward with autograd on (dispatch, recording the
             backward node, allocating the output; on CUDA, the kernel launch).
-        backward_node_s: per autograd node the backward runs (the engine's scheduling, the
-            node's dispatch and allocations).
-        spread: (forward, backward) relative dispersion of the fits' pairwise slopes.
+        backward_node_s: per autograd node the backward runs (the engine's scheduling and
+            bookkeeping; an `AccumulateGrad` too).
+        backward_op_s: per ATen operation those nodes run (dispatch, allocation, launch).
+        spread: (forward, backward node, backward op) relative dispersion of the fits' pairwise
+            slopes.
         device, num_threads, torch_version, host, measured_at: what was measured, where, when
             (UTC, ISO 8601); the first four key the cache.
         chain_lengths, repeats: how.
@@ -110,7 +116,8 @@ class FrameworkCost:
 
     forward_op_s: float
     backward_node_s: float
-    spread: tuple[float, float]
+    backward_op_s: float
+    spread: tuple[float, float, float]
     device: str
     num_threads: int
     torch_version: str
@@ -122,10 +129,11 @@ class FrameworkCost:
     cache_path: str | None = None
 
     def __post_init__(self) -> None:
-        if not (self.forward_op_s >= 0 and self.backward_node_s >= 0):
+        costs = (self.forward_op_s, self.backward_node_s, self.backward_op_s)
+        if not all(c >= 0 for c in costs):
             raise CostError(
-                f"FrameworkCost needs forward_op_s >= 0 and backward_node_s >= 0, got "
-                f"{self.forward_op_s} and {self.backward_node_s}"
+                f"FrameworkCost needs forward_op_s, backward_node_s and backward_op_s >= 0, got "
+                f"{', '.join(map(str, costs))}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,13 +150,14 @@ class FrameworkCost:
         return cls(**fields)
 
     def origin(self) -> str:
-        """'framework cost 6.9 us per op forward, 7.4 us per node backward (cpu, 1 thread, torch
-        2.13.0, host h, measured 2025-01-01T10:00:00+00:00), cached in ...'"""
+        """'framework cost 3.1 us per op forward, 2.2 us per node + 1.4 us per op backward (cpu, 1
+        thread, torch 2.13.0, host h, measured 2025-01-01T10:00:00+00:00), cached in ...'"""
         threads = f"{self.num_threads} thread{'s' if self.num_threads != 1 else ''}"
         where = f"cached in {self.cache_path}" if self.cache_path else "not cached"
         return (
             f"framework cost {self.forward_op_s * 1e6:.3g} us per op forward, "
-            f"{self.backward_node_s * 1e6:.3g} us per node backward ({self.device}, {threads}, "
+            f"{self.backward_node_s * 1e6:.3g} us per node + {self.backward_op_s * 1e6:.3g} us per "
+            f"op backward ({self.device}, {threads}, "
             f"torch {self.torch_version}, host {self.host}, measured {self.measured_at}), {where}"
         )
 
@@ -217,8 +226,8 @@ def calibrate(
 
     Example:
         >>> cost = pdcompile.calibrate()
-        >>> cost.forward_op_s, cost.backward_node_s
-        (6.9e-06, 7.4e-06)
+        >>> cost.forward_op_s, cost.backward_node_s, cost.backward_op_s
+        (3.1e-06, 2.2e-06, 1.4e-06)
     """
     device = torch.device(device or "cpu")
     key = cache_key(device, num_threads)
@@ -229,13 +238,14 @@ def calibrate(
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        forward, backward = _measure(device, repeats, warmup)
+        forward, node, op = _measure(device, repeats, warmup)
     finally:
         torch.set_num_threads(threads)
     cost = FrameworkCost(
         forward_op_s=max(forward.slope, 0.0),
-        backward_node_s=max(backward.slope, 0.0),
-        spread=(round(forward.spread, 4), round(backward.spread, 4)),
+        backward_node_s=max(node.slope, 0.0),
+        backward_op_s=max(op.slope, 0.0),
+        spread=tuple(round(f.spread, 4) for f in (forward, node, op)),
         device=_device_name(device),
         num_threads=num_threads,
         torch_version=torch.__version__,
@@ -291,18 +301,20 @@ def framework_cost(
     return found
 
 
-_STEPS: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (
+_MIXED: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (
     lambda y: y * 1.0001,
     lambda y: y + 0.5,
     torch.relu,
     lambda y: y.view(-1),
 )
+_PASS = (lambda y: y + 0.5,)  # AddBackward0 hands the gradient on: a node running nothing
+CHAINS = {"mixed": _MIXED, "pass": _PASS}
 
 
-def _chain(x: torch.Tensor, length: int) -> torch.Tensor:
-    y = x
+def _chain(x: torch.Tensor, kind: str, length: int) -> torch.Tensor:
+    steps, y = CHAINS[kind], x
     for i in range(length):
-        y = _STEPS[i % len(_STEPS)](y)
+        y = steps[i % len(steps)](y)
     return y
 
 
@@ -320,32 +332,42 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return timed
 
 
-def _measure(device: torch.device, repeats: int, warmup: int) -> tuple[Fit, Fit]:
-    """Time every chain forward and backward, alternating their order; fit both slopes."""
+def _measure(device: torch.device, repeats: int, warmup: int) -> tuple[Fit, Fit, Fit]:
+    """Time every chain forward and backward, alternating their order; fit the three slopes:
+    forward per operation (mixed chains), backward per node (pass-through chains), backward per
+    operation (mixed chains, their nodes' cost taken off)."""
     x = torch.rand(_WIDTH, device=device).add_(0.5).requires_grad_()
-    counts = {n: _counts(x, n) for n in CHAIN_LENGTHS}
+    chains = [(kind, n) for kind in CHAINS for n in CHAIN_LENGTHS]
+    counts = {chain: _counts(x, *chain) for chain in chains}
     timer = _timer(device)
-    times: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in CHAIN_LENGTHS}
+    times: dict[tuple[str, int], tuple[list[float], list[float]]] = {c: ([], []) for c in chains}
     for r in range(warmup + repeats):
-        for n in CHAIN_LENGTHS if r % 2 == 0 else reversed(CHAIN_LENGTHS):
+        for chain in chains if r % 2 == 0 else reversed(chains):
             out: list[torch.Tensor] = []
             with torch.enable_grad():
-                forward = timer(lambda n=n, out=out: out.append(_chain(x, n).sum()))
+                forward = timer(lambda chain=chain, out=out: out.append(_chain(x, *chain).sum()))
             backward = timer(out[0].backward)
             x.grad = None
             if r >= warmup:
-                times[n][0].append(forward)
-                times[n][1].append(backward)
-    fits = []
-    for direction in (0, 1):
-        points = [(counts[n][direction], statistics.median(times[n][direction])) for n in counts]
-        fits.append(fit_slope([c for c, _ in points], [t for _, t in points]))
-    return fits[0], fits[1]
+                times[chain][0].append(forward)
+                times[chain][1].append(backward)
+    median = {c: (statistics.median(t[0]), statistics.median(t[1])) for c, t in times.items()}
+    mixed = [c for c in chains if c[0] == "mixed"]
+    passing = [c for c in chains if c[0] == "pass"]
+    forward = fit_slope([counts[c][0] for c in mixed], [median[c][0] for c in mixed])
+    node = fit_slope([counts[c][1] for c in passing], [median[c][1] for c in passing])
+    op = fit_slope(
+        [counts[c][2] for c in mixed],
+        [median[c][1] - max(node.slope, 0.0) * counts[c][1] for c in mixed],
+    )
+    return forward, node, op
 
 
-def _counts(x: torch.Tensor, length: int) -> tuple[int, int]:
-    """(ATen operations forward, autograd nodes backward) of one chain and its sum, counted as
-    the fold counts a graph's nodes."""
+def _counts(x: torch.Tensor, kind: str, length: int) -> tuple[int, int, int]:
+    """(ATen operations forward, autograd nodes backward, ATen operations they run) of one chain
+    and its sum, counted as the fold counts a graph's nodes (the leaf's `AccumulateGrad`: one
+    node, one operation)."""
     with torch.enable_grad():
-        forward, (out,) = count_forward(lambda: (_chain(x, length).sum(),))
-    return forward, count_backward([out], stop=(), activations={id(x)}, weights=set())[0] + 1
+        forward, (out,) = count_forward(lambda: (_chain(x, kind, length).sum(),))
+    nodes = count_backward([out], stop=(), activations={id(x)}, weights=set())[0]
+    return forward, nodes + 1, count_grad_ops([out], [x]) + 1

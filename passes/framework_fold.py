@@ -2,18 +2,23 @@
 
 **Counting.** Each compute node runs once alone (`node_runner.NodeCall`, on the values of a full
 forward pass). Its forward runs under a `TorchDispatchMode` that counts the ATen operations
-reaching the kernels: a Linear is `t` and `addmm` (2), a ReLU 1, a view 1; a composite operator
-counts as what it decomposes into. Its backward nodes are counted on the autograd graph its
-outputs hold, walked back to its inputs: every node it created (not the inputs' own history, not
-the leaves' `AccumulateGrad`), plus one `AccumulateGrad` per trainable parameter tensor the node
-owns (its first user, as the memory pass charges parameters), which the whole backward runs
-once. A split backward's parts count the nodes on a path to the activation inputs (I) and to the
-weights (W, with the `AccumulateGrad`s): a Linear's `AddmmBackward0` is in both, so I + W may
-exceed the fused count, as their measured times may.
+reaching the kernels: a Linear is `t` and `addmm` (2), a ReLU 2 (`relu`, and the `detach`
+autograd makes of the output it saves), a view 1; a composite operator counts as what it
+decomposes into. Its backward nodes are counted on the autograd graph its outputs hold, walked
+back to its inputs: every node it created (not the inputs' own history, not the leaves'
+`AccumulateGrad`), plus one `AccumulateGrad` per trainable parameter tensor the node owns (its
+first user, as the memory pass charges parameters), which the whole backward runs once; the
+operations those nodes run are counted by the same mode around `torch.autograd.grad` of the
+node alone (an `AccumulateGrad` runs one). A split backward's parts count the nodes on a path to
+the activation inputs (I) and to the weights (W, with the `AccumulateGrad`s) and the operations
+of a grad call to each: a Linear's `AddmmBackward0` is in both, so I + W may exceed the fused
+count, as their measured times may. A node's framework seconds are
+`nodes * backward_node_s + operations * backward_op_s` backward, `operations * forward_op_s`
+forward.
 
 **Folding, analytic costs** (`profile=False`): the roofline's fixed `overhead_s` per direction is
-replaced by the counted operations times their calibrated cost:
-`time = max(flops / peak, bytes / bandwidth) + count * cost`.
+replaced by the node's framework seconds:
+`time = max(flops / peak, bytes / bandwidth) + framework`.
 
 **Folding, profiled costs**: the profile already holds every operation's framework cost, so
 adding it again would count it twice. The forward is timed in place, node by node, with autograd
@@ -24,13 +29,14 @@ proportion to each node's backward timed alone less the fixed cost of a `torch.a
 call, so a node whose backward is mostly framework gets little or nothing and large nodes absorb
 the rest. The fold carves the framework share out of that same total:
 
-    backward_i = n_i * cost * q + compute_i * s
-    compute_i  = max(alone_i - (k_i - 1) * cost, 0)
+    backward_i = framework_i * q + compute_i * s
+    compute_i  = max(alone_i - isolated_i, 0)
 
-where `n_i` is the node's backward count, `k_i` the nodes its isolated backward ran (no
-`AccumulateGrad`; the subtracted grad call's calibration ran one node, hence `- 1`), `alone_i`
-its isolated time less the grad call (the profile's `backward_s` over its in-context scale), and
-`s` the factor that makes the sum the measured whole again. `q` is 1, unless the counted
+where `framework_i` is the node's framework seconds in context, `isolated_i` those of its
+isolated backward less one node of one operation (no `AccumulateGrad`; the subtracted grad
+call's calibration, a view, ran one node of one operation), `alone_i` its isolated time less
+the grad call (the profile's `backward_s` over its in-context scale), and `s` the factor that
+makes the sum the measured whole again. `q` is 1, unless the counted
 framework cost exceeds the whole backward measured (then `q` < 1 scales it down to fit and the
 compute shares are 0) or no node has compute left (then `q` > 1 spreads the whole by counts). The
 split parts are carved the same way with their own counts and `s`. Totals stay the measured
@@ -87,14 +93,18 @@ Times = tuple[float, float, float, float]  # forward, backward, backward_input, 
 @dataclass(frozen=True)
 class OperationCounts:
     """What a node runs: ATen operations forward; autograd nodes of its fused backward and of a
-    split backward's two parts (`accumulate`, the `AccumulateGrad`s of the parameter tensors it
-    owns, included in `backward` and `backward_weight`)."""
+    split backward's two parts, and the ATen operations each runs (`*_ops`); `accumulate`, the
+    `AccumulateGrad`s of the parameter tensors it owns, one node and one operation each,
+    included in the fused backward's and W's counts."""
 
     forward: int = 0
     backward: int = 0
     backward_input: int = 0
     backward_weight: int = 0
     accumulate: int = 0
+    backward_ops: int = 0
+    backward_input_ops: int = 0
+    backward_weight_ops: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +175,15 @@ def count_backward(
     return len(counted), sum("a" in k for k in counted), sum("w" in k for k in counted)
 
 
+def count_grad_ops(outputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> int:
+    """ATen operations `torch.autograd.grad(outputs, targets)` runs (the output gradients, ones,
+    made beforehand; the graph retained)."""
+    grads = [torch.ones_like(t) for t in outputs]
+    with _Counter() as counter:
+        torch.autograd.grad(outputs, targets, grads, retain_graph=True, allow_unused=True)
+    return counter.ops
+
+
 def count_node(call: NodeCall, accumulate: int = 0) -> OperationCounts:
     """Count one node's operations (module docstring); `accumulate`: parameter tensors it owns."""
     args, kwargs, activations, weights = call.split_inputs()
@@ -173,12 +192,18 @@ def count_node(call: NodeCall, accumulate: int = 0) -> OperationCounts:
     with torch.enable_grad():
         forward, out = count_forward(lambda: call.forward(args, kwargs))
     outputs = differentiable_outputs(out)
+    a = accumulate
     if not (outputs and (activations or weights)):
-        return OperationCounts(forward, accumulate, 0, accumulate, accumulate)
+        return OperationCounts(forward, a, 0, a, a, a, 0, a)
     ids = {id(t) for t in activations}, {id(t) for t in weights}
     total, to_input, to_weight = count_backward(outputs, stop, *ids)
+    ops = count_grad_ops(outputs, activations + weights)
+    input_ops = count_grad_ops(outputs, activations) if activations and weights else 0
+    weight_ops = count_grad_ops(outputs, weights) if activations and weights else 0
+    if not (activations and weights):  # one kind: the whole backward is that part
+        input_ops, weight_ops = (ops, 0) if activations else (0, ops)
     return OperationCounts(
-        forward, total + accumulate, to_input, to_weight + accumulate, accumulate
+        forward, total + a, to_input, to_weight + a, a, ops + a, input_ops, weight_ops + a
     )
 
 
@@ -237,9 +262,24 @@ def annotate_framework(
 
 
 def _framework(c: OperationCounts, cost: FrameworkCost, q: float = 1.0) -> Times:
-    b = cost.backward_node_s * q
-    f = cost.forward_op_s
-    return (c.forward * f, c.backward * b, c.backward_input * b, c.backward_weight * b)
+    """Forward, backward, I and W framework seconds of `c` (the backward's times `q`)."""
+    node, op = cost.backward_node_s * q, cost.backward_op_s * q
+    return (
+        c.forward * cost.forward_op_s,
+        c.backward * node + c.backward_ops * op,
+        c.backward_input * node + c.backward_input_ops * op,
+        c.backward_weight * node + c.backward_weight_ops * op,
+    )
+
+
+def _isolated(c: OperationCounts, cost: FrameworkCost) -> tuple[float, float, float]:
+    """The framework seconds of the backward, I and W run alone, less what the subtracted grad
+    call's calibration (a view: one node of one operation) already took off; none of them runs
+    the `AccumulateGrad`s."""
+    node, op, a = cost.backward_node_s, cost.backward_op_s, c.accumulate
+    parts = ((c.backward - a, c.backward_ops - a), (c.backward_input, c.backward_input_ops),
+             (c.backward_weight - a, c.backward_weight_ops - a))  # fmt: skip
+    return tuple(max(n - 1, 0) * node + max(o - 1, 0) * op for n, o in parts)
 
 
 def fold_analytic(
@@ -270,16 +310,14 @@ def fold_profiled(
     """(folded times, framework shares, q): the backward's framework share carved out of the
     measured whole (module docstring); forwards unchanged. The folded backwards sum to
     `whole_backward_s` (the profile's sum) whenever some node has a backward count."""
-    c = cost.backward_node_s
     compute: dict[str, tuple[float, float, float]] = {}
     for name, (_, b, i, w) in times.items():
-        n = counts[name]
-        isolated = (n.backward - n.accumulate, n.backward_input, n.backward_weight - n.accumulate)
+        isolated = _isolated(counts[name], cost)
         compute[name] = tuple(
-            max((x / backward_scale if backward_scale > 0 else 0.0) - max(k - 1, 0) * c, 0.0)
-            for x, k in zip((b, i, w), isolated, strict=True)
+            max((x / backward_scale if backward_scale > 0 else 0.0) - f, 0.0)
+            for x, f in zip((b, i, w), isolated, strict=True)
         )
-    framework = math.fsum(n.backward * c for n in counts.values())
+    framework = math.fsum(_framework(n, cost)[1] for n in counts.values())
     work = math.fsum(p[0] for p in compute.values())
     rest = whole_backward_s - framework
     if framework > 0 and (rest < 0 or work <= 0):

@@ -29,18 +29,20 @@ from pdcompile.passes.framework_cost import Fit, FrameworkCost, calibrate, fit_s
 from pdcompile.passes.framework_fold import OperationCounts, fold_profiled
 
 COST = FrameworkCost(
-    forward_op_s=1e-6, backward_node_s=2e-6, spread=(0.0, 0.0), device="cpu", num_threads=1,
-    torch_version=torch.__version__, host="test", measured_at="2025-01-01T00:00:00+00:00",
+    forward_op_s=1e-6, backward_node_s=2e-6, backward_op_s=5e-7, spread=(0.0, 0.0, 0.0),
+    device="cpu", num_threads=1, torch_version=torch.__version__, host="test",
+    measured_at="2025-01-01T00:00:00+00:00",
 )  # fmt: skip
 
 
-def scripted(monkeypatch, forward: float = 3e-6, backward: float = 4e-6) -> list[int]:
-    """Calibrations measure nothing: their fits are these slopes. Returns the call counter."""
+def scripted(monkeypatch) -> list[int]:
+    """Calibrations measure nothing: their slopes are 3 us per operation forward, 4 us per node
+    and 1 us per operation backward. Returns the call counter."""
     calls = [0]
 
     def measure(device, repeats, warmup):
         calls[0] += 1
-        return Fit(forward, 1e-5, 0.01), Fit(backward, 2e-5, 0.02)
+        return Fit(3e-6, 1e-5, 0.01), Fit(4e-6, 2e-5, 0.02), Fit(1e-6, 0.0, 0.03)
 
     monkeypatch.setattr(framework_cost, "_measure", measure)
     return calls
@@ -85,13 +87,15 @@ def counts_of(model: nn.Module, *inputs: torch.Tensor) -> tuple[torch.fx.GraphMo
 
 def test_operations_are_counted_exactly_on_known_nodes() -> None:
     _, counts = counts_of(Net(), torch.randn(4, 8))
-    # forward: t + addmm; backward: AddmmBackward0, TBackward0 and two AccumulateGrads (weight,
-    # bias); the data needs no gradient, so all of it is W
-    assert counts["fc1"] == OperationCounts(2, 4, 0, 4, 2)
-    # relu and the detach autograd makes of the output it saves; ReluBackward0, all I
-    assert counts["relu"] == OperationCounts(2, 1, 1, 0, 0)
-    # both kinds: AddmmBackward0 computes I and W alike, so it is in both parts
-    assert counts["fc2"] == OperationCounts(2, 4, 1, 4, 2)
+    # forward: t + addmm; backward: AddmmBackward0 (t, mm, t, sum, view, t: the data needs no
+    # gradient) and TBackward0 (t), and two AccumulateGrads (weight, bias) of one operation each;
+    # all of it is W
+    assert counts["fc1"] == OperationCounts(2, 4, 0, 4, 2, 8, 0, 8)
+    # relu and the detach autograd makes of the output it saves; ReluBackward0 (unpacking it,
+    # threshold_backward), all I
+    assert counts["relu"] == OperationCounts(2, 1, 1, 0, 0, 2, 2, 0)
+    # both kinds: AddmmBackward0 computes I and W alike, so it is in both parts; I runs t and mm
+    assert counts["fc2"] == OperationCounts(2, 4, 1, 4, 2, 10, 2, 8)
     assert counts["x"] == counts["output"] == OperationCounts()
 
 
@@ -126,8 +130,12 @@ def test_calibration_off_leaves_analytic_times_and_on_replaces_the_overhead_exac
     for n in gm.graph.nodes:
         c, a = n.meta[FRAMEWORK_OPS], on.graph.nodes[n.name]
         times = (*n.meta[ANALYTIC_S], *n.meta[ANALYTIC_SPLIT_S])
-        counted = (c.forward * 1e-6, *(k * 2e-6 for k in (c.backward, c.backward_input,
-                                                          c.backward_weight)))  # fmt: skip
+        counted = (
+            c.forward * 1e-6,
+            c.backward * 2e-6 + c.backward_ops * 5e-7,
+            c.backward_input * 2e-6 + c.backward_input_ops * 5e-7,
+            c.backward_weight * 2e-6 + c.backward_weight_ops * 5e-7,
+        )
         for attr, t, k in zip(("forward_s", "backward_s", "backward_input_s",
                                "backward_weight_s"), times, counted, strict=True):  # fmt: skip
             assert a[attr] == pytest.approx((t - overhead if t > 0 else 0.0) + k, rel=1e-12)
@@ -143,7 +151,7 @@ def test_calibration_off_leaves_analytic_times_and_on_replaces_the_overhead_exac
 
 
 def test_the_profiled_fold_carves_the_framework_out_of_the_measured_backward() -> None:
-    cost = FrameworkCost(0.5, 1.0, (0.0, 0.0), "cpu", 1, "t", "h", "2025-01-01T00:00:00")
+    cost = FrameworkCost(0.5, 1.0, 0.0, (0.0, 0.0, 0.0), "cpu", 1, "t", "h", "2025-01-01T00:00")
     counts = {"a": OperationCounts(2, 4, 1, 4, 2), "b": OperationCounts(2, 1, 1, 0, 0)}
     # a's backward alone (less the grad call) was 5, I 3, W 2.5, scaled by 2 to the whole's 10;
     # b's was below resolution (0)
@@ -162,6 +170,12 @@ def test_the_profiled_fold_carves_the_framework_out_of_the_measured_backward() -
     quiet = {"a": (1.0, 0.0, 0.0, 0.0), "b": (1.0, 0.0, 0.0, 0.0)}
     folded, _, q = fold_profiled(quiet, counts, cost, 10.0, 1.0)
     assert q == 2.0 and (folded["a"][1], folded["b"][1]) == (8.0, 2.0)
+    # operations count too: a's 6 in context (2 in its AccumulateGrads), 4 of them alone, less
+    # the grad call's 1: 3 x 0.25 more taken off its alone time, 6 x 0.25 more framework
+    ops = {"a": replace(counts["a"], backward_ops=6), "b": counts["b"]}
+    folded, share, _ = fold_profiled(times, ops, replace(cost, backward_op_s=0.25), 10.0, 2.0)
+    assert share["a"][1] == 4.0 + 1.5 and share["b"][1] == 1.0
+    assert folded["a"][1] == pytest.approx(5.5 + (4 - 0.75) * (10 - 6.5) / (4 - 0.75))
 
 
 def test_profiled_costs_keep_their_totals_and_forwards(tmp_path, monkeypatch) -> None:
@@ -179,7 +193,8 @@ def test_profiled_costs_keep_their_totals_and_forwards(tmp_path, monkeypatch) ->
     assert on.totals()["backward_s"] == pytest.approx(off.totals()["backward_s"], rel=1e-9)
     q = on.meta["framework"]["scale"]
     for name, c in counts.items():  # every node at least its framework share
-        assert on.graph.nodes[name]["backward_s"] >= c.backward * 2e-6 * q * (1 - 1e-9)
+        share = (c.backward * 2e-6 + c.backward_ops * 5e-7) * q
+        assert on.graph.nodes[name]["backward_s"] >= share * (1 - 1e-9)
     assert on.meta["framework"]["mode"] == "profile"
 
 
@@ -188,7 +203,8 @@ def test_the_calibration_is_cached_with_its_provenance(tmp_path, monkeypatch) ->
     first = calibrate(cache=tmp_path)
     (path,) = tmp_path.glob("framework-*.json")
     assert calls[0] == 1 and not first.cached and first.cache_path == str(path)
-    assert (first.forward_op_s, first.backward_node_s, first.spread) == (3e-6, 4e-6, (0.01, 0.02))
+    assert (first.forward_op_s, first.backward_node_s, first.backward_op_s) == (3e-6, 4e-6, 1e-6)
+    assert first.spread == (0.01, 0.02, 0.03)
     assert first.host == platform.node() and first.torch_version == torch.__version__
     assert first.device == "cpu" and first.num_threads == 1
     assert datetime.fromisoformat(first.measured_at).tzinfo is not None
@@ -197,7 +213,9 @@ def test_the_calibration_is_cached_with_its_provenance(tmp_path, monkeypatch) ->
 
     second = calibrate(cache=tmp_path)
     assert calls[0] == 1 and second.cached and second == replace(first, cached=True)
-    assert "3 us per op forward, 4 us per node backward (cpu, 1 thread" in second.origin()
+    assert "3 us per op forward, 4 us per node + 1 us per op backward (cpu, 1 thread" in (
+        second.origin()
+    )
     assert f"cached in {path}" in second.origin()
     calibrate(cache=tmp_path, num_threads=2)  # another thread count is another calibration
     assert calls[0] == 2 and len(list(tmp_path.glob("framework-*.json"))) == 2
@@ -215,8 +233,10 @@ def test_the_calibration_is_cached_with_its_provenance(tmp_path, monkeypatch) ->
 def test_a_real_calibration_is_quick_and_counts_its_chains() -> None:
     x = torch.rand(16).add_(0.5).requires_grad_()
     # mul, add, relu (+ the detach of its saved output), view, then the sum; backward: their
-    # five nodes and the leaf's AccumulateGrad
-    assert framework_cost._counts(x, 4) == (6, 6)
+    # five nodes and the leaf's AccumulateGrad, running mul, (add: none), detach and
+    # threshold_backward, view, expand (the sum's) and the accumulation
+    assert framework_cost._counts(x, "mixed", 4) == (6, 6, 6)
+    assert framework_cost._counts(x, "pass", 4) == (5, 6, 2)  # the adds run nothing backward
     cost = calibrate(cache=False, repeats=3, warmup=1, refresh=True)
     assert cost.forward_op_s >= 0 and cost.backward_node_s >= 0 and cost.cache_path is None
     assert calibrate(cache=False) is cost  # measured once per process without a disk cache
@@ -230,13 +250,15 @@ def test_cli_calibrate_prints_the_costs_and_where_they_are_kept(capsys, tmp_path
     assert main(["calibrate", "--json", str(out_json)]) == 0
     out, err = capsys.readouterr()
     (path,) = tmp_path.glob("framework-*.json")
-    assert "per ATen operation" in out and "3.00 us" in out and "4.00 us" in out
+    assert (
+        "per ATen operation" in out and "3.00 us" in out and "4.00 us" in out and "1.00 us" in out
+    )
     assert "cached in" in out and f"wrote {out_json}" in err
     saved = FrameworkCost.from_dict(json.loads(out_json.read_text()))
     assert saved.cache_path == str(path) and saved.backward_node_s == 4e-6
 
     code = main(["profile", "pdcompile.zoo:mlp", "--analytic", "--calibration", "on"])
     out, _ = capsys.readouterr()
-    assert code == 0 and "framework cost folded in (analytic): 3 us per op forward" in out
+    assert code == 0 and "framework cost folded in (analytic): 3 us per op forward, 4 us" in out
     assert main(["profile", "pdcompile.zoo:mlp", "--analytic"]) == 0
     assert "framework cost folded" not in capsys.readouterr().out

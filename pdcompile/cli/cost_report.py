@@ -137,7 +137,8 @@ def framework_line(graph: CostGraph) -> str | None:
     )
     return (
         f"framework cost folded in ({how}): {cost['forward_op_s'] * 1e6:.3g} us per op forward, "
-        f"{cost['backward_node_s'] * 1e6:.3g} us per autograd node backward, {share}; "
+        f"{cost['backward_node_s'] * 1e6:.3g} us per autograd node and "
+        f"{cost['backward_op_s'] * 1e6:.3g} us per op backward, {share}; "
         f"calibrated on {cost['host']} ({cost['device']}, {_threads(cost['num_threads'])}, torch "
         f"{cost['torch_version']}) at {cost['measured_at']}, {where}"
     )
@@ -152,6 +153,8 @@ def calibration_table(cost: FrameworkCost) -> Table:
                   f"{cost.spread[0]:.2f}")  # fmt: skip
     table.add_row("backward, per autograd node", human_seconds(cost.backward_node_s),
                   f"{cost.spread[1]:.2f}")  # fmt: skip
+    table.add_row("backward, per ATen operation", human_seconds(cost.backward_op_s),
+                  f"{cost.spread[2]:.2f}")  # fmt: skip
     where = f"cached in {cost.cache_path}" if cost.cache_path else "not cached"
     table.caption = (
         f"{cost.device}, {_threads(cost.num_threads)}, torch {cost.torch_version}, "
