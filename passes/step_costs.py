@@ -14,7 +14,8 @@ stage's update runs, `runtime/worker.py`) of the very optimizer (a name, or the 
 parameters the node owns (a tied one: its first user), gradients set before each repeat. The
 optimizer's fixed cost per `step()` call (`call_s`: fitted over steps of 1 to 16 one-element
 tensors) is taken off each node, so that a stage's sum of its nodes counts the tensors' work
-and not one call per node; the stage's one call is left out (tens of microseconds on a CPU).
+and not one call per node; the stage's one call is priced once, from the CostGraph's
+`meta["optimizer_call_s"]` (`evaluation.price`).
 Nodes with the same tensor sizes are timed once, and the times are cached per optimizer,
 device, thread count and torch version (`optimizer-<key>.json` beside the profile cache), so a
 second analysis prices the step the same. Without profiling: the bytes the update reads and
@@ -23,7 +24,8 @@ memory bandwidth, plus its per-operation overhead per tensor.
 
 Reads `gm.meta["pdcompile.param_table"]`. Writes `pdcompile.optimizer_s` (float seconds) on
 every node, and `gm.meta["pdcompile.loss_s"]` (`(forward, backward)` seconds per batch, or None
-when no loss was given) and `gm.meta["pdcompile.optimizer_priced"]` (the optimizer's name).
+when no loss was given), `gm.meta["pdcompile.optimizer_priced"]` (the optimizer's name) and
+`gm.meta["pdcompile.optimizer_call_s"]` (its fixed seconds per `step()` call; 0.0 modelled).
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdcompile.errors import CostError
-from pdcompile.ir import LOSS_S, OPTIMIZER_PRICED, OPTIMIZER_S, PARAM_TABLE, iter_tensors
+from pdcompile.ir import (
+    LOSS_S,
+    OPTIMIZER_CALL_S,
+    OPTIMIZER_PRICED,
+    OPTIMIZER_S,
+    PARAM_TABLE,
+    iter_tensors,
+)
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.flop_rules import flop_counter
 from pdcompile.passes.profile_cache import default_cache_dir
@@ -158,8 +167,11 @@ def annotate_optimizer(
     """
     info = describe_optimizer(optimizer)
     sizes = _owned_sizes(gm)
+    call_s = 0.0
     if profile:
-        times = _timed_steps(optimizer, info, sizes, device, num_threads, warmup, repeats, cache)
+        times, call_s = _timed_steps(
+            optimizer, info, sizes, device, num_threads, warmup, repeats, cache
+        )
     else:
         state = {"sgd": 0, "momentum": 1, "adam": 2}[info.kind]
         times = {key: _modelled_step(key, state, device_model) for key in set(sizes.values())}
@@ -167,6 +179,7 @@ def annotate_optimizer(
         key = sizes.get(node.name)
         node.meta[OPTIMIZER_S] = float(times[key]) if key else 0.0
     gm.meta[OPTIMIZER_PRICED] = info.name
+    gm.meta[OPTIMIZER_CALL_S] = float(call_s) if sizes else 0.0
     return gm
 
 
@@ -211,8 +224,9 @@ def _timed_steps(
     warmup: int,
     repeats: int,
     cache: bool | str | Path,
-) -> dict[Sizes, float]:
-    """Seconds of one step over each distinct set of tensors, less the fixed cost per call."""
+) -> tuple[dict[Sizes, float], float]:
+    """Seconds of one step over each distinct set of tensors, less the fixed cost per call;
+    and that cost."""
     factory = optimizer_factory(optimizer)
     path = _cache_path(cache, info.key, device, num_threads, warmup, repeats)
     cached = _read(path)
@@ -230,7 +244,7 @@ def _timed_steps(
         finally:
             torch.set_num_threads(threads)
         _write(path, cached)
-    return {s: cached["steps"][_key(s)] for s in wanted}
+    return {s: cached["steps"][_key(s)] for s in wanted}, cached["call_s"]
 
 
 def _step_time(

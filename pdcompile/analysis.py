@@ -22,6 +22,7 @@ from pdcompile.ir import (
     INPUTS,
     LOSS_S,
     OPTIMIZER,
+    OPTIMIZER_CALL_S,
     OPTIMIZER_PRICED,
     PROFILE,
 )
@@ -199,6 +200,7 @@ def analyze(
     graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta, measured=profile)
     graph.loss_forward_s, graph.loss_backward_s = gm.meta[LOSS_S] or (0.0, 0.0)
     graph.optimizer = gm.meta[OPTIMIZER_PRICED]
+    graph.meta = {**graph.meta, "optimizer_call_s": gm.meta[OPTIMIZER_CALL_S]}
     return coarsen_layers(graph, coarsen) if coarsen else graph
 
 

@@ -167,6 +167,23 @@ def parameter_layout(
     return tensors, tuple(ties)
 
 
+def optimizer_call_s(cost_graph: CostGraph) -> float:
+    """The optimizer's fixed seconds per `step()` call (`meta["optimizer_call_s"]`, written by
+    `analyze`; 0 without), which a stage with parameters to update pays once per update on
+    top of its nodes' `optimizer_s`.
+
+    Raises:
+        PartitionError: the entry is not a number >= 0.
+    """
+    value = cost_graph.meta.get("optimizer_call_s", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise PartitionError(
+            f"the CostGraph's meta has optimizer_call_s={value!r}; it must be seconds >= 0: "
+            "remove it or profile again with pdcompile.analyze"
+        )
+    return float(value)
+
+
 def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str, int]:
     """Raise PartitionError unless `plan` places every node of `cost_graph` once, in a stage
     order the edges respect, on valid ranks of `cluster`; returns node -> stage."""
@@ -275,6 +292,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     silent = no_grad_pairs(cost_graph, stage_of)
     stages = []
     tensors, ties = parameter_layout(cost_graph, stage_of)
+    call = optimizer_call_s(cost_graph)
     for s in plan.stages:
         sums = node_sums(cost_graph, s.nodes)
         speed = cluster.device_speed(s.ranks)
@@ -294,7 +312,9 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         ring = prices.ring_s(
             sums.grad_bytes, s.replicas, cluster.bandwidth(s.ranks[0], s.ranks[-1])
         )
-        update = prices.update_s(sums.optimizer_s / speed, every)
+        # one step() call per update, over the stage's nodes' tensors
+        optimizer = (sums.optimizer_s + call) / speed if sums.optimizer_s > 0 else 0.0
+        update = prices.update_s(optimizer, every)
         stages.append(
             Stage(
                 index=s.index, nodes=s.nodes, replicas=s.replicas, ranks=s.ranks,
@@ -310,7 +330,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
                 grad_bytes=sums.grad_bytes, weight_bytes=sums.weight_bytes,
                 param_tensors=tensors[s.index],
                 no_grad_from=tuple(sorted(a for a, d in silent if d == s.index)),
-                loss_s=sums.loss_s / speed, optimizer_s=sums.optimizer_s / speed,
+                loss_s=sums.loss_s / speed, optimizer_s=optimizer,
             )
         )  # fmt: skip
     predicted = bottleneck(stages)
@@ -321,7 +341,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     dp_time = prices.data_parallel_time(
         (total.compute_s + total.loss_s) / min(speeds), total.grad_bytes, everyone,
         cluster.bandwidth(0, everyone - 1), prices.updates_every(rules.name, everyone, m),
-        total.optimizer_s / min(speeds),
+        (total.optimizer_s + call if total.optimizer_s > 0 else 0.0) / min(speeds),
     )  # fmt: skip
     return plan.with_(
         stages=tuple(stages), cluster=cluster, schedule=rules.name, num_microbatches=m,

@@ -56,6 +56,7 @@ AUTO_LEAVES = "pdcompile.auto_leaves"  # tuple[(qualified name, reason), ...]
 PARAM_TABLE = "pdcompile.param_table"  # tuple[ParamInfo, ...], one per distinct tensor
 OPTIMIZER = "pdcompile.optimizer"  # "sgd" | "momentum" | "adam": what OPTIMIZER_BYTES assumes
 OPTIMIZER_PRICED = "pdcompile.optimizer_priced"  # str: the optimizer OPTIMIZER_S timed
+OPTIMIZER_CALL_S = "pdcompile.optimizer_call_s"  # float: its fixed cost per step() call
 LOSS_S = "pdcompile.loss_s"  # (forward, backward) seconds of the loss per batch, or None
 DEVICE_MODEL = "pdcompile.device_model"  # DeviceModel behind ANALYTIC_S
 PROFILE = "pdcompile.profile"  # ProfileSettings behind MEASURED_S

@@ -17,7 +17,7 @@ from torch import nn
 import pdcompile
 from pdcompile.cluster import Cluster, RuntimeCosts
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import CostError
+from pdcompile.errors import CostError, PartitionError
 from pdcompile.passes.coarsening import coarsen
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.step_costs import describe_optimizer
@@ -217,6 +217,18 @@ def test_the_simulated_step_grows_by_m_losses_and_one_optimizer_step() -> None:
     assert streaming.stages[0].time_s == pytest.approx(without.stages[0].time_s + 2.0)
 
 
+def test_a_stage_pays_the_optimizers_call_once_per_update() -> None:
+    costs = chain(optimizer_s=0.5)
+    costs.meta = {**costs.meta, "optimizer_call_s": 0.25}
+    plan = pdcompile.evaluate(pdcompile.plan(chain(), "2", replica_counts=(1,)), costs)
+    assert [s.optimizer_s for s in plan.stages] == [1.25, 1.25]  # 2 nodes' steps + one call
+    assert one_stage(costs).stages[0].optimizer_s == 2.25
+    assert one_stage(costs).step_time == pytest.approx(one_stage(chain()).step_time + 2.25)
+    costs.meta["optimizer_call_s"] = -1
+    with pytest.raises(PartitionError, match="optimizer_call_s=-1; it must be seconds >= 0"):
+        one_stage(costs)
+
+
 def test_the_measured_step_replaces_the_memory_traffic_estimate() -> None:
     cluster = Cluster([(1, 1e9)], runtime=RuntimeCosts(memory_bandwidth=1e6, tensor_s=1e-3))
     estimated = pdcompile.evaluate(one_stage(chain()), chain(), cluster=cluster)
@@ -347,6 +359,7 @@ def test_optimizer_step_per_node_modelled_exactly_and_timed_by_size(tmp_path: Pa
     step = {n: timed.graph.nodes[n]["optimizer_s"] for n in ("embed", "body", "head")}
     # 1 MiB of weights against 1 KiB: the step follows the bytes
     assert step["embed"] > 4 * step["body"] and step["head"] > 4 * step["body"]
+    assert timed.meta["optimizer_call_s"] >= 0.0 and costs.meta["optimizer_call_s"] == 0.0
     again = pdcompile.analyze(gm, (x,), optimizer="adam", cache=tmp_path, progress=False,
                               calibration=False)  # fmt: skip
     assert all(again.graph.nodes[n]["optimizer_s"] == s for n, s in step.items())  # cached
