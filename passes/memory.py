@@ -15,6 +15,12 @@ part I of a split backward, until its weight-gradient part W: a Linear's input, 
 input and statistics (`weight_grad_reads`). They are charged, like the activations, to the node
 they are charged to (so a node's share is at most its `activation_bytes`).
 
+With a loss function and targets, what the loss saves for its backward on the model's output (a
+cross-entropy's log-softmax, the size of the logits) is charged to the `output` node: the last
+stage keeps it for every microbatch in flight, as it keeps its nodes' activations. It is freed
+by the input-gradient part I of a split backward (autograd runs it first), so it is not in
+`weight_grad_activation_bytes`.
+
 Reads `pdcompile.params`, `pdcompile.param_table`. Writes on every node `pdcompile.param_bytes`,
 `pdcompile.grad_bytes`, `pdcompile.optimizer_bytes`, `pdcompile.buffer_bytes`,
 `pdcompile.activation_bytes`, `pdcompile.weight_grad_activation_bytes` (ints), and
@@ -23,11 +29,12 @@ Reads `pdcompile.params`, `pdcompile.param_table`. Writes on every node `pdcompi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from pdcompile.errors import CostError
 from pdcompile.ir import (
@@ -53,9 +60,15 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 def annotate_memory(
-    gm: fx.GraphModule, inputs: Mapping[str, torch.Tensor], optimizer: str = "sgd"
+    gm: fx.GraphModule,
+    inputs: Mapping[str, torch.Tensor],
+    optimizer: str = "sgd",
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    targets: Any = None,
 ) -> fx.GraphModule:
-    """Write the memory keys on every node of `gm`, measuring activations on `inputs`.
+    """Write the memory keys on every node of `gm`, measuring activations on `inputs` (and,
+    with `loss_fn` and `targets` for the example's rows, what the loss saves, on the `output`
+    node).
 
     Raises:
         CostError: an unknown optimizer kind.
@@ -103,8 +116,11 @@ def annotate_memory(
     args = [inputs[p.target] for p in gm.graph.find_nodes(op="placeholder")]
     with preserved_state(gm), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            Recorder(gm).run(*args)
+            output = Recorder(gm).run(*args)
         kept = _kept_for_weight_grads(gm, values, saved_by)
+        if loss_fn is not None and targets is not None:
+            (out,) = gm.graph.find_nodes(op="output")
+            out.meta[ACTIVATION_BYTES] += _loss_bytes(output, loss_fn, targets, state, charged)
     for node in gm.graph.nodes:
         node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] = 0
     for key in kept - state:
@@ -131,3 +147,40 @@ def _kept_for_weight_grads(
         else:
             kept.update(keys[i] for i in reads)
     return kept
+
+
+def _loss_bytes(
+    output: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    targets: Any,
+    state: set[int],
+    charged: dict[int, Any],
+) -> int:
+    """Bytes of the storages `loss_fn(output, targets)` saves that the graph did not save
+    already (the output is detached into leaves, as the last stage's outputs are tensors its
+    graph produced). A loss that fails here is left to the loss pass, which reports it."""
+    device = next((t.device for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)),
+                  None)  # fmt: skip
+
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().requires_grad_(True)
+        return t
+
+    def moved(t: Any) -> Any:
+        return t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
+
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in state and key not in charged:
+            seen.setdefault(key, tensor.untyped_storage().nbytes())
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_fn(pytree.tree_map(leaf, output), pytree.tree_map(moved, targets))
+    except Exception:
+        return 0
+    return sum(seen.values())

@@ -149,7 +149,7 @@ def analyze(
 
     kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
     passes: list[tuple[str, Callable[[], Any]]] = [
-        ("memory", lambda: annotate_memory(gm, inputs, kind)),
+        ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets)),
         ("analytic", lambda: annotate_analytic(gm, inputs, model)),
     ]
     if profile:

@@ -16,6 +16,7 @@ from pdcompile.evaluation import rescore
 from pdcompile.microbatch_search import counts_table
 from pdcompile.pictures.gantt import bubble_fraction
 from pdcompile.plans import Plan
+from pdcompile.runtime import memory_probe
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
@@ -42,6 +43,7 @@ class PipelinedModule:
         self._scored: Plan | None = None  # the plan re-scored at the rows the first step ran
         # per step: perf_counter at its start, seconds, rows
         self._measured: deque[tuple[float, float, int]] = deque(maxlen=_KEEP_STEPS)
+        self._probes: dict[int, memory_probe.MemoryProbe] = {}  # measure_memory(True)
         self.restarted()
 
     def restarted(self) -> None:
@@ -49,6 +51,8 @@ class PipelinedModule:
         self._scored = None
         for worker in self.pipeline.workers.values():
             worker.timeline = []
+        if self._probes:  # a move built new workers: measure them from here on
+            self._probes = memory_probe.attach(self.pipeline)
 
     def step_start(self, step: int) -> float:
         """When train step `step` (counted from 0) started, in `perf_counter` seconds (-inf
@@ -81,6 +85,8 @@ class PipelinedModule:
         args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         start = time.perf_counter()
         loss = self.pipeline.train_step(args, targets, kwargs)
+        for probe in self._probes.values():
+            probe.end_step()
         rows = batch_rows(args, kwargs)
         self._measured.append((start, time.perf_counter() - start, rows))
         if self._scored is None:
@@ -100,6 +106,27 @@ class PipelinedModule:
         holding the last stage's first replica, None on the others."""
         args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         return self.pipeline.eval_step(args, kwargs)
+
+    def measure_memory(self, on: bool = True) -> None:
+        """Measure what each rank of this process holds from the next action on (off by
+        default: the workers then pay one attribute test per action): parameters, gradients,
+        optimizer state, weight versions and saved activations, with the peak of their sum per
+        rank (`runtime/memory_probe.py`). `explain()` then shows it against the plan's
+        `rank_memory`. Switching it on again starts the measurement afresh.
+
+        Example:
+            >>> pipe.measure_memory()
+            >>> pipe.train_step(x, y)
+            >>> pipe.measured_memory[0].peak.total  # bytes
+            132608
+        """
+        memory_probe.detach(self.pipeline)
+        self._probes = memory_probe.attach(self.pipeline) if on else {}
+
+    @property
+    def measured_memory(self) -> dict[int, memory_probe.RankMemory]:
+        """Per rank of this process, what the memory probe measured so far ({} when off)."""
+        return {rank: probe.report() for rank, probe in self._probes.items()}
 
     def flush(self) -> None:
         """Complete the microbatches in flight (`pipedream`, `2bw`)."""
@@ -254,15 +281,26 @@ class PipelinedModule:
             own = sum(plan.stages[s].memory_bytes for s in timelines)
             memory = f"{human_bytes(plan.rank_memory[rank] if simulated else own)} (predicted)"
         mine = [f"bubble {bubble_fraction(events):.0%}{predicted}", f"peak memory {memory}"]
+        measured = self._explain_memory(rank)
         if len(timelines) == 1:
             [(stage, timeline)] = timelines.items()
             parts = self._explain_stage(rank, stage, timeline) + mine
-            return [f"rank {rank} (stage {stage}): " + ", ".join(parts)]
+            return [f"rank {rank} (stage {stage}): " + ", ".join(parts), *measured]
         stages = ", ".join(map(str, timelines))
-        return [f"rank {rank} (stages {stages}): " + ", ".join(mine)] + [
+        per_stage = [
             f"  stage {stage}: " + ", ".join(self._explain_stage(rank, stage, timeline))
             for stage, timeline in timelines.items()
         ]
+        return [f"rank {rank} (stages {stages}): " + ", ".join(mine), *per_stage, *measured]
+
+    def _explain_memory(self, rank: int) -> list[str]:
+        """With measure_memory(True): the rank's measured peak and its parts against the
+        plan's simulated peak and parts."""
+        probe = self._probes.get(rank)
+        if probe is None:
+            return []
+        comparison = memory_probe.compare(self.plan, {rank: probe.report()})[rank]
+        return ["  " + line for line in comparison.describe().splitlines()]
 
     def _explain_stage(self, rank: int, stage: int, events: list[Event]) -> list[str]:
         """One stage on one rank: measured times per microbatch and per update."""

@@ -348,6 +348,13 @@ class DistributedComm:
         return total
 
     @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the message buffers held: receives posted and not yet read, sends not known
+        complete (the memory probe's message buffers, `runtime/memory_probe.py`)."""
+        posted = sum(buffer.nbytes for _, buffer, _, _ in self._posted.values())
+        return posted + sum(send[1].nbytes for send in self._sends)
+
+    @property
     def pending_sends(self) -> int:
         """How many posted sends (parts of messages) are not known to be complete."""
         return len(self._sends)

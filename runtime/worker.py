@@ -26,6 +26,7 @@ from pdcompile.codegen.staged_program import Channel, StagedProgram
 from pdcompile.errors import LossError, PartitionError
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.loss_check import checked_loss
+from pdcompile.runtime.memory_probe import MemoryProbe
 from pdcompile.runtime.microbatches import Batch, Microbatch
 from pdcompile.runtime.split_backward import SplitBackward, backward_inputs, fused_reason
 from pdcompile.runtime.timeline import Event
@@ -135,6 +136,7 @@ class StageWorker:
         self.saved_buffers: list[torch.Tensor] = []  # "skip": the buffers before the step
         # a split backward: None until the first I; "" split; else why it runs fused
         self.fused: str | None = None
+        self.probe: MemoryProbe | None = None  # measures what the rank holds (memory_probe.py)
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -143,13 +145,15 @@ class StageWorker:
         list, in seconds of `time.perf_counter`)."""
         if self.timeline is None:
             getattr(self, "_" + action.kind)(action)
-            return
-        start = time.perf_counter()
-        getattr(self, "_" + action.kind)(action)
-        self.timeline.append(Event(
-            self.comm.rank, action.kind, self.stage, action.microbatch, start,
-            time.perf_counter(), action.peer,
-        ))  # fmt: skip
+        else:
+            start = time.perf_counter()
+            getattr(self, "_" + action.kind)(action)
+            self.timeline.append(Event(
+                self.comm.rank, action.kind, self.stage, action.microbatch, start,
+                time.perf_counter(), action.peer,
+            ))  # fmt: skip
+        if self.probe is not None:
+            self.probe.sample()
 
     def message(self, a: Action) -> tuple[tuple, list[Channel], int]:
         """The key, channels and rows of the message a `send` or `recv` moves."""
@@ -205,10 +209,11 @@ class StageWorker:
                 self.outputs[k] = out
             state.outputs = out
             return
-        with self._autocast():
+        with self._autocast(), self._saving(k):
             out = self._call(state, args, kwargs)
         if self.last:
-            loss = self._loss(out, mb, k)
+            with self._saving(k):
+                loss = self._loss(out, mb, k)
             self.losses[k] = float(loss.detach())
             if not math.isfinite(self.losses[k]) and self.nonfinite == "raise":
                 raise LossError(
@@ -230,6 +235,12 @@ class StageWorker:
             return contextlib.nullcontext()
         device = next(iter(self.params.values()), torch.empty(0)).device
         return torch.autocast(device.type, dtype=self.autocast)
+
+    def _saving(self, microbatch: int) -> contextlib.AbstractContextManager:
+        """With the memory probe on: what autograd saves in the block counts for `microbatch`."""
+        if self.probe is None:
+            return contextlib.nullcontext()
+        return self.probe.saving(self, microbatch)
 
     @contextlib.contextmanager
     def evaluation(self) -> Iterator[None]:

@@ -1,0 +1,292 @@
+"""The memory model checked against what the run holds (`runtime/memory_probe.py`).
+
+Single-process tier: the probe counts exactly what autograd saves (each storage once, parameters
+and weight copies not, views of the batch at their own bytes), releases it when the backward (or
+W) frees it, and reads parameters, gradients, optimizer state and weight versions from the live
+objects; `explain()` shows the measurement against the plan; a wrong model fails the comparison.
+Multi-process tier: 2 spawned gloo ranks train the MLP, the residual CNN and the GPT (dropout
+off, tied embedding) under `1f1b`, `gpipe`, `pipedream`, `2bw` and `zb-h1` (15 configurations in
+one group), and each rank's measured peak must be within 10% of `Plan.rank_memory[rank]`.
+
+Where the model is known to be wrong the configuration is marked `xfail(strict=True)` with the
+cause (docs/simulator.md, "Memory: modelled and measured"): once the model is fixed the test
+passes, the strict mark fails it, and the mark goes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from spawn import run_ranks
+
+import pdcompile
+from pdcompile import zoo
+from pdcompile.evaluation import simulated
+from pdcompile.pipelined_module import PipelinedModule
+from pdcompile.runtime import memory_probe
+from pdcompile.runtime.distributed import init_process_group
+from pdcompile.runtime.executor import DistributedPipeline
+from pdcompile.runtime.local import LocalPipeline
+from pdcompile.text import human_bytes
+
+M = 4  # microbatches per step
+STEPS = 4  # enough calls for pipedream and 2bw to reach their steady state
+TOLERANCE = 0.10
+SCHEDULES = ["1f1b", "gpipe", "pipedream", "2bw", "zb-h1"]
+
+
+def momentum(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def mlp_case() -> tuple:
+    """(model, one microbatch's inputs and targets, loss, optimizer): activations about a
+    third of a rank's memory."""
+    torch.manual_seed(0)
+    model = zoo.MLP(p=0.0).train()
+    return model, torch.randn(32, 32), torch.randint(0, 10, (32,)), F.cross_entropy, momentum
+
+
+def resnet_case() -> tuple:
+    """BatchNorm buffers, convolutions, residual adds; activations dominate."""
+    torch.manual_seed(0)
+    model = zoo.ResNet(width=8).train()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    return model, x, y, F.cross_entropy, adam
+
+
+def gpt_case() -> tuple:
+    """A tied embedding (a copy on each end), attention, and a loss the size of the logits."""
+    torch.manual_seed(0)
+    model = zoo.GPT(zoo.GPTConfig(dropout=0.0, n_layer=2)).train()
+    x, y = torch.randint(0, 128, (4, 16)), torch.randint(0, 128, (4, 16))
+    return model, x, y, token_loss, momentum
+
+
+CASES = {"mlp": mlp_case, "resnet": resnet_case, "gpt": gpt_case}
+
+# Known errors of the model, measured and explained in docs/simulator.md
+GRADS = "the model holds gradients all step; the runtime frees them at each update"
+TIED = "the last stage's copy of the tied embedding is not in its param/grad/optimizer bytes"
+SPLIT = "the runtime's split backward keeps all of a microbatch's activations from I to W"
+KNOWN = {  # beyond the tolerance (resnet gpipe: -9.5%, mlp zb-h1: +8.2%, within it)
+    ("mlp", "gpipe"): GRADS,
+    ("mlp", "pipedream"): GRADS,
+    ("resnet", "pipedream"): GRADS,
+    ("gpt", "1f1b"): TIED,
+    ("gpt", "gpipe"): GRADS,
+    ("gpt", "pipedream"): GRADS,
+    ("gpt", "2bw"): TIED,
+    ("gpt", "zb-h1"): f"{SPLIT}; {TIED}",
+}
+CONFIGS = [(case, kind) for case in CASES for kind in SCHEDULES]
+
+
+@functools.cache
+def _costs(case: str) -> tuple:
+    """The traced graph and its analytic costs, with the loss (deterministic: every rank gets
+    the same)."""
+    model, x, y, loss_fn, optimizer = CASES[case]()
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), profile=False, optimizer=optimizer, loss_fn=loss_fn,
+                              targets=y, cache=False, progress=False)  # fmt: skip
+    return gm, costs
+
+
+def _program(case: str, kind: str) -> pdcompile.StagedProgram:
+    """The case cut into 2 stages (one per rank) under `kind`, as `plan` scores it."""
+    gm, costs = _costs(case)
+    plan = pdcompile.plan(costs, 2, schedule=kind, num_microbatches=M, replica_counts=[1])
+    assert [s.ranks for s in plan.stages] == [(0,), (1,)], plan
+    return pdcompile.codegen(gm, plan)
+
+
+def _batch(case: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _, x, y, _, _ = CASES[case]()
+    return torch.cat([x] * M), torch.cat([y] * M)
+
+
+def _check(case: str, kind: str, plan: pdcompile.Plan, measured: dict) -> None:
+    for rank, c in memory_probe.compare(plan, measured).items():
+        assert abs(c.error) <= TOLERANCE, f"{case} {kind} rank {rank}: {c.describe()}"
+
+
+def _local(case: str, kind: str, measure: bool = True) -> PipelinedModule:
+    """`STEPS` steps on the local executor (all ranks in this process)."""
+    _, _, _, loss_fn, optimizer = CASES[case]()
+    pipeline = LocalPipeline(_program(case, kind), schedule=kind, num_microbatches=M,
+                             loss_fn=loss_fn, optimizer=optimizer)  # fmt: skip
+    module = PipelinedModule(pipeline, rank=0)
+    x, y = _batch(case)
+    module.measure_memory(measure)
+    for _ in range(STEPS):
+        module.train_step(x, y)
+    return module
+
+
+@functools.cache
+def trained_mlp() -> PipelinedModule:
+    """The MLP under 1f1b, measured (shared by tests that only read it)."""
+    return _local("mlp", "1f1b")
+
+
+# -- single process: the probe itself -------------------------------------------------------
+
+
+def saved_bytes(fn, *args) -> int:  # noqa: ANN001
+    """Bytes of the distinct storages autograd saves in `fn(*args)`, parameters excluded."""
+    params = {p.untyped_storage()._cdata for a in args if isinstance(a, nn.Module)
+              for p in a.parameters()}  # fmt: skip
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in params:
+            seen.setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+def test_the_probe_counts_what_autograd_saves_and_the_live_objects_hold() -> None:
+    """1f1b on 2 ranks in one process: rank 0 peaks with 2 microbatches in flight, rank 1 with
+    one; every part equals what the stage's own objects give."""
+    module = trained_mlp()
+    program = module.pipeline.program
+    x, y = _batch("mlp")
+    xs, ys = torch.tensor_split(x, M), torch.tensor_split(y, M)
+    measured = module.measured_memory
+    for rank, in_flight in ((0, 2), (1, 1)):
+        worker = module.pipeline.workers[(rank, rank)]
+        params = sum(p.nbytes for p in worker.module.parameters())
+        peak = measured[rank].peak
+        assert (peak.params, peak.grads, peak.versions) == (params, params, 0)
+        assert peak.optimizer == params  # one momentum buffer per parameter
+        stage = program.stages[rank]
+        if rank == 0:
+            one = saved_bytes(lambda m, a: m(a), stage, xs[0].clone())
+        else:
+            hidden = program.stages[0](xs[0])
+            inputs = {k: v.detach().requires_grad_(True) for k, v in hidden.items()}
+            one = saved_bytes(lambda m, kw: F.cross_entropy(m(**kw), ys[0].clone()), stage, inputs)
+        assert peak.activations == in_flight * one, rank
+        assert measured[rank].stage_activations == {rank: peak.activations}
+    assert measured[0].step_peaks[-1] == measured[0].peak.total
+
+
+def test_activations_are_released_when_the_backward_frees_them() -> None:
+    """After a synchronous step nothing is saved any more (under zb-h1 what I leaves for W goes
+    with W); a streaming schedule keeps microbatches and weight versions across calls until a
+    flush."""
+    for module in (trained_mlp(), _local("mlp", "zb-h1")):
+        for probe in module._probes.values():
+            assert probe.activations == 0 and not probe.held
+    streaming = _local("mlp", "pipedream")
+    probe = streaming._probes[0]
+    assert probe.static.versions > 0 and probe.activations > 0  # in flight across calls
+    streaming.flush()
+    probe.sample()
+    assert probe.activations == 0
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_the_probe_changes_no_result(kind: str) -> None:
+    """The same parameters with the probe on and off (its saved tensors are detached views of
+    what autograd saves), also through a split backward; off, nothing is reported."""
+    on, off = _local("mlp", kind), _local("mlp", kind, measure=False)
+    assert all(w.probe is None for w in off.pipeline.workers.values())
+    assert off.measured_memory == {} and "memory measured" not in off.explain()
+    for key, worker in on.pipeline.workers.items():
+        theirs = dict(off.pipeline.workers[key].module.named_parameters())
+        for name, p in worker.module.named_parameters():
+            assert torch.equal(p, theirs[name]), (kind, key, name)
+
+
+def test_explain_shows_measured_against_predicted() -> None:
+    module = trained_mlp()
+    text = module.explain()
+    for rank in (0, 1):
+        memory = module.measured_memory[rank].peak.total
+        assert f"memory measured {human_bytes(memory)} against predicted" in text
+    assert "measured at its peak: params" in text and "message buffers" in text
+    assert "on the CPU, measured:" in text
+
+
+def test_a_wrong_model_fails_the_comparison() -> None:
+    """The same measurement against the plan with every stage's activations half as large
+    again: rank 0 (two microbatches in flight) is off by a fifth."""
+    module = trained_mlp()
+    plan, measured = module.plan, module.measured_memory
+    _check("mlp", "1f1b", plan, measured)
+    stages = tuple(
+        dataclasses.replace(s, activation_bytes=3 * s.activation_bytes // 2) for s in plan.stages
+    )
+    inflated = simulated(plan.with_(stages=stages))
+    with pytest.raises(AssertionError, match="mlp 1f1b rank 0"):
+        _check("mlp", "1f1b", inflated, measured)
+
+
+# -- 2 gloo ranks: every model under every schedule -----------------------------------------
+
+
+def _measure(rank: int, world_size: int, init_file: str, configs: list) -> list:
+    """Every configuration in one spawned group: the plan's per-rank memory and this rank's
+    measurement."""
+    device = init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
+    torch.set_num_threads(1)
+    results = []
+    for case, kind in configs:
+        _, _, _, loss_fn, optimizer = CASES[case]()
+        pipeline = DistributedPipeline(
+            _program(case, kind), rank=rank, schedule=kind, num_microbatches=M,
+            loss_fn=loss_fn, optimizer=optimizer, device=device, timeout_s=60,
+        )  # fmt: skip
+        module = PipelinedModule(pipeline, rank=rank)
+        module.measure_memory()
+        x, y = _batch(case)
+        for _ in range(STEPS):
+            module.train_step(x, y)
+        results.append((module.plan, module.measured_memory))
+    dist.destroy_process_group()
+    return results
+
+
+@functools.cache
+def gloo_results() -> dict[tuple[str, str], tuple]:
+    """(case, schedule) -> (plan, {rank: RankMemory}) from 2 spawned gloo ranks."""
+    per_rank = run_ranks(_measure, 2, CONFIGS, timeout_s=150)
+    out = {}
+    for i, config in enumerate(CONFIGS):
+        plans = [per_rank[r][i][0] for r in range(2)]
+        assert plans[0].stages == plans[1].stages, config  # both ranks planned alike
+        out[config] = (plans[0], {r: per_rank[r][i][1][r] for r in range(2)})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "kind"),
+    [
+        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=KNOWN[c])) if c in KNOWN
+        else c
+        for c in CONFIGS
+    ],
+)  # fmt: skip
+def test_predicted_memory_is_within_ten_percent_on_gloo_ranks(case: str, kind: str) -> None:
+    plan, measured = gloo_results()[(case, kind)]
+    _check(case, kind, plan, measured)
