@@ -257,11 +257,20 @@ class PipelineSchedule:
 
     # -- bounds for solvers ----------------------------------------------------------------
 
+    def defer(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """W's (weight gradients) a replica of `stage` leaves waiting behind its I's, for a
+        schedule that splits the backward (`zb-h1`, `zb-h2`); none by default."""
+        return 0
+
     def deferred_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
         """Of the `in_flight_bound` microbatches, those a replica of `stage` may hold with only
-        their W (weight gradients) left to run, keeping `weight_grad_activation_bytes` of
-        their activations: none unless the schedule defers W's."""
-        return 0
+        their W left to run, keeping `weight_grad_activation_bytes` of their activations:
+        `defer`, at most the replica's microbatches beyond its warm-up and one forward (so that
+        `in_flight_bound` - this is min(its warm-up + 1, its microbatches) whose I is
+        pending)."""
+        mine = -(-num_microbatches // replicas[stage])
+        held = self.warmup(replicas, stage, num_microbatches) + 1
+        return min(self.defer(replicas, stage, num_microbatches), max(0, mine - held))
 
     def memory_counts(
         self, stages_from_here: int, warmup: int, num_microbatches: int, deepest: int

@@ -108,11 +108,3 @@ class ZeroBubbleH1(PipelineSchedule):
             return chunks * min(p, num_microbatches)
         deepest = max(self.warmup(replicas, t, num_microbatches) for t in range(len(replicas)))
         return min(deepest + 1, -(-num_microbatches // replicas[stage]))
-
-    def deferred_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        """Of `in_flight_bound`, the microbatches whose W alone is pending: `defer`, at most
-        the replica's microbatches beyond its warm-up and one forward, so that
-        `in_flight_bound` - this is min(its warm-up + 1, its microbatches) whose I is pending."""
-        mine = -(-num_microbatches // replicas[stage])
-        held = self.warmup(replicas, stage, num_microbatches) + 1
-        return min(self.defer(replicas, stage, num_microbatches), max(0, mine - held))

@@ -96,11 +96,3 @@ class ZeroBubbleH2(PipelineSchedule):
         deepest = max(self._one_f_one_b(replicas, t, num_microbatches)
                       for t in range(len(replicas)))  # fmt: skip
         return min(2 * deepest + 1, -(-num_microbatches // replicas[stage]))
-
-    def deferred_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        """Of `in_flight_bound`, the microbatches whose W alone is pending: `defer`, at most
-        the replica's microbatches beyond its warm-up and one forward, so that
-        `in_flight_bound` - this is min(its warm-up + 1, its microbatches) whose I is pending."""
-        mine = -(-num_microbatches // replicas[stage])
-        held = self.warmup(replicas, stage, num_microbatches) + 1
-        return min(self.defer(replicas, stage, num_microbatches), max(0, mine - held))
