@@ -41,7 +41,7 @@ import torch
 from pdcompile.text import human_bytes
 
 if TYPE_CHECKING:
-    from pdcompile.plans import Plan
+    from pdcompile.plans import Plan, Stage
     from pdcompile.runtime.pipeline import Pipeline
     from pdcompile.runtime.worker import StageWorker
 
@@ -297,12 +297,14 @@ def detach(pipeline: Pipeline) -> None:
 class RankComparison:
     """A rank's measured peak against the simulated one (`Plan.rank_memory`), with the model's
     parts: `weights` (parameters, gradients, optimizer state of its stages: `weight_bytes`) and
-    the rest, in flight (activations and weight copies) at the simulated peak."""
+    the rest, in flight (activations and weight copies) at the simulated peak; `stages` the
+    model's stages of the rank."""
 
     rank: int
     measured: RankMemory
     predicted: int
     weights: int
+    stages: tuple[Stage, ...] = ()
 
     @property
     def error(self) -> float:
@@ -319,6 +321,13 @@ class RankComparison:
             f"flight {human_bytes(self.predicted - self.weights)} (activations, weight copies)",
             f"  message buffers (not modelled) peak {human_bytes(m.messages)}",
         ]
+        lines += [
+            f"  stage {s.index}: predicted peak {human_bytes(s.memory_bytes)} (weights "
+            f"{human_bytes(s.weight_bytes)}, activations {human_bytes(s.activation_bytes)} per "
+            f"microbatch, a weight copy {human_bytes(s.param_bytes)}); measured activations at "
+            f"the rank's peak {human_bytes(m.stage_activations.get(s.index, 0))}"
+            for s in self.stages
+        ]
         if m.cuda_peak is not None:
             lines.append(f"  CUDA allocator peak {human_bytes(m.cuda_peak)} (transients included)")
         else:
@@ -331,6 +340,7 @@ def compare(plan: Plan, measured: dict[int, RankMemory]) -> dict[int, RankCompar
     out = {}
     for rank, memory in measured.items():
         predicted = plan.rank_memory[rank] if rank < len(plan.rank_memory) else 0
-        weights = sum(plan.stages[s].weight_bytes for s in memory.stages)
-        out[rank] = RankComparison(rank, memory, predicted, weights)
+        stages = tuple(plan.stages[s] for s in memory.stages)
+        weights = sum(s.weight_bytes for s in stages)
+        out[rank] = RankComparison(rank, memory, predicted, weights, stages)
     return out

@@ -225,7 +225,7 @@ def test_explain_shows_measured_against_predicted() -> None:
         memory = module.measured_memory[rank].peak.total
         assert f"memory measured {human_bytes(memory)} against predicted" in text
     assert "measured at its peak: params" in text and "message buffers" in text
-    assert "on the CPU, measured:" in text
+    assert "on the CPU, measured:" in text and "stage 1: predicted peak" in text
 
 
 def test_a_wrong_model_fails_the_comparison() -> None:
@@ -240,6 +240,29 @@ def test_a_wrong_model_fails_the_comparison() -> None:
     inflated = simulated(plan.with_(stages=stages))
     with pytest.raises(AssertionError, match="mlp 1f1b rank 0"):
         _check("mlp", "1f1b", inflated, measured)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_allocator_peak_is_reported_and_bounds_the_parts() -> None:
+    """The same probe on CUDA tensors: the allocator's peak (both ranks of the process, and the
+    transients) is at least what either rank's parts add up to."""
+    model, x, y, loss_fn, optimizer = CASES["mlp"]()
+    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    gm = pdcompile.trace(model, (x,))
+    costs = pdcompile.analyze(gm, (x,), profile=False, optimizer=optimizer, loss_fn=loss_fn,
+                              targets=y, cache=False, progress=False)  # fmt: skip
+    plan = pdcompile.plan(costs, 2, num_microbatches=M, replica_counts=[1])
+    pipeline = LocalPipeline(pdcompile.codegen(gm, plan), schedule="1f1b", num_microbatches=M,
+                             loss_fn=loss_fn, optimizer=optimizer)  # fmt: skip
+    module = PipelinedModule(pipeline, rank=0)
+    module.measure_memory()
+    for _ in range(STEPS):
+        module.train_step(torch.cat([x] * M), torch.cat([y] * M))
+    measured = module.measured_memory
+    for memory in measured.values():
+        assert memory.cuda_peak is not None and memory.cuda_peak >= memory.peak.total
+    _check("mlp", "1f1b", module.plan, measured)
+    assert "CUDA allocator peak" in module.explain()
 
 
 # -- 2 gloo ranks: every model under every schedule -----------------------------------------
