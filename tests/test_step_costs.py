@@ -39,8 +39,7 @@ def chain(
     for i in range(n):
         g.add_node(
             f"n{i}", forward_s=1.0, backward_s=2.0, param_bytes=param_bytes,
-            grad_bytes=param_bytes,
-            activation_bytes=64, output_bytes=64, optimizer_s=optimizer_s,
+            grad_bytes=param_bytes, activation_bytes=64, output_bytes=64, optimizer_s=optimizer_s,
             forward_spread=0.1 * i, backward_spread=0.05,
         )  # fmt: skip
         g.add_edge(previous, f"n{i}", 64)
