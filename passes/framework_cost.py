@@ -211,7 +211,7 @@ def calibrate(
     cache: bool | str | Path = True,
     refresh: bool = False,
 ) -> FrameworkCost:
-    """The per-operation framework cost on this machine: cached, or measured (under a second).
+    """The per-operation framework cost on this machine: cached, or measured (about a second).
 
     Args:
         device: where (default: the CPU).

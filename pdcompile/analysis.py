@@ -111,7 +111,7 @@ def analyze(
         progress: show a progress bar while profiling.
         calibration: the per-operation framework cost folded into the node times
             (`pdcompile.calibrate`, docs/costs.md): True uses the one cached for this machine,
-            device and thread count (profiling measures it when none is, in under a second;
+            device and thread count (profiling measures it when none is, in about a second;
             without profiling none is measured), a `FrameworkCost` that one, False none. None
             (the default): True when profiling, False otherwise.
         loss_fn, targets: `loss_fn(output, targets) -> scalar` and targets for the example's
