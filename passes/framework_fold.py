@@ -151,22 +151,22 @@ def count_backward(
     `activations`, those with a path to one in `weights`), leaves by `id`. `AccumulateGrad`
     and the nodes whose `id` is in `stop` (the inputs' own history) are walked, not counted."""
     reach: dict[int, tuple[Any, frozenset[str]]] = {}  # id -> (node kept alive, kinds reached)
-
-    def walk(fn: Any) -> frozenset[str]:
-        if fn is None:
-            return frozenset()
+    # depth first without recursion: a leaf module's graph may be thousands of nodes deep
+    stack = [(out.grad_fn, False) for out in outputs if out.grad_fn is not None]
+    while stack:
+        fn, expanded = stack.pop()
         if id(fn) in reach:
-            return reach[id(fn)][1]
+            continue
+        nexts = [nxt for nxt, _ in fn.next_functions if nxt is not None]
         if type(fn).__name__ == "AccumulateGrad":
             leaf = id(fn.variable)
-            kinds = frozenset({"a"} if leaf in activations else {"w"} if leaf in weights else ())
+            reach[id(fn)] = (fn, frozenset({"a"} if leaf in activations else
+                                           {"w"} if leaf in weights else ()))  # fmt: skip
+        elif expanded:
+            reach[id(fn)] = (fn, frozenset().union(*(reach[id(n)][1] for n in nexts)))
         else:
-            kinds = frozenset().union(*(walk(nxt) for nxt, _ in fn.next_functions))
-        reach[id(fn)] = (fn, kinds)
-        return kinds
-
-    for out in outputs:
-        walk(out.grad_fn)
+            stack.append((fn, True))
+            stack.extend((n, False) for n in nexts if id(n) not in reach)
     counted = [
         kinds
         for key, (fn, kinds) in reach.items()
