@@ -54,7 +54,7 @@ _LAZY = {
     "solvers": "pdcompile.planning",
     "codegen": "pdcompile.codegen.stage_codegen",
     "compile": "pdcompile.compiler",
-    "Replan": "pdcompile.replan",
+    "Replan": "pdcompile.closed_loop.decision",
     "PipelinedModule": "pdcompile.pipelined_module",
     "StagedProgram": "pdcompile.codegen.staged_program",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from pdcompile.closed_loop.decision import Replan
 from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CheckpointError, PartitionError, PdcompileError, PipelineTimeoutError
 from pdcompile.plans import Plan
-from pdcompile.replan import Replan
 from pdcompile.schedules import PipelineSchedule
 
 
@@ -124,16 +124,16 @@ def compile(  # noqa: A001 - the public name API.md gives it
     """
     from pdcompile.analysis import analyze
     from pdcompile.capture.tracing import trace
+    from pdcompile.closed_loop.move import Replanner
     from pdcompile.codegen.stage_codegen import codegen
     from pdcompile.evaluation import rescore
     from pdcompile.pipelined_module import PipelinedModule
     from pdcompile.planning import plan as make_plan
-    from pdcompile.replanning import Replanner
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
-    from pdcompile.schedule_search import AUTO
     from pdcompile.schedules import check_nonfinite, get_schedule
+    from pdcompile.search.schedule_choice import AUTO
 
     policy = Replan() if replan is True else replan or None
     if policy is not None and not isinstance(policy, Replan):

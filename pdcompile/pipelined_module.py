@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.evaluation import rescore
-from pdcompile.microbatch_search import counts_table
 from pdcompile.pictures.gantt import bubble_fraction
 from pdcompile.plans import Plan
 from pdcompile.runtime import memory_probe
@@ -21,7 +20,8 @@ from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
-from pdcompile.schedule_search import auto_table
+from pdcompile.search.microbatch_count import counts_table
+from pdcompile.search.schedule_choice import auto_table
 from pdcompile.text import human_bytes, human_seconds
 
 _KEEP_STEPS = 1000  # measured steps kept for explain()
@@ -39,7 +39,7 @@ class PipelinedModule:
         self.pipeline = pipeline
         self.rank = rank
         self.steps = 0
-        self.replanner = replanner  # `replanning.Replanner` with compile(replan=...), else None
+        self.replanner = replanner  # `closed_loop.move.Replanner` (compile(replan=...)), or None
         self._scored: Plan | None = None  # the plan re-scored at the rows the first step ran
         # per step: perf_counter at its start, seconds, rows
         self._measured: deque[tuple[float, float, int]] = deque(maxlen=_KEEP_STEPS)
@@ -259,7 +259,7 @@ class PipelinedModule:
         if moved is not None:
             lines.append(f"  moved after step {moved} in {self.replanner.move_s:.2f} s")
             steps = list(self._measured)
-            after = steps[len(steps) - (self.steps - moved):] if self.steps > moved else []
+            after = steps[len(steps) - (self.steps - moved) :] if self.steps > moved else []
             before = steps[: len(steps) - len(after)]
             for name, part in (("before", before[1:] or before), ("after", after)):
                 if part:

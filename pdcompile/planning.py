@@ -20,12 +20,12 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
-from pdcompile.microbatch_search import plan_microbatches
 from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.registry import Registry
-from pdcompile.schedule_search import AUTO, plan_auto
 from pdcompile.schedules import PipelineSchedule, get_schedule
 from pdcompile.schedules.base import MAX_MICROBATCHES
+from pdcompile.search.microbatch_count import plan_microbatches
+from pdcompile.search.schedule_choice import AUTO, plan_auto
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 # options `plan()` adds for every solver: the schedule, the microbatches searched with, the
@@ -150,7 +150,7 @@ def plan(
         schedule: a name from `pdcompile.schedules()` ("1f1b", "gpipe", "pipedream", "2bw", ...),
             or "auto": every synchronous schedule (and chunks per rank it takes) planned as
             here, the fastest `step_time` that fits memory returned, with the comparison in
-            `options["auto"]` (`pdcompile.schedule_search`).
+            `options["auto"]` (`pdcompile.search.schedule_choice`).
         num_microbatches: microbatches per step (default: twice the number of devices, rounded
             up to the next count the schedule accepts for the plan's replicas, and to one that
             every replica count divides if that is less than one round of the largest count
@@ -170,7 +170,7 @@ def plan(
             `microbatch_size`), every count M dividing it that the schedule accepts is planned
             at G / M rows per microbatch, each with its own partition, and the fastest fitting
             plan is returned, the counts tried in `options["microbatches"]`
-            (`pdcompile.microbatch_search`); with "auto", for every candidate schedule.
+            (`pdcompile.search.microbatch_count`); with "auto", for every candidate schedule.
         options: the solver's own options.
 
     Returns:

@@ -1,6 +1,7 @@
 """The phases' folders and the directions their imports point: capture and passes never import
 the runtime or the CLI, the runtime never imports the CLI or capture, nothing imports the CLI,
-and the schedules are torch-free. Read from the source (every import, inside functions too)."""
+and the schedules, the planner's searches and the re-planning decision are torch-free. Read
+from the source (every import, inside functions too)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ RULES = [  # (importers, what they must not import)
     ("pdcompile.passes", ("pdcompile.runtime", "pdcompile.cli")),
     ("pdcompile.runtime", ("pdcompile.cli", "pdcompile.capture")),
     ("pdcompile.schedules", ("torch", "pdcompile.runtime", "pdcompile.cli")),
+    ("pdcompile.search", ("torch", "pdcompile.runtime", "pdcompile.cli")),
+    ("pdcompile.closed_loop.decision", ("torch", "pdcompile.runtime", "pdcompile.cli")),
     ("pdcompile", ("pdcompile.cli",)),  # nothing outside the CLI imports it
 ]
 

@@ -12,8 +12,8 @@ import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning
 from pdcompile.cli.handlers import main
 from pdcompile.cluster import RuntimeCosts
-from pdcompile.microbatch_search import TIE, batch_settings, divisors
-from pdcompile.schedule_search import auto_table, candidates, layouts
+from pdcompile.search.microbatch_count import TIE, batch_settings, divisors
+from pdcompile.search.schedule_choice import auto_table, candidates, layouts
 
 EQUAL = CostGraph.load("docs/pictures/chain8.json")  # 8 equal layers, batch 8
 G = 64

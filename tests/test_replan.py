@@ -15,8 +15,8 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import CostGraph, PartitionError, Plan, Replan
+from pdcompile.closed_loop.decision import StageTime, decide, measured_stage_times, rescaled
 from pdcompile.evaluation import node_sums
-from pdcompile.replan import StageTime, decide, measured_stage_times, rescaled
 from pdcompile.runtime.timeline import Event
 
 CLUSTER = "2@1GB/s"

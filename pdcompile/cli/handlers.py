@@ -198,9 +198,9 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 def _plan(args: argparse.Namespace) -> int:
     from pdcompile.errors import PlanWarning
-    from pdcompile.microbatch_search import counts_table
     from pdcompile.planning import plan
-    from pdcompile.schedule_search import auto_table
+    from pdcompile.search.microbatch_count import counts_table
+    from pdcompile.search.schedule_choice import auto_table
 
     costs, _ = _costs(args)
     if args.measured:
@@ -226,9 +226,9 @@ def _plan(args: argparse.Namespace) -> int:
 def _replan(args: argparse.Namespace, costs: Any) -> int:
     """`plan --measured TRACE`: the plan the trace ran, re-priced on the measured stage times,
     against a new plan of those costs under the same schedule (`replan.decide`)."""
+    from pdcompile.closed_loop.decision import decide, measured_stage_times
     from pdcompile.errors import PlanWarning
     from pdcompile.plans import Plan
-    from pdcompile.replan import decide, measured_stage_times
     from pdcompile.runtime.timeline import load_trace, trace_meta
 
     ran = trace_meta(args.measured).get("plan")

@@ -31,7 +31,7 @@ from pdcompile.errors import PartitionError, ScheduleError, SpecError
 from pdcompile.evaluation import evaluate, lower_bound
 from pdcompile.planning import plan, solvers
 from pdcompile.plans import Plan
-from pdcompile.schedule_search import AUTO
+from pdcompile.search.schedule_choice import AUTO
 
 __all__ = ["BenchResult", "load_plugin", "run_bench"]
 

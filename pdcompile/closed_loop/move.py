@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pdcompile.closed_loop.decision import Decision, Replan, StageTime, decide, measured_stage_times
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PdcompileError
 from pdcompile.plans import Plan
-from pdcompile.replan import Decision, Replan, StageTime, decide, measured_stage_times
 from pdcompile.runtime.checkpoint_entries import transfer
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.pipeline import Pipeline

@@ -5,7 +5,7 @@ Each registered schedule (the synchronous ones; the asynchronous ones too with
 `allow_async=True`) is planned exactly as `plan(..., schedule=name, chunks=v)` would plan it, for
 each of its `auto_chunks`: the solver finds the partition and replicas under that schedule's
 memory counts and prices, and with `global_batch_size` every microbatch count dividing the batch
-is planned too (`microbatch_search`). Every candidate is scored by its simulated `step_time` (the
+is planned too (`microbatch_count`). Every candidate is scored by its simulated `step_time` (the
 cost model's numbers, the simulator's), and the smallest among those that fit device memory is
 returned: the minimum over every (schedule, chunks, microbatches) plan by construction; ties,
 within `TIE`, go to the simpler schedule (the built-ins in the registry's order), then fewer
@@ -24,10 +24,10 @@ from typing import Any
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
-from pdcompile.microbatch_search import SEARCH_KEY, divisors, fastest_fitting
 from pdcompile.plans import Plan
 from pdcompile.schedules import get_schedule, schedules
 from pdcompile.schedules.registry import SCHEDULES
+from pdcompile.search.microbatch_count import SEARCH_KEY, divisors, fastest_fitting
 from pdcompile.text import human_bytes, human_seconds
 
 AUTO = "auto"
