@@ -60,6 +60,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     global_batch_size: int | None = None,
     costs: CostGraph | str | None = None,
     replan: bool | Replan = False,
+    measure_memory: bool = False,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -113,6 +114,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
             then the new stages load it by name; `explain()` shows both plans and the measured
             step before and after). True: `Replan()`'s defaults. Needs the costs the plan was
             made from (profiled here, or `costs=`).
+        measure_memory: measure what each rank holds (`PipelinedModule.measure_memory`:
+            parameters, gradients, optimizer state, weight versions, saved activations), which
+            `explain()` compares with the plan's `rank_memory`.
 
     Returns:
         A `PipelinedModule`.
@@ -236,7 +240,10 @@ def compile(  # noqa: A001 - the public name API.md gives it
             mine = CostGraph.load(costs) if isinstance(costs, str) else costs
         replanner = Replanner(policy, mine, lambda new: executor(new, schedule),
                               {"solver": solver, "schedule": schedule})  # fmt: skip
-    return PipelinedModule(executor(plan, schedule), rank=rank, replanner=replanner)
+    module = PipelinedModule(executor(plan, schedule), rank=rank, replanner=replanner)
+    if measure_memory:
+        module.measure_memory()
+    return module
 
 
 def _materialize(

@@ -228,6 +228,18 @@ def test_explain_shows_measured_against_predicted() -> None:
     assert "on the CPU, measured:" in text and "stage 1: predicted peak" in text
 
 
+def test_compile_switches_the_probe_on() -> None:
+    torch.manual_seed(0)
+    model, x = zoo.MLP(p=0.0).train(), torch.randn(8, 32)
+    y = torch.randint(0, 10, (8,))
+    pipe = pdcompile.compile(model, (x[:2],), loss_fn=F.cross_entropy, cluster="2",
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), profile=False,
+                             num_microbatches=4, measure_memory=True)  # fmt: skip
+    pipe.train_step(x, y)
+    assert sorted(pipe.measured_memory) == [0, 1]
+    assert all(m.peak.total > 0 for m in pipe.measured_memory.values())
+
+
 def test_a_wrong_model_fails_the_comparison() -> None:
     """The same measurement against the plan with every stage's activations half as large
     again: rank 0 (two microbatches in flight) is off by a fifth."""
