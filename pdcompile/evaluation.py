@@ -167,6 +167,23 @@ def parameter_layout(
     return tensors, tuple(ties)
 
 
+def tie_copies(
+    cost_graph: CostGraph, ties: Sequence[tuple[tuple[int, ...], int]], count: int
+) -> list[tuple[int, int]]:
+    """Per stage, the (parameter, weight) bytes of the tied tensors' copies it holds besides its
+    nodes': the first stage of a tie holds the tensor its first user owns (in that node's
+    bytes); every later one a copy with its gradient and optimizer state (at the graph's ratio
+    of optimizer state to parameters)."""
+    totals = cost_graph.totals()
+    state = totals["optimizer_bytes"] / totals["param_bytes"] if totals["param_bytes"] else 0.0
+    copies = [(0, 0)] * count
+    for stages, nbytes in ties:
+        for t in stages[1:]:
+            params, weights = copies[t]
+            copies[t] = (params + nbytes, weights + round(nbytes * (2 + state)))
+    return copies
+
+
 def optimizer_call_s(cost_graph: CostGraph) -> float:
     """The optimizer's fixed seconds per `step()` call (`meta["optimizer_call_s"]`, written by
     `analyze`; 0 without), which a stage with parameters to update pays once per update on
@@ -292,9 +309,11 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     silent = no_grad_pairs(cost_graph, stage_of)
     stages = []
     tensors, ties = parameter_layout(cost_graph, stage_of)
+    copies = tie_copies(cost_graph, ties, count)
     call = optimizer_call_s(cost_graph)
     for s in plan.stages:
         sums = node_sums(cost_graph, s.nodes)
+        copy_params, copy_weights = copies[s.index]
         speed = cluster.device_speed(s.ranks)
         # the stage holding the output runs the loss: its forward, and its backward (no weights:
         # all of it in the split backward's I)
@@ -326,8 +345,9 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
                 recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
                 activation_bytes=sums.activation_bytes,
                 weight_grad_activation_bytes=sums.weight_grad_activation_bytes,
-                param_bytes=sums.param_bytes,
-                grad_bytes=sums.grad_bytes, weight_bytes=sums.weight_bytes,
+                param_bytes=sums.param_bytes + copy_params,
+                grad_bytes=sums.grad_bytes + copy_params,
+                weight_bytes=sums.weight_bytes + copy_weights,
                 param_tensors=tensors[s.index],
                 no_grad_from=tuple(sorted(a for a, d in silent if d == s.index)),
                 loss_s=sums.loss_s / speed, optimizer_s=optimizer,
