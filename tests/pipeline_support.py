@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -16,6 +17,19 @@ from pdcompile import zoo
 from pdcompile.plans import Plan, consecutive_ranks
 from pdcompile.schedules.builder import tie_components
 from pdcompile.schedules.pipedream import version, vertical_version
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run at one CPU thread, as the spawned ranks do: a convolution's sums at two threads round
+    differently, so a reference computed there differs from the ranks' in the last bits, which
+    BatchNorm amplifies past the comparison's tolerance within a few steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def mlp_case(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:

@@ -14,6 +14,7 @@ from pipeline_support import (
     OPTIMIZERS,
     STEP_LR,
     accumulate_reference,
+    one_thread,
     pipedream_reference,
     program_for,
     two_bw_run,
@@ -74,8 +75,10 @@ def _clipping(clip: list) -> dict:
     return {"clip_grad_norm": clip[0], "lr_scheduler": STEP_LR} if clip else {}
 
 
+@one_thread()
 def _expected(case, replicas, schedule, optimizer, m, steps, *clip):
-    """Reference parameters by name, and the local executor's per rank."""
+    """Reference parameters by name, and the local executor's per rank (at one thread, as the
+    ranks run)."""
     model, x, y, loss_fn = CASES[case]()
     program = program_for(model, x, replicas)
     extra = {"clip": clip[0], "scheduler": STEP_LR} if clip else {}
