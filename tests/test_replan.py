@@ -242,3 +242,16 @@ def test_plan_command_replans_from_a_recorded_trace(tmp_path, capsys) -> None:
     bare.write_text(trace.read_text().replace('"plan"', '"other"'))
     assert main(["plan", str(graph), "--cluster", CLUSTER, "--measured", str(bare)]) == 1
     assert "holds no plan" in capsys.readouterr().err
+
+
+def test_microbatch_numbers_repeat_from_step_to_step() -> None:
+    """Each step numbers its microbatches from 0: two steps' backwards of microbatch 0 are two
+    backwards, and an I pairs with the W after it."""
+    steps = []
+    for t in (0.0, 10.0):
+        steps += [Event(0, "F", 0, 0, t, t + 1.0), Event(0, "I", 0, 0, t + 1, t + 3.0),
+                  Event(0, "W", 0, 0, t + 3, t + 4.0)]  # fmt: skip
+    assert measured_stage_times(steps) == {0: StageTime(1.0, 3.0, 2)}
+    fused = [Event(0, "F", 0, 0, t, t + 1.0) for t in (0.0, 5.0)]
+    fused += [Event(0, "B", 0, 0, t + 1, t + 3.0) for t in (0.0, 5.0)]
+    assert measured_stage_times(fused) == {0: StageTime(1.0, 2.0, 2)}

@@ -109,28 +109,31 @@ def _shape(plan: Plan) -> str:
 
 
 def measured_stage_times(events: Iterable[Any]) -> dict[int, StageTime]:
-    """Per stage, the medians over microbatches of its forward and its backward seconds (the
-    split backward's I and W of one microbatch summed), from timeline events (`Event`s:
-    `kind`, `stage`, `microbatch`, `rank`, `duration`). Replicas count alike."""
+    """Per stage, the medians over microbatches of its forward and its backward seconds (a split
+    backward's I and the W that follows it for the same microbatch summed; microbatch numbers
+    repeat from step to step), from timeline events (`Event`s: `kind`, `stage`, `microbatch`,
+    `rank`, `start`, `end`). Replicas count alike."""
     forward: dict[int, list[float]] = {}
-    backward: dict[tuple[int, int, int], float] = {}
-    for e in events:
+    backward: dict[int, list[float]] = {}
+    waiting: dict[tuple[int, int, int], int] = {}  # an I's place in `backward`, until its W
+    for e in sorted(events, key=lambda e: e.start):
         if e.kind not in COMPUTE or e.microbatch < 0:
             continue
+        seconds, key = e.end - e.start, (e.stage, e.rank, e.microbatch)
         if e.kind == "F":
-            forward.setdefault(e.stage, []).append(e.end - e.start)
-        else:
-            key = (e.stage, e.rank, e.microbatch)
-            backward[key] = backward.get(key, 0.0) + e.end - e.start
-    per_stage: dict[int, list[float]] = {}
-    for (stage, _, _), seconds in backward.items():
-        per_stage.setdefault(stage, []).append(seconds)
+            forward.setdefault(e.stage, []).append(seconds)
+            continue
+        mine = backward.setdefault(e.stage, [])
+        if e.kind == "W" and key in waiting:
+            mine[waiting.pop(key)] += seconds
+            continue
+        if e.kind == "I":
+            waiting[key] = len(mine)
+        mine.append(seconds)
     return {
-        s: StageTime(
-            statistics.median(forward[s]), statistics.median(per_stage[s]), len(forward[s])
-        )  # fmt: skip
+        s: StageTime(statistics.median(forward[s]), statistics.median(backward[s]), len(forward[s]))
         for s in sorted(forward)
-        if s in per_stage
+        if s in backward
     }
 
 
