@@ -289,6 +289,35 @@ def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> No
                 )
 
 
+def chunk_layout(
+    rules: PipelineSchedule, num_ranks: int, chunks: Any, num_microbatches: int | None = None
+) -> tuple[list[tuple[int, ...]], int]:
+    """The ranks of `num_ranks` x `chunks` stages as `rules` places them (`chunk_rank`), and the
+    microbatch count they run: `num_microbatches`, else the first from 2p the layout accepts.
+
+    Raises:
+        PartitionError: `chunks` is no integer >= 1, or the schedule does not run that layout
+            (with that count).
+    """
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise PartitionError(f"chunks must be an integer >= 1 (stages per rank), got {chunks!r}")
+    p, count = num_ranks, num_ranks * chunks
+    try:
+        ranks = [(rules.chunk_rank(i, p, chunks),) for i in range(count)]
+        m = num_microbatches or 2 * p
+        while True:  # the count the schedule accepts on this layout
+            try:
+                rules.check([1] * count, m)
+                rules.check_layout(ranks, m)
+                return ranks, m
+            except ScheduleError:
+                if num_microbatches is not None or m >= MAX_MICROBATCHES:
+                    raise
+                m += 1
+    except ScheduleError as exc:
+        raise PartitionError(f"{rules.name} with chunks={chunks} on {p} ranks: {exc}") from None
+
+
 def _plan_chunks(
     cost_graph: CostGraph, cluster: Cluster, solver: str, rules: PipelineSchedule, chunks: int,
     num_microbatches: int | None, options: dict[str, Any],
@@ -302,24 +331,7 @@ def _plan_chunks(
     a device, from 1/chunks, over `CHUNK_TRIES` cuts: a plan whose ranks fit in the simulation
     raises it, one that overshoots (or no plan at all) lowers it; the fastest fitting plan is
     returned, else the one overshooting least."""
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise PartitionError(f"chunks must be an integer >= 1 (stages per rank), got {chunks!r}")
-    p = cluster.num_devices
-    count = p * chunks
-    try:
-        ranks = [(rules.chunk_rank(i, p, chunks),) for i in range(count)]
-        m = num_microbatches or 2 * p
-        while True:  # the count the schedule accepts on this layout
-            try:
-                rules.check([1] * count, m)
-                rules.check_layout(ranks, m)
-                break
-            except ScheduleError:
-                if num_microbatches is not None or m >= MAX_MICROBATCHES:
-                    raise
-                m += 1
-    except ScheduleError as exc:
-        raise PartitionError(f"{rules.name} with chunks={chunks} on {p} ranks: {exc}") from None
+    ranks, m = chunk_layout(rules, cluster.num_devices, chunks, num_microbatches)
     if cluster.memory is None:
         return _placed(cost_graph, cluster, solver, rules, ranks, None, m, options)
     # the solver's stage budget, as a share of a device: the largest whose plan fits the ranks

@@ -29,9 +29,9 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, ScheduleError, SpecError
 from pdcompile.evaluation import evaluate, lower_bound
-from pdcompile.planning import plan, solvers
+from pdcompile.planning import chunk_layout, plan, solvers
 from pdcompile.plans import Plan
-from pdcompile.search.schedule_choice import AUTO
+from pdcompile.search.schedule_choice import AUTO, check_auto_chunks
 
 __all__ = ["BenchResult", "load_plugin", "run_bench"]
 
@@ -66,28 +66,19 @@ def _known_schedule(name: str) -> None:
 
 
 def _check_chunks(chunks: int | None, kinds: Sequence[str], clusters: Sequence[Cluster]) -> None:
-    """Refuse a chunk count every solver would fail alike on: not an integer >= 1, beside
-    "auto" (which chooses its own), or a placement a schedule does not run on a cluster's ranks
-    (`plan()`'s first checks, before any solver runs)."""
+    """Refuse a chunk count every solver would fail alike on, before any solver runs: beside
+    "auto" (which chooses its own), or one a schedule does not place on a cluster's ranks
+    (`planning.chunk_layout`, `plan()`'s own check)."""
     from pdcompile.schedules import get_schedule
 
     if chunks is None:
         return
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise PartitionError(f"chunks must be an integer >= 1 (stages per rank), got {chunks!r}")
-    if AUTO in kinds:
-        raise PartitionError(
-            "schedule 'auto' chooses the chunks per rank itself; leave chunks out or name the "
-            "schedules"
-        )
     for kind in kinds:
-        rules = get_schedule(kind)
+        if kind == AUTO:
+            check_auto_chunks(chunks)
+            continue
         for p in sorted({c.num_devices for c in clusters}):
-            try:
-                ranks = [(rules.chunk_rank(i, p, chunks),) for i in range(p * chunks)]
-                rules.check_layout(ranks, p)  # layouts ask at most a multiple of p microbatches
-            except ScheduleError as exc:
-                raise PartitionError(f"{kind} with chunks={chunks} on {p} ranks: {exc}") from None
+            chunk_layout(get_schedule(kind), p, chunks)
 
 
 # -- running ---------------------------------------------------------------------------------

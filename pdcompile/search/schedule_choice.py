@@ -55,6 +55,15 @@ def _simplicity(name: str) -> tuple[int, str]:
     return (builtins.index(module) if module in builtins else len(builtins), name)
 
 
+def check_auto_chunks(chunks: Any) -> None:
+    """Raise `PartitionError` unless `chunks` is None: "auto" chooses them."""
+    if chunks is not None:
+        raise PartitionError(
+            "schedule='auto' chooses the chunks per rank itself; leave chunks out or name "
+            "a schedule"
+        )
+
+
 def layouts(
     num_devices: int, chunks: int, replica_counts: Sequence[int] | None
 ) -> list[tuple[int, ...] | None]:
@@ -93,12 +102,7 @@ def plan_auto(
     Raises:
         PartitionError: no candidate could be planned (the message gives each one's reason).
     """
-    if kwargs.get("chunks") is not None:
-        raise PartitionError(
-            "schedule='auto' chooses the chunks per rank itself; leave chunks out or name "
-            "a schedule"
-        )
-    kwargs.pop("chunks", None)
+    check_auto_chunks(kwargs.pop("chunks", None))
     devices = Cluster.coerce(cluster).num_devices
     start = time.perf_counter()
     found: list[tuple[int, Plan, list[warnings.WarningMessage]]] = []
