@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -61,6 +60,7 @@ from pdcompile.passes.profile_cache import (
     write_cache,
 )
 from pdcompile.passes.state import preserved_state
+from pdcompile.passes.timing import device_timer, grad_call_overhead
 
 log = logging.getLogger(__name__)
 
@@ -90,27 +90,6 @@ EXTRA_ROUNDS = 2
 _WHOLE = "(whole graph)"  # in `slowdown`: the forward and backward of the whole graph per run
 # What a node's times (and slowdowns) are, in order; `_WHOLE` has the first two.
 DIRECTIONS = ("forward", "backward", "backward_input", "backward_weight")
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    if device.type == "cuda":
-
-        def cuda_time(fn: Callable[[], object]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        return cuda_time
-
-    def wall_time(fn: Callable[[], object]) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return wall_time
 
 
 @dataclass
@@ -305,18 +284,6 @@ def _isolated_backward(
     return _Alone(overhead, whole, "both", timed(activations), timed(params))
 
 
-def _grad_call_overhead(device: torch.device, timer: Callable, repeats: int) -> float:
-    """The fixed cost of one isolated `torch.autograd.grad` call (its fastest run over a view, whose
-    backward does no work), which a whole backward pass pays once, not once per node."""
-    x = torch.ones(1, device=device, requires_grad=True)
-    with torch.enable_grad():
-        y = x.view_as(x)
-    grad = torch.ones_like(y)
-    return min(
-        timer(lambda: torch.autograd.grad(y, x, grad, retain_graph=True)) for _ in range(repeats)
-    )
-
-
 def _backward_time(timer: Callable, outputs: list[torch.Tensor]) -> float:
     grads = [torch.ones_like(t) for t in outputs]
     return timer(lambda: torch.autograd.backward(outputs, grads)) if outputs else 0.0
@@ -333,7 +300,7 @@ def _measure(
 ) -> _Samples:
     """One measuring round: the whole graph `warmup + repeats` times, then every node's backward
     alone (only those of `backward_nodes`, when given)."""
-    timer = _timer(device)
+    timer = device_timer(device)
     args = [inputs[p.target] for p in gm.graph.find_nodes(op="placeholder")]
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     alone = [n for n in nodes if backward_nodes is None or n.name in backward_nodes]
@@ -359,7 +326,7 @@ def _measure(
                     samples.forward[name].append(seconds)
             bar.advance(task)
         values = record_values(gm, inputs)
-        overhead = _grad_call_overhead(device, timer, warmup + repeats)
+        overhead = grad_call_overhead(device, timer, warmup + repeats)
         weights = weight_nodes(gm)
         for node in alone:
             timed = _isolated_backward(gm, values, node, timer, warmup, repeats, weights, overhead)

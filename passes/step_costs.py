@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import statistics
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.flop_rules import flop_counter
 from pdcompile.passes.profile_cache import default_cache_dir
 from pdcompile.passes.state import preserved_state
+from pdcompile.passes.timing import device_timer, grad_call_overhead
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def _step_time(
     ]
     grads = [torch.randn_like(p) * 1e-3 for p in params]
     built = factory(params)
-    timer = _timer(device)
+    timer = device_timer(device)
     times = []
     for _ in range(warmup + repeats):
         for p, g in zip(params, grads, strict=True):
@@ -276,19 +276,6 @@ def _call_s(factory: OptimizerFactory, device: torch.device, warmup: int, repeat
         (n - mean_n) ** 2 for n in counts
     )
     return max(mean_t - slope * mean_n, 0.0)
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    def timed(fn: Callable[[], object]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    return timed
 
 
 def _key(sizes: Sizes) -> str:
@@ -414,7 +401,7 @@ def _timed_loss(
     warmup: int,
     repeats: int,
 ) -> tuple[float, float]:
-    timer = _timer(device)
+    timer = device_timer(device)
     with torch.enable_grad():
         forward = [timer(lambda: loss_fn(output, targets)) for _ in range(warmup + repeats)]
         loss = loss_fn(output, targets)
@@ -425,22 +412,10 @@ def _timed_loss(
             return torch.autograd.grad(loss, grads_to, retain_graph=True, allow_unused=True)
 
         backward = [timer(grad) for _ in range(warmup + repeats)]
-    overhead = _grad_call_s(device, timer, warmup + repeats)
+    overhead = grad_call_overhead(device, timer, warmup + repeats)
     return (
         statistics.median(forward[warmup:]),
         max(statistics.median(backward[warmup:]) - overhead, 0.0) if any(backward) else 0.0,
-    )
-
-
-def _grad_call_s(device: torch.device, timer: Callable, repeats: int) -> float:
-    """The fixed cost of one `torch.autograd.grad` call (the fastest over a view): a stage's
-    backward pays it once, not once for the loss and once for the rest."""
-    x = torch.ones(1, device=device, requires_grad=True)
-    with torch.enable_grad():
-        y = x.view_as(x)
-    grad = torch.ones_like(y)
-    return min(
-        timer(lambda: torch.autograd.grad(y, x, grad, retain_graph=True)) for _ in range(repeats)
     )
 
 

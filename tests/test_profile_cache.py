@@ -52,7 +52,7 @@ def scripted_timer(monkeypatch, noisy_rounds: set[int], only: str = "") -> list[
 
         return timer
 
-    monkeypatch.setattr(profile_pass, "_timer", timer_for)
+    monkeypatch.setattr(profile_pass, "device_timer", timer_for)
     return rounds
 
 
