@@ -16,8 +16,8 @@ from spawn import run_ranks
 import pdcompile
 from pdcompile import CostGraph, PartitionError, Plan, Replan
 from pdcompile.closed_loop.decision import StageTime, decide, measured_stage_times, rescaled
-from pdcompile.evaluation import node_sums
 from pdcompile.runtime.timeline import Event
+from pdcompile.stage_sums import node_sums
 
 CLUSTER = "2@1GB/s"
 STEPS = 4

@@ -35,10 +35,10 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import Pricing
 from pdcompile.errors import PartitionError
-from pdcompile.evaluation import producer_bytes
 from pdcompile.passes.solvers.dp import dp, tie_positions
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
+from pdcompile.stage_sums import producer_bytes
 
 MAX_IDEALS = 20_000
 MAX_TRANSITIONS = 3_000_000_000  # about 15 s at ~0.2 G transitions/s

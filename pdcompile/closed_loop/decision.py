@@ -21,9 +21,10 @@ from typing import Any
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
-from pdcompile.evaluation import evaluate, node_sums
+from pdcompile.evaluation import evaluate
 from pdcompile.plans import Plan
 from pdcompile.schedules.actions import COMPUTE
+from pdcompile.stage_sums import node_sums
 from pdcompile.text import human_seconds
 
 FLOOR = 0.05  # a stage's nodes are never priced below this share of what the profile said
