@@ -17,7 +17,7 @@ import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning, Stage
 from pdcompile.cli.handlers import main
 from pdcompile.planning import settled_microbatches
-from pdcompile.plans import UnevenSplit, replica_split
+from pdcompile.replica_splits import UnevenSplit, replica_split
 from pdcompile.schedules import get_schedule
 
 
