@@ -190,3 +190,40 @@ def check_meta(meta: Any) -> dict[str, Any]:
         return json.loads(json.dumps(meta, allow_nan=False))
     except (TypeError, ValueError, RecursionError) as e:
         raise CostError(f"meta must be JSON-serializable (str keys, no NaN): {e}") from None
+
+
+def check_node(node: Any, data: dict[str, Any]) -> None:
+    """Raise `CostError` unless `data` holds exactly the node attributes, each well typed and in
+    range, `memory_bytes` their sum of parts, and W's bytes within the activations."""
+    if not isinstance(node, str) or not node:
+        raise CostError(f"node ids must be non-empty strings, got {node!r}")
+    missing = [a for a in NODE_ATTRS if a not in data]
+    unknown = sorted(set(data) - set(NODE_ATTRS))
+    if missing or unknown:
+        raise CostError(
+            f"node {node!r}: missing attributes {missing}, unknown attributes "
+            f"{unknown}; build nodes with CostGraph.add_node"
+        )
+    for name in NODE_ATTRS:
+        value = check_attr(node, name, data[name])
+        if type(value) is not type(data[name]) or value != data[name]:
+            raise CostError(
+                f"node {node!r}: attribute {name!r} is {data[name]!r} of type "
+                f"{type(data[name]).__name__}; expected {type(value).__name__}"
+            )
+    derived = sum(data[k] for k in MEMORY_PARTS)
+    if data["memory_bytes"] != derived:
+        raise CostError(
+            f"node {node!r}: memory_bytes is {data['memory_bytes']} but param + grad + "
+            f"optimizer + activation bytes is {derived}; rebuild the node with add_node"
+        )
+    check_weight_grad_bytes(node, data)
+
+
+def check_edge(u: Any, v: Any, data: dict[str, Any]) -> None:
+    """Raise `CostError` unless an edge holds `bytes` (an int >= 0) and `grad` (a bool)."""
+    if set(data) != {"bytes", "grad"} or not isinstance(data["grad"], bool):
+        raise CostError(f"edge {u!r} -> {v!r}: expected 'bytes' and 'grad' (a bool), got {data}")
+    check_edge_bytes(u, v, data["bytes"])
+    if type(data["bytes"]) is not int:
+        raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be an int")

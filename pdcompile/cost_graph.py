@@ -31,11 +31,12 @@ from pdcompile.cost_attrs import (
     TIME_ATTRS,
     check_attr,
     check_batch_size,
+    check_edge,
     check_edge_bytes,
     check_meta,
+    check_node,
     check_optimizer_name,
     check_seconds,
-    check_weight_grad_bytes,
     split_defaults,
 )
 from pdcompile.errors import CostError
@@ -244,40 +245,12 @@ class CostGraph:
         """
         pos = {n: i for i, n in enumerate(self.graph)}
         for node, data in self.graph.nodes(data=True):
-            if not isinstance(node, str) or not node:
-                raise CostError(f"node ids must be non-empty strings, got {node!r}")
-            missing = [a for a in NODE_ATTRS if a not in data]
-            unknown = sorted(set(data) - set(NODE_ATTRS))
-            if missing or unknown:
-                raise CostError(
-                    f"node {node!r}: missing attributes {missing}, unknown attributes "
-                    f"{unknown}; build nodes with CostGraph.add_node"
-                )
-            for name in NODE_ATTRS:
-                value = check_attr(node, name, data[name])
-                if type(value) is not type(data[name]) or value != data[name]:
-                    raise CostError(
-                        f"node {node!r}: attribute {name!r} is {data[name]!r} of type "
-                        f"{type(data[name]).__name__}; expected {type(value).__name__}"
-                    )
-            derived = sum(data[k] for k in MEMORY_PARTS)
-            if data["memory_bytes"] != derived:
-                raise CostError(
-                    f"node {node!r}: memory_bytes is {data['memory_bytes']} but param + grad + "
-                    f"optimizer + activation bytes is {derived}; rebuild the node with add_node"
-                )
-            check_weight_grad_bytes(node, data)
+            check_node(node, data)
         if not nx.is_directed_acyclic_graph(self.graph):
             cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(self.graph))
             raise CostError(f"the CostGraph has a cycle ({cycle}); a CostGraph must be a DAG")
         for u, v, data in self.graph.edges(data=True):
-            if set(data) != {"bytes", "grad"} or not isinstance(data["grad"], bool):
-                raise CostError(
-                    f"edge {u!r} -> {v!r}: expected 'bytes' and 'grad' (a bool), got {data}"
-                )
-            check_edge_bytes(u, v, data["bytes"])
-            if type(data["bytes"]) is not int:
-                raise CostError(f"edge {u!r} -> {v!r}: 'bytes' must be an int")
+            check_edge(u, v, data)
             if pos[u] > pos[v]:
                 raise CostError(
                     f"edge {u!r} -> {v!r} goes backwards in the node order; the insertion order "
