@@ -48,6 +48,10 @@ class Stage:
     `loss_s`: seconds per minibatch of the loss function, on the stage holding the graph's
     output (0 elsewhere, and where it was not priced); already in `forward_s` and
     `backward_s` (and in `backward_input_s`: the loss has no weights).
+    `recompute`: activation recomputation (docs/memory.md): False keeps every saved activation
+    from a forward to its backward; True keeps only the stage's inputs and runs the forward
+    again inside the backward; a tuple of node names keeps those nodes' outputs as segment
+    boundaries and recomputes each segment from the boundary before it.
     `optimizer_s`: seconds of one optimizer step over the stage's parameters, once per update
     (`time_s` carries its share per minibatch, optimizer_s / the schedule's microbatches per
     update, like `allreduce_s`); 0 where it was not priced, and the simulator then charges the
@@ -76,9 +80,19 @@ class Stage:
     no_grad_from: tuple[int, ...] = ()
     loss_s: float = 0.0
     optimizer_s: float = 0.0
+    recompute: bool | tuple[str, ...] = False
 
     def __post_init__(self) -> None:
         # JSON gives lists of lists: keep the pairs hashable and equal to the original
+        if not isinstance(self.recompute, bool):
+            if isinstance(self.recompute, str) or not all(
+                isinstance(n, str) for n in self.recompute
+            ):
+                raise PartitionError(
+                    f"stage {self.index}: recompute must be False, True or a list of node "
+                    f"names (segment boundaries), not {self.recompute!r}"
+                )
+            object.__setattr__(self, "recompute", tuple(self.recompute))
         object.__setattr__(self, "recv_bytes", tuple((int(s), int(b)) for s, b in self.recv_bytes))
         object.__setattr__(self, "no_grad_from", tuple(int(s) for s in self.no_grad_from))
         if self.backward_input_s is None and self.backward_weight_s is None:
