@@ -11,7 +11,9 @@ of every ATen operation's tensor inputs and outputs, through the device model's 
 **The optimizer step.** Per node, one `step()` and `zero_grad(set_to_none=True)` (what a
 stage's update runs, `runtime/worker.py`) of the very optimizer (a name, or the factory
 `compile` was given) built on fresh tensors of the sizes and dtypes of the trainable
-parameters the node owns (a tied one: its first user), gradients set before each repeat. The
+parameters the node owns (a tied one: its first user), gradients set and the caches overwritten
+before each repeat (a stage's step finds its weights and state pushed out by the step's
+forwards and backwards: timed warm, an SGD step with momentum was 1.3-2x too fast). The
 optimizer's fixed cost per `step()` call (`call_s`: fitted over steps of 1 to 16 one-element
 tensors) is taken off each node, so that a stage's sum of its nodes counts the tensors' work
 and not one call per node; the stage's one call is priced once, from the CostGraph's
@@ -57,7 +59,7 @@ from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.flop_rules import flop_counter
 from pdcompile.passes.profile_cache import default_cache_dir
 from pdcompile.passes.state import preserved_state
-from pdcompile.passes.timing import device_timer, grad_call_overhead
+from pdcompile.passes.timing import cache_evictor, device_timer, grad_call_overhead
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ KINDS: dict[str, OptimizerFactory] = {
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
 }
 _STATE_KINDS = ("sgd", "momentum", "adam")  # by state tensors per parameter: 0, 1, 2 or more
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 def optimizer_factory(optimizer: str | OptimizerFactory) -> OptimizerFactory:
@@ -250,7 +252,8 @@ def _timed_steps(
 def _step_time(
     factory: OptimizerFactory, sizes: Sizes, device: torch.device, warmup: int, repeats: int
 ) -> float:
-    """The median seconds of `step()` + `zero_grad(set_to_none=True)` over tensors of `sizes`."""
+    """The median seconds of `step()` + `zero_grad(set_to_none=True)` over tensors of `sizes`,
+    each repeat after the caches were overwritten (`cache_evictor`)."""
     params = [
         torch.nn.Parameter(torch.randn(shape, device=device).to(getattr(torch, dtype)))
         for shape, dtype in sizes
@@ -258,10 +261,12 @@ def _step_time(
     grads = [torch.randn_like(p) * 1e-3 for p in params]
     built = factory(params)
     timer = device_timer(device)
+    evict = cache_evictor(device)  # a stage's step finds its weights and state out of cache
     times = []
     for _ in range(warmup + repeats):
         for p, g in zip(params, grads, strict=True):
             p.grad = g
+        evict()
         times.append(timer(lambda: (built.step(), built.zero_grad(set_to_none=True))))
     return statistics.median(times[warmup:])
 

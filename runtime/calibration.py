@@ -13,7 +13,8 @@ runtime's own `DistributedComm` and the same kind of tensors and optimizer the p
 - a collective's fixed cost: an all-reduce of two numbers over ranks 0 and 1 (the runtime's
   `all_reduce`), less its two latencies;
 - memory bandwidth: bytes read and written per second by a clone of `PROBE_BYTES` right after
-  `EVICT_BYTES` were written (the caches hold other data, as the weights after a step's compute);
+  the caches were overwritten (`passes.timing.cache_evictor`: they hold other data, as the
+  weights after a step's compute);
 - cache bandwidth: the same clone repeated at once (its data in cache, as freshly computed
   gradients and activations);
 - per-tensor overhead: the mean per tensor of the runtime's three per-tensor operations over
@@ -35,11 +36,11 @@ import torch.distributed as dist
 
 from pdcompile.cluster import Cluster, RuntimeCosts
 from pdcompile.codegen.staged_program import Channel
+from pdcompile.passes.timing import cache_evictor
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.weight_slots import WeightSlots
 
 PROBE_BYTES = 4 * 2**20
-EVICT_BYTES = 64 * 2**20  # twice a large last-level cache
 TENSORS = 64
 _PROBE = Channel(0, 1, "probe", shape=("batch",), dtype="float32")
 
@@ -172,10 +173,10 @@ def _host(
 ) -> list[float]:
     """[memory bandwidth, cache bandwidth, per-tensor seconds] of this rank."""
     data = torch.ones(PROBE_BYTES // 4, device=device)
-    evict = torch.zeros(EVICT_BYTES // 4, device=device)
+    evict = cache_evictor(device)
     cold, hot = [], []
     for _ in range(repeats + 2):
-        evict.add_(1.0)
+        evict()
         cold.append(_seconds(device, data.clone))
         hot.append(_seconds(device, data.clone))
     del evict
