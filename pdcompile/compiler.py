@@ -61,6 +61,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     costs: CostGraph | str | None = None,
     replan: bool | Replan = False,
     measure_memory: bool = False,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -117,6 +119,11 @@ def compile(  # noqa: A001 - the public name API.md gives it
         measure_memory: measure what each rank holds (`PipelinedModule.measure_memory`:
             parameters, gradients, optimizer state, weight versions, saved activations), which
             `explain()` compares with the plan's `rank_memory`.
+        checkpoint_dir: a folder every rank sees: on start every rank loads the newest valid
+            checkpoint in it (`PipelinedModule.resume`; `steps` goes on from its step count),
+            and every `checkpoint_every` steps the job saves `step-<steps>` there, keeping
+            the newest 3 (docs/checkpoints.md). One rank per stage (torchrun).
+        checkpoint_every: train steps between automatic checkpoints (with `checkpoint_dir`).
 
     Returns:
         A `PipelinedModule`.
@@ -148,6 +155,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
             "CostGraph or its JSON file) with plan=, or leave plan= out"
         )
     auto = isinstance(schedule, str) and schedule == AUTO  # chosen with the plan, below
+    autosave = _auto_checkpoint(checkpoint_dir, checkpoint_every)
     if not auto:
         schedule = get_schedule(schedule).name
         check_nonfinite(schedule, nonfinite)
@@ -180,7 +188,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
                    profile=profile, cluster=str(cluster), clip=clip_grad_norm,
                    vertical=vertical_sync, nonfinite=nonfinite, plan=given,
                    batch=global_batch_size,
-                   replan=policy and (policy.after_steps, policy.threshold))  # fmt: skip
+                   replan=policy and (policy.after_steps, policy.threshold),
+                   checkpoint_every=checkpoint_every)  # fmt: skip
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
     failure: Exception | None = None
@@ -240,10 +249,28 @@ def compile(  # noqa: A001 - the public name API.md gives it
             mine = CostGraph.load(costs) if isinstance(costs, str) else costs
         replanner = Replanner(policy, mine, lambda new: executor(new, schedule),
                               {"solver": solver, "schedule": schedule})  # fmt: skip
-    module = PipelinedModule(executor(plan, schedule), rank=rank, replanner=replanner)
+    module = PipelinedModule(executor(plan, schedule), rank=rank, replanner=replanner,
+                             checkpoint=autosave)  # fmt: skip
+    if autosave is not None:
+        module.resume()
     if measure_memory:
         module.measure_memory()
     return module
+
+
+def _auto_checkpoint(directory: str | os.PathLike | None, every: int | None) -> Any:
+    """The `AutoCheckpoint` of `compile(checkpoint_dir=, checkpoint_every=)`, or None."""
+    from pdcompile.runtime.auto_resume import AutoCheckpoint
+
+    if directory is None and every is None:
+        return None
+    if directory is None or every is None:
+        given, missing = ("checkpoint_dir", "checkpoint_every")[:: 1 if every is None else -1]
+        raise CheckpointError(
+            f"{given} was given without {missing}: automatic checkpoints need both (a folder "
+            "every rank sees, and the train steps between checkpoints)"
+        )
+    return AutoCheckpoint(os.fspath(directory), every)
 
 
 def _materialize(

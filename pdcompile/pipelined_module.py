@@ -35,11 +35,16 @@ class PipelinedModule:
     stage the targets; every rank gets the loss back.
     """
 
-    def __init__(self, pipeline: Pipeline, *, rank: int, replanner: Any = None) -> None:
+    def __init__(
+        self, pipeline: Pipeline, *, rank: int, replanner: Any = None, checkpoint: Any = None
+    ) -> None:
         self.pipeline = pipeline
         self.rank = rank
-        self.steps = 0
+        self.steps = 0  # train steps so far (restored by load(): a resumed job's data position)
         self.replanner = replanner  # `closed_loop.move.Replanner` (compile(replan=...)), or None
+        # `runtime.auto_resume.AutoCheckpoint` (compile(checkpoint_dir=...)), or None
+        self.checkpoint = checkpoint
+        self.resumed_from: str | None = None  # the checkpoint resume() loaded
         self._scored: Plan | None = None  # the plan re-scored at the rows the first step ran
         # per step: perf_counter at its start, seconds, rows
         self._measured: deque[tuple[float, float, int]] = deque(maxlen=_KEEP_STEPS)
@@ -99,7 +104,35 @@ class PipelinedModule:
             del worker.timeline[:-_KEEP_ACTIONS]
         if self.replanner is not None and self.replanner.due(self.steps):
             self.replanner.run(self)
+        if self.checkpoint is not None and self.checkpoint.due(self.steps):
+            self.checkpoint.save(self.save, self.steps, self.rank)
         return loss
+
+    def resume(self) -> str | None:
+        """Load the newest valid checkpoint of `compile(checkpoint_dir=...)` (every rank calls
+        it; `compile` does); returns its path, or None when the folder holds none. `steps`
+        then counts on from the checkpoint's: feed the batches from there.
+
+        Example:
+            >>> pipe = pdcompile.compile(model, (x,), ..., checkpoint_dir="ckpt",
+            ...                          checkpoint_every=100)  # resumes by itself
+            >>> for step in range(pipe.steps, total_steps):
+            ...     pipe.train_step(*batch(step))
+        """
+        if self.checkpoint is None:
+            raise CheckpointError(
+                "resume() loads from compile(checkpoint_dir=...), which was not given; load a "
+                "checkpoint by path with load(dir)"
+            )
+        if len(self.pipeline.workers) != 1:
+            raise CheckpointError(
+                f"compile(checkpoint_dir=...) checkpoints one stage per process (torchrun, one "
+                f"rank per stage); this process runs {len(self.pipeline.workers)} stage "
+                "replicas: leave checkpoint_dir out and save with state_dict(), or run one rank "
+                "per stage"
+            )
+        self.resumed_from = self.checkpoint.resume(self.load)
+        return self.resumed_from
 
     def eval_step(self, inputs: Any, kwargs: dict | None = None) -> Any:
         """The model's outputs for a batch, without gradients (flushes first); on the rank
