@@ -137,7 +137,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.capture.tracing import trace
     from pdcompile.closed_loop.move import Replanner
     from pdcompile.codegen.stage_codegen import codegen
-    from pdcompile.evaluation import rescore
+    from pdcompile.evaluation import rescore, simulated
     from pdcompile.pipelined_module import PipelinedModule
     from pdcompile.planning import plan as make_plan
     from pdcompile.runtime.distributed import init_process_group
@@ -216,6 +216,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
         check_nonfinite(schedule, nonfinite)
     if num_microbatches is not None and num_microbatches != plan.num_microbatches:
         plan = rescore(plan, num_microbatches=num_microbatches)  # what runs is what is scored
+    updates = {"clip": clip_grad_norm is not None, "skip_nonfinite": nonfinite == "skip"}
+    if any(getattr(plan, k) != v for k, v in updates.items()):
+        plan = simulated(plan.with_(**updates))  # the clip and check every update runs, priced
     if distributed and plan.num_devices_used != world_size:
         raise PartitionError(
             f"the plan places its stages on {plan.num_devices_used} devices but the job has "

@@ -127,6 +127,9 @@ class Plan:
     `unpriced`: what a step does that the costs left out, `"loss"` and/or `"optimizer"` (the
     CostGraph had no `loss_s`, no `optimizer_s`; `str(plan)` says how to price them); () also
     for plans scored before these were priced.
+    `clip`, `skip_nonfinite`: whether each update clips the gradients' norm and checks the
+    losses first (`compile`'s `clip_grad_norm`, `nonfinite="skip"`): the schedule then has
+    their actions and `step_time` prices them (runtime/action_costs.py).
     `cluster` may be given in any spelling `Cluster.coerce` takes.
     """
 
@@ -148,6 +151,8 @@ class Plan:
     rank_memory: tuple[int, ...] = ()
     rank_idle: tuple[float, ...] = ()
     unpriced: tuple[str, ...] = ()
+    clip: bool = False
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cluster", Cluster.coerce(self.cluster))

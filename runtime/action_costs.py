@@ -29,6 +29,10 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
                   r ranks (flattened into one buffer, reduced, copied back; c = collective_s)
     loss          every `train_step` ends with the last stage's ranks sending the loss to every
                   other rank: a send of LOSS_BYTES each, a receive on the others
+    clip          3 * G / C + n * t per stage of the rank (the squares of its gradients summed,
+                  then the gradients scaled: priced as if the norm were always over the limit),
+                  then, over a group of r ranks, the scalar all-reduce 2 (r - 1) alpha + c
+    check         the scalar all-reduce of a non-finite flag: 2 (r - 1) alpha + c
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class StageCosts:
     collect_s: float
     allreduce_s: float
     reload_s: float
+    clip_s: float
 
 
 def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
@@ -78,6 +83,7 @@ def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
             collect_s=runtime.moved_s(0, n),
             allreduce_s=allreduce_s(s.grad_bytes, s.ranks, cluster, n),
             reload_s=runtime.moved_s(s.param_bytes),
+            clip_s=runtime.moved_s(3 * grads, n, cached=True),
         )
     return costs
 
@@ -102,6 +108,14 @@ def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Clus
     network = 2 * (r - 1) * cluster.latency(first, last) + cluster.runtime.collective_s
     network += 2 * (r - 1) / r * nbytes / cluster.bandwidth(first, last)
     return network + cluster.runtime.moved_s(4 * nbytes, tensors)
+
+
+def scalar_allreduce_s(ranks: tuple[int, ...], cluster: Cluster) -> float:
+    """An all-reduce of one number over `ranks` (a clip's norm, a check's flag): latency only."""
+    if len(ranks) < 2:
+        return 0.0
+    first, last = min(ranks), max(ranks)
+    return 2 * (len(ranks) - 1) * cluster.latency(first, last) + cluster.runtime.collective_s
 
 
 def send_s(cluster: Cluster, nbytes: float) -> float:

@@ -14,7 +14,13 @@ from typing import Any
 
 from pdcompile.errors import ScheduleError
 from pdcompile.plans import Plan
-from pdcompile.runtime.action_costs import LOSS_BYTES, send_s, stage_costs, tie_costs
+from pdcompile.runtime.action_costs import (
+    LOSS_BYTES,
+    scalar_allreduce_s,
+    send_s,
+    stage_costs,
+    tie_costs,
+)
 from pdcompile.runtime.simulated_weights import SimulatedWeights
 from pdcompile.runtime.timeline import Event
 from pdcompile.schedules import Action, Schedule, get_schedule
@@ -63,6 +69,10 @@ class Engine:
         self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
         self.costs = stage_costs(plan, cluster)
         self.ties = tie_costs(plan, cluster)
+        self.clip_s = dict.fromkeys(self.actions, 0.0)  # a rank's clip: all its stages' gradients
+        for s in plan.stages:
+            for r in s.ranks:
+                self.clip_s[r] += self.costs[s.index].clip_s
         self.send_s = {pair: send_s(cluster, size) for pair, size in self.bytes.items()}
         self.recv_s = cluster.runtime.message_s
         self.loss_send_s = send_s(cluster, LOSS_BYTES)
@@ -95,10 +105,13 @@ class Engine:
                 for_w, s.activation_bytes)  # fmt: skip
         self.weights = {
             (r, s.index): SimulatedWeights(rules, plan.num_microbatches, self.costs[s.index],
-                                           s.param_bytes)
+                                           s.param_bytes, s.grad_bytes)
             for s in plan.stages for r in s.ranks
         }  # fmt: skip
-        self.stage_used = {(r, s.index): s.weight_bytes for s in plan.stages for r in s.ranks}
+        # gradients are held from a stage's first backward (B or W) to its update
+        self.stage_used = {
+            (r, s.index): s.weight_bytes - s.grad_bytes for s in plan.stages for r in s.ranks
+        }
         self.stage_peak = dict(self.stage_used)
         self.used = dict.fromkeys(self.actions, 0)
         for (r, _), used in self.stage_used.items():
@@ -172,6 +185,7 @@ class Engine:
             if kind in COMPUTE:
                 end = now + self.seconds[(stage, kind)]
                 weights = self.weights[(rank, stage)]
+                grads = weights.grads
                 if kind == "F":
                     end += weights.forward()
                 elif kind != "I":  # the weights' gradients accumulate (I leaves them to W)
@@ -180,16 +194,16 @@ class Engine:
                     end += self.costs[stage].reload_s  # the backward pushed the weights out
                 self.last_compute[rank] = kind
                 self._record(rank, a, now, end)
-                # activations are kept from a forward to the end of its backward; split, W's
-                # share of them until W
+                # activations are kept from a forward to the end of its backward (split: W's
+                # share of them until W); the gradients it adds are there at its end
                 if kind == "F":
                     self._use(rank, stage, now, self.kept[stage])
                 elif kind == "B":
-                    self._use(rank, stage, end, -self.kept[stage])
+                    self._use(rank, stage, end, weights.grads - grads - self.kept[stage])
                 elif kind == "I":
                     self._use(rank, stage, end, self.kept_for_w[stage] - self.kept[stage])
                 else:
-                    self._use(rank, stage, end, -self.kept_for_w[stage])
+                    self._use(rank, stage, end, weights.grads - grads - self.kept_for_w[stage])
                 self._push(end, RESUME, rank)
                 return
             if kind == "recv":
@@ -210,6 +224,8 @@ class Engine:
                     self._push(end, TRANSFER, (rank, a))
                 else:
                     self._transfer(rank, a, now)
+            elif kind == "clip":  # one stage's own norm (`pipedream`: clipped per stage)
+                end = now + self.costs[stage].clip_s
             else:
                 end = now + self._version(rank, a, now) if kind in ("push", "pop", "step") else now
             self._record(rank, a, now, end)
@@ -301,10 +317,12 @@ class Engine:
             self.clock[rank] = now
             return False
         del self.gathering[a.collective]
-        seconds = 0.0
         if a.kind == "allreduce":
-            seconds = self.ties[a.tie] if a.tie >= 0 else self.costs[a.stage].allreduce_s
-        end = now + seconds
+            end = now + (self.ties[a.tie] if a.tie >= 0 else self.costs[a.stage].allreduce_s)
+        else:  # a clip's norm or a check's flag: one number, after each member's own work
+            own = self.clip_s if a.kind == "clip" else dict.fromkeys(self.clip_s, 0.0)
+            start = max(since + own[member] for member, since in arrivals)
+            end = start + scalar_allreduce_s(a.group, self.plan.cluster)
         for member, since in arrivals:
             self._record(member, self.actions[member][self.position[member]], since, end)
             self._push(end, RESUME, member)
@@ -312,11 +330,13 @@ class Engine:
 
     def _version(self, rank: int, a: Action, now: float) -> float:
         """What `push`, `pop` and `step` do to the rank's weights (`SimulatedWeights`): the
-        seconds they take; the copies they keep or drop change its memory at once."""
+        seconds they take; the copies they keep or drop change its memory at once, then the
+        gradients they free (a copy is made while the gradients are still held)."""
         weights = self.weights[(rank, a.stage)]
-        before = weights.copies
+        copies, grads = weights.copies, weights.grads
         seconds = getattr(weights, a.kind)(*(() if a.kind == "step" else (a.microbatch,)))
-        self._use(rank, a.stage, now, weights.copies - before)
+        self._use(rank, a.stage, now, weights.copies - copies)
+        self._use(rank, a.stage, now, weights.grads - grads)
         return seconds
 
     def _use(self, rank: int, stage: int, time: float, change: int) -> None:

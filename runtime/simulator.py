@@ -112,8 +112,9 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     ranks = [s.ranks for s in plan.stages]
     edges = plan.edges
     ties = [stages for stages, _ in plan.ties]
+    updates = (plan.clip, plan.skip_nonfinite and not rules.streaming)
     if not rules.streaming:
-        engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties))
+        engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates))
         engine.run_call(math.inf)
         return _result(engine, dict.fromkeys(engine.release, 0.0), engine.release)
     replicas = [s.replicas for s in plan.stages]
@@ -122,7 +123,7 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     # microbatches follow the last one the calls give (then the finite schedule's drain starts)
     ahead = max(r * rules.warmup(replicas, s, m) for s, r in enumerate(replicas))
     steps = calls + -(-ahead // m) + 1
-    engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, num_steps=steps))
+    engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates, num_steps=steps))
     start = engine.release
     for call in range(1, calls + 1):
         start = engine.release
