@@ -28,6 +28,7 @@ from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.loss_check import checked_loss
 from pdcompile.runtime.memory_probe import MemoryProbe
 from pdcompile.runtime.microbatches import Batch, Microbatch
+from pdcompile.runtime.recompute import Recompute, entered
 from pdcompile.runtime.split_backward import SplitBackward, backward_inputs, fused_reason
 from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.weight_slots import WeightSlots
@@ -49,6 +50,7 @@ class _InFlight:
     grads: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # output name, gradient
     version: int = 0
     split: SplitBackward | None = None  # what a split backward's I kept for its W
+    again: Callable[[], tuple[Any, Any]] | None = None  # recomputation: I's forward (recompute.py)
 
 
 class StageWorker:
@@ -137,6 +139,9 @@ class StageWorker:
         # a split backward: None until the first I; "" split; else why it runs fused
         self.fused: str | None = None
         self.probe: MemoryProbe | None = None  # measures what the rank holds (memory_probe.py)
+        spec = program.plan.stages[stage].recompute
+        split = rules.items_per_microbatch == 3
+        self.recompute = Recompute(module, spec, stage=stage, split=split) if spec else None
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -209,11 +214,21 @@ class StageWorker:
                 self.outputs[k] = out
             state.outputs = out
             return
-        with self._autocast(), self._saving(k):
-            out = self._call(state, args, kwargs)
-        if self.last:
+        loss = None
+        if self.recompute is not None:  # keeps its inputs (or boundaries) only
+            weights, loss_of = self._weights(state) or {}, lambda o: self._loss(o, mb, k)
             with self._saving(k):
-                loss = self._loss(out, mb, k)
+                out, loss, state.again = self.recompute.forward(
+                    args, kwargs, lambda: entered(self._autocast(), self.slots.swapped(weights)),
+                    loss_of if self.last else None,
+                )  # fmt: skip
+        else:
+            with self._autocast(), self._saving(k):
+                out = self._call(state, args, kwargs)
+        if self.last:
+            if loss is None:
+                with self._saving(k):
+                    loss = self._loss(out, mb, k)
             self.losses[k] = float(loss.detach())
             if not math.isfinite(self.losses[k]) and self.nonfinite == "raise":
                 raise LossError(
@@ -223,6 +238,8 @@ class StageWorker:
                     "nonfinite='skip' skips such steps on every rank (1f1b, gpipe)"
                 )
             state.loss = loss * mb.weight
+            if self.recompute is not None:
+                out = None  # not kept: only the loss's graph leads back to the inputs
         state.outputs = out
 
     def _loss(self, out: Any, mb: Microbatch, k: int) -> torch.Tensor:
@@ -296,6 +313,11 @@ class StageWorker:
         (`runtime/split_backward.py`). A stage whose backward cannot be split runs it whole
         here (`fused`), and its `W` has nothing left to do."""
         state = self.flight[a.microbatch]
+        if state.again is not None:  # recomputation: the forward again, I and W share it
+            with self._saving(a.microbatch):
+                state.outputs, loss = state.again()
+            state.loss = loss * self.data[a.microbatch].weight if self.last else None
+            state.again = None
         tensors, grads = self._roots(state)
         inputs = [
             v for v in state.inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad
