@@ -25,6 +25,7 @@ from pdcompile.plans import Plan, Stage
 from pdcompile.schedules import get_schedule
 from pdcompile.stage_sums import (
     cut_bytes,
+    kept_for_weights,
     no_grad_pairs,
     node_sums,
     optimizer_call_s,
@@ -177,7 +178,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
                 time_s=prices.stage_time(compute, s.replicas, comm, ring / every, update),
                 recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
                 activation_bytes=sums.activation_bytes,
-                weight_grad_activation_bytes=sums.weight_grad_activation_bytes,
+                weight_grad_activation_bytes=kept_for_weights(cost_graph, s.nodes),
                 param_bytes=sums.param_bytes + copy_params,
                 grad_bytes=sums.grad_bytes + copy_params,
                 weight_bytes=sums.weight_bytes + copy_weights,

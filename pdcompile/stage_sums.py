@@ -1,6 +1,7 @@
 """What a stage's nodes add up to in a CostGraph: times and bytes (`node_sums`), the bytes that
 cross its boundaries (`cut_bytes`, `pair_bytes`, `no_grad_pairs`), its parameter tensors and
-the tied copies it holds (`parameter_layout`, `tie_copies`), and the optimizer's per-call cost.
+the tied copies it holds (`parameter_layout`, `tie_copies`), the optimizer's per-call cost, and
+what a split backward keeps from I to W (`kept_for_weights`).
 What `evaluation.price` prices a stage from. Torch-free.
 
 cut_s is the bytes of the tensors produced before stage s and used at or after it (a skip
@@ -31,7 +32,6 @@ class NodeSums:
     activation_bytes: int
     backward_input_s: float = 0.0
     backward_weight_s: float = 0.0
-    weight_grad_activation_bytes: int = 0  # of activation_bytes, kept until W
     loss_forward_s: float = 0.0  # the loss function, where the nodes hold the loss node
     loss_backward_s: float = 0.0  # (not in forward_s and backward_s: those are the nodes')
     optimizer_s: float = 0.0  # one optimizer step over the nodes' parameters
@@ -65,11 +65,44 @@ def node_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> NodeSums:
         activation_bytes=sum(a["activation_bytes"] for a in attrs),
         backward_input_s=math.fsum(a["backward_input_s"] for a in compute),
         backward_weight_s=math.fsum(a["backward_weight_s"] for a in compute),
-        weight_grad_activation_bytes=sum(a["weight_grad_activation_bytes"] for a in attrs),
         loss_forward_s=loss_forward,
         loss_backward_s=loss_backward,
         optimizer_s=math.fsum(a["optimizer_s"] for a in attrs),
     )
+
+
+def kept_for_weights(cost_graph: CostGraph, nodes: Sequence[str]) -> int:
+    """Of a stage's activation bytes, those its split backward's I leaves for W, as the runtime
+    keeps them (`runtime/split_backward.py`, docs/memory.md): I keeps the autograd graph from
+    the *boundary* down (the nodes holding weights that depend on the stage's inputs; autograd
+    keeps everything those reach, so every node before one of them in the stage), and frees
+    the rest (the loss, an activation after the last weight). A stage whose inputs carry no
+    gradient (the first) has nothing for I: W runs the whole backward and keeps all.
+
+    (What W reads, each node's `weight_grad_activation_bytes`, is less: `torch.autograd`
+    frees a graph's saved tensors only as a whole.)"""
+    g = cost_graph.graph
+    inside = set(nodes)
+    tied = {m for tie in cost_graph.meta.get("ties", []) for m in tie.get("nodes", [])}
+    reached = [v for u, v, grad in g.edges(data="grad", default=True)
+               if v in inside and u not in inside and grad]  # fmt: skip
+    if not reached:
+        return sum(g.nodes[n]["activation_bytes"] for n in nodes)
+    seen = set(reached)
+    while reached:  # the nodes depending on the inputs
+        for v in g.successors(reached.pop()):
+            if v in inside and v not in seen:
+                seen.add(v)
+                reached.append(v)
+    boundary = [n for n in seen if g.nodes[n]["grad_bytes"] > 0
+                or tied.intersection(g.nodes[n]["members"])]  # fmt: skip
+    kept, queue = set(boundary), list(boundary)
+    while queue:  # and what they reach
+        for u in g.predecessors(queue.pop()):
+            if u in inside and u not in kept:
+                kept.add(u)
+                queue.append(u)
+    return sum(g.nodes[n]["activation_bytes"] for n in kept)
 
 
 def producer_bytes(cost_graph: CostGraph, node: str) -> int:

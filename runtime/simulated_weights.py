@@ -9,6 +9,10 @@ the weights they ran on (autograd keeps the first ones as they are); those of a 
 the live weights when it is dropped or at the next `step`, which also updates the weights and
 drops every gradient. A schedule that keeps the previous weights first copies the weights its
 step updates: the next step computes on them.
+
+Memory: `copies` is the bytes of the weight copies held, `grads` those of the gradients (a set
+per holder: the live weights and each copy a backward ran on), which appear with a backward
+(`backward`) and go at the update (`step`: the optimizer's `zero_grad` frees them).
 """
 
 from __future__ import annotations
@@ -21,18 +25,26 @@ from pdcompile.schedules import PipelineSchedule
 class SimulatedWeights:
     """One replica's weights under schedule `rules` (`num_microbatches` per step); each action
     method returns the seconds its work on the weights takes. `copies` is the bytes of the
-    weight copies held."""
+    weight copies held (`copy_bytes` each), `grads` those of the gradients held (`grad_bytes`
+    per set)."""
 
     def __init__(
-        self, rules: PipelineSchedule, num_microbatches: int, costs: StageCosts, copy_bytes: int
-    ) -> None:
+        self, rules: PipelineSchedule, num_microbatches: int, costs: StageCosts, copy_bytes: int,
+        grad_bytes: int = 0,
+    ) -> None:  # fmt: skip
         self.book = VersionBook(rules, num_microbatches)
         self.streaming = rules.streaming
-        self.costs, self.copy_bytes = costs, copy_bytes
+        self.costs, self.copy_bytes, self.grad_bytes = costs, copy_bytes, grad_bytes
         self.version_of: dict[int, int] = {}  # microbatch in flight -> its version
         self.holding: set[int] = set()  # versions whose copies hold gradients
         self.live_holds = False  # whether the live weights hold gradients
         self.copies = 0
+
+    @property
+    def grads(self) -> int:
+        """Bytes of the gradients held: a set on the live weights and on each copy holding
+        some."""
+        return self.grad_bytes * (self.live_holds + len(self.holding))
 
     def forward(self) -> float:
         """A forward on a weight copy swaps its tensors in."""

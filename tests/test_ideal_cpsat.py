@@ -98,11 +98,10 @@ def fits(plan: Plan, rules, m: int) -> bool:
     warmups = [(sum(replicas[s:]) - 1) // r for s, r in enumerate(replicas)]
     for s, stage in enumerate(plan.stages):
         counts = rules.memory_counts(len(replicas) - s, warmups[s], m, max(warmups))
-        need = (
-            stage.weight_bytes + counts.versions * stage.param_bytes
-            + counts.in_flight * stage.activation_bytes
-            + counts.deferred * stage.weight_grad_activation_bytes
-        )  # fmt: skip
+        need = max(counts.charges(  # a pending W at all its activations, as the solvers
+            stage.weight_bytes, stage.grad_bytes, stage.param_bytes, stage.activation_bytes,
+            stage.activation_bytes,
+        ))  # fmt: skip
         if memory is not None and need > memory:
             return False
     return True
@@ -239,7 +238,9 @@ def test_cpsat_equals_brute_force_on_small_chains(n, costs, cluster, schedule, m
 
 def test_cpsat_and_dp_meet_a_memory_limit_exactly() -> None:
     # two layers of 200 B of weights and 50 B of activations, 4 devices, 300 B each: two stages
-    # of two replicas fit exactly (2 and 1 microbatches in flight, as simulated). dp's bound,
+    # of two replicas fit the counts exactly (2 and 1 microbatches in flight; simulated, stage
+    # 0's 2 come before its first backward, when its 100 B of gradients are not held yet, and
+    # each replica of it runs 2 of the 4 microbatches, which the counts do not see). dp's bound,
     # the warm-up the devices after a stage allow ((4 - 1) // 2 = 1), finds them too (the old
     # bound, stages after it, counted 3 and settled for a plan twice as slow)
     g = chain([1.0, 1.0], [100, 100], [50, 50], [0, 0])
@@ -247,7 +248,7 @@ def test_cpsat_and_dp_meet_a_memory_limit_exactly() -> None:
     for solver in ("dp", "cpsat"):
         plan = solve(g, cluster, solver, "1f1b", 4)
         assert [(len(s.nodes), s.replicas) for s in plan.stages] == [(1, 2), (1, 2)], solver
-        assert [s.memory_bytes for s in plan.stages] == [300, 250]
+        assert [s.memory_bytes for s in plan.stages] == [250, 250]
         assert plan.predicted_time == pytest.approx(brute_force(g, cluster, "1f1b", 4), rel=5e-6)
 
 
@@ -348,7 +349,7 @@ def test_cpsat_encodes_memory_counts_of_both_the_stages_and_the_warmup(memory) -
         for s, r in enumerate(replicas):
             j, k = bounds[s], bounds[s + 1]
             w = (sum(replicas[s:]) - 1) // r
-            inflight, _, versions = rules.memory_counts(len(replicas) - s, w, m, w)
+            inflight, _, versions = rules.memory_counts(len(replicas) - s, w, m, w)[:3]
             if (2 + versions) * sum(params[j:k]) + inflight * sum(acts[j:k]) > memory:
                 return math.inf
             comm = prices.transfer_s(outs[j - 1], 100.0, r) if j else 0.0

@@ -70,16 +70,24 @@ def test_in_flight_activations_and_versions(stages, m):
     one = simulate(plan, schedule="1f1b", num_microbatches=m)
     two = simulate(plan, schedule="2bw", num_microbatches=m)
     dream = simulate(plan, schedule="pipedream", num_microbatches=m)
+    grads = PARAM  # held from a stage's first backward to its update
     for s in range(stages):
         assert in_flight(gpipe, s) == m
-        assert in_flight(one, s) == min(stages - s, m)
-        assert one.peak_memory[s] == WEIGHT + min(stages - s, m) * ACT
+        # gpipe: every forward before the first backward, so before the gradients
+        assert gpipe.peak_memory[s] == WEIGHT - grads + m * ACT
+        held = min(stages - s, m)
+        assert in_flight(one, s) == held
+        # 1f1b holds as many again after its first backward where a forward follows it
+        after = held if m > held else held - 1
+        assert one.peak_memory[s] == max(WEIGHT - grads + held * ACT, WEIGHT + after * ACT)
         # two copies: the weights this step computes on and those the next one will
         copies = 2 if s < stages - 1 else 1
-        assert two.peak_memory[s] == WEIGHT + copies * PARAM + min(stages - s, m) * ACT
-        # pipedream: w_s + 1 microbatches in flight, each on its own stashed version
-        assert dream.peak_memory[s] == WEIGHT + (stages - s) * (ACT + PARAM)
-    assert [m for _, m in one.memory[0]][-1] == WEIGHT  # everything released at the end
+        assert two.peak_memory[s] == WEIGHT + copies * PARAM + held * ACT
+        # pipedream: w_s + 1 microbatches in flight, each on its own stashed version, at a
+        # forward after the update that freed the gradients
+        assert dream.peak_memory[s] == WEIGHT - grads + (stages - s) * (ACT + PARAM)
+    # everything released at the end, the gradients by the update
+    assert [m for _, m in one.memory[0]][-1] == WEIGHT - grads
 
 
 @pytest.mark.parametrize("kind", ["pipedream", "2bw"])

@@ -20,9 +20,10 @@ on, S - s (S one-hot), of w_s = floor((sum_{t >= s} r_t - 1) / r_s) (one-hot) an
 warm-up max_t w_t (a thermometer at least every w_t: each stage's constraint holds for every
 depth up to it), each encoded only if the schedule's counts depend on it (1f1b: min(w_s + 1, M)
 in flight; 2bw: min(w_s, M) + 1; pipedream: w_s + 1 and w_s versions; gpipe: M; zb-h1/zb-h2: also
-the microbatches whose W alone is pending, which grow with the deepest warm-up, at
-`weight_grad_activation_bytes` each). On one order `dp` is exact too, except for memory, where
-its safe bound can miss plans that fit: that is what `cpsat` adds.
+the microbatches whose W alone is pending, which grow with the deepest warm-up, at all their
+activation bytes, as the runtime keeps them), the peak with or without the gradients
+(`MemoryCounts.charges`: both must fit). On one order `dp` is exact too, except for memory,
+where its safe bound can miss plans that fit: that is what `cpsat` adds.
 
 Times are integer ticks, `dp`'s bottleneck being 10^6 ticks (fewer if a table would overflow).
 Table entries are rounded to the nearest tick, so a stage's model time is within 1.5 ticks of its
@@ -94,7 +95,7 @@ class _Model:
         self.weights = [int(x) for x in p.weights]
         self.params = [int(x) for x in p.params]
         self.activations = [int(x) for x in p.activations]
-        self.weight_grad_activations = [int(x) for x in p.weight_grad_activations]
+        self.grads = [int(x) for x in p.grad]
         self.model = cp_model.CpModel()
         self._lookups: dict[tuple[str, int, int], Any] = {}
         self._build(cluster.memory)
@@ -184,9 +185,8 @@ class _Model:
         """`memory_counts` per (stages from here - 1, warm-up w, deepest warm-up), and whether
         the schedule's counts depend on the stages from here (then S, the stages used, is
         one-hot), on w (one-hot per stage) and on the deepest warm-up of the pipeline (then it
-        is a thermometer at least every stage's w), and whether it defers W's (then the bytes
-        they keep are looked up): probed a size beyond this model's, with a count of
-        microbatches that caps none, so the model has one shape at every size."""
+        is a thermometer at least every stage's w): probed a size beyond this model's, with a
+        count of microbatches that caps none, so the model has one shape at every size."""
         model, rules, m = self.model, self.rules, self.microbatches
         d, slots = self.devices, self.slots
         room = max(m, slots + 1, d + 1)
@@ -195,7 +195,6 @@ class _Model:
         self.by_stages = any(row != probe[0] for row in probe)
         self.by_warmup = any(x != row[0] for row in probe for x in row)
         self.by_deepest = rules.memory_counts(1, 0, room, 0) != probe[0][0]
-        self.defers = any(x.deferred for row in probe for x in row)
         deepest = range(d) if self.by_deepest else [d - 1]
         self.table = [[[rules.memory_counts(k, w, m, x) for x in deepest] for w in range(d)]
                       for k in range(1, (slots if self.by_stages else 1) + 1)]  # fmt: skip
@@ -224,10 +223,9 @@ class _Model:
         """Stage s fits `memory` under the counts of its stages from here, warm-up and every
         deepest warm-up up to the pipeline's (the thermometer `deep`, at least s's warm-up)."""
         weights, params = self._diff("weights", s), self._diff("params", s)
-        acts = self._diff("activations", s)
+        acts, grads = self._diff("activations", s), self._diff("grads", s)
         if s == 0:
             self._memory_counts()
-        kept = self._diff("weight_grad_activations", s) if self.defers else 0
         marks = self._warmup_marks(s) if self.by_warmup or self.by_deepest else []
         if self.by_deepest and marks:
             self.model.add(sum(self.deep) >= sum(w * x for w, x in enumerate(marks)))
@@ -235,14 +233,15 @@ class _Model:
             when = [self.count[used - 1]] if self.by_stages else []
             for w in range(self.devices) if marks else [0]:
                 row = self.table[used - s - 1 if self.by_stages else 0][w]
-                for x, (in_flight, deferred, versions) in enumerate(row):
+                for x, counts in enumerate(row):
                     if x and row[x] == row[x - 1]:
                         continue  # the same constraint, already enforced from a shallower one
-                    usage = weights + versions * params + in_flight * acts + deferred * kept
                     deeper = [self.deep[x - 1]] if x else []
-                    self.model.add(usage <= memory).only_enforce_if(
-                        when + marks[w : w + 1] + deeper
-                    )
+                    # a pending W at all its activations (the runtime keeps nearly all)
+                    for usage in counts.charges(weights, grads, params, acts, acts):
+                        self.model.add(usage <= memory).only_enforce_if(
+                            when + marks[w : w + 1] + deeper
+                        )
 
     def hint(self, bounds: list[int], replicas: list[int]) -> None:
         """Warm start from a plan: stage s is positions bounds[s]..bounds[s + 1] on replicas[s]."""

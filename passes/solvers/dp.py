@@ -19,9 +19,10 @@ Stages are priced by the cost model (`options["cost_model"]`, default "pdcompile
 (when the cluster has a limit) is checked per stage with the schedule's `memory_bounds`: its
 `memory_counts` as large as the devices after the stage allow (the later stages are not placed
 yet) and, for the W's a split schedule leaves pending, the deepest warm-up the cluster's devices
-allow before it (the earlier stages are not kept): weights + versions x params + in flight x
-activations + deferred x `weight_grad_activation_bytes`. No plan over the limit under those
-counts is returned, but one that fits may be missed.
+allow before it (the earlier stages are not kept): weights + versions x params + (in flight +
+deferred) x activations, less the gradients where the counts say the peak comes before the
+first backward (`MemoryCounts.charges`). No plan over the limit under those counts is
+returned, but one that fits may be missed.
 
 Under a schedule that does not replicate ties (`replicates_ties`, e.g. `pipedream`) a stage
 holding some but not all users of a tied tensor (the CostGraph's `meta["ties"]`) gets one
@@ -60,8 +61,6 @@ class Prefix:
         weights = [a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs]
         self.weights = np.concatenate([[0], np.cumsum(weights)])
         self.activations = np.concatenate([[0], np.cumsum([a["activation_bytes"] for a in attrs])])
-        kept = [a["weight_grad_activation_bytes"] for a in attrs]  # of them, kept from I to W
-        self.weight_grad_activations = np.concatenate([[0], np.cumsum(kept)])
         position = {n: i for i, n in enumerate(order)}
         diff = np.zeros(len(order) + 2)
         for u in order:
@@ -74,13 +73,13 @@ class Prefix:
 
 
 def _stage_memory(p: Prefix, j: int, ks: np.ndarray, counts: MemoryCounts) -> np.ndarray:
-    """The bytes `counts` charge a replica of each stage [j, k), k in `ks`."""
-    return (
-        p.weights[ks] - p.weights[j]
-        + counts.versions * (p.params[ks] - p.params[j])
-        + counts.in_flight * (p.activations[ks] - p.activations[j])
-        + counts.deferred * (p.weight_grad_activations[ks] - p.weight_grad_activations[j])
-    )  # fmt: skip
+    """The bytes `counts` charge a replica of each stage [j, k), k in `ks` (a microbatch whose
+    W is pending at all its activations: the runtime keeps nearly all, docs/memory.md)."""
+    activations = p.activations[ks] - p.activations[j]
+    return np.maximum(*counts.charges(
+        p.weights[ks] - p.weights[j], p.grad[ks] - p.grad[j], p.params[ks] - p.params[j],
+        activations, activations,
+    ))  # fmt: skip
 
 
 def tie_positions(cost_graph: CostGraph, order: list[str]) -> list[list[int]]:

@@ -38,6 +38,7 @@ from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.dp import dp, tie_positions
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
+from pdcompile.schedules.base import MemoryCounts
 from pdcompile.stage_sums import producer_bytes
 
 MAX_IDEALS = 20_000
@@ -45,9 +46,8 @@ MAX_TRANSITIONS = 3_000_000_000  # about 15 s at ~0.2 G transitions/s
 _CHUNK = 1 << 22  # (pair, device count) cells relaxed at once: bounds numpy temporaries
 
 
-# per ideal: sums over its nodes (`kept`: the activation bytes a pending W keeps), and `cut`:
-# bytes produced inside it and consumed outside
-_SUMS = ("compute", "grad", "weights", "params", "activations", "kept", "cut")
+# per ideal: sums over its nodes, and `cut`: bytes produced inside it and consumed outside
+_SUMS = ("compute", "grad", "weights", "params", "activations", "cut")
 
 
 @dataclass
@@ -90,7 +90,6 @@ class _Graph:
         self.weights = [a["param_bytes"] + a["grad_bytes"] + a["optimizer_bytes"] for a in attrs]
         self.params = [a["param_bytes"] for a in attrs]
         self.activations = [a["activation_bytes"] for a in attrs]
-        self.kept = [a["weight_grad_activation_bytes"] for a in attrs]
         self.sources = sum(
             1 << i for i, a in enumerate(attrs) if a["kind"] == "input" and not self.preds[i]
         )
@@ -101,17 +100,17 @@ class _Graph:
         return (
             sum(self.compute[i] for i in members), sum(self.grad[i] for i in members),
             sum(self.weights[i] for i in members), sum(self.params[i] for i in members),
-            sum(self.activations[i] for i in members), sum(self.kept[i] for i in members), cut,
+            sum(self.activations[i] for i in members), cut,
         )  # fmt: skip
 
     def extend(self, sums: tuple, mask: int, v: int) -> tuple:
         """The sums of ideal `mask` plus node `v`, from those of `mask`."""
         new = mask | 1 << v
-        cut = sums[6] + (self.out[v] if self.succ_mask[v] & ~new else 0)
+        cut = sums[5] + (self.out[v] if self.succ_mask[v] & ~new else 0)
         cut -= sum(self.out[u] for u in self.preds[v] if not self.succ_mask[u] & ~new)
         return (
             sums[0] + self.compute[v], sums[1] + self.grad[v], sums[2] + self.weights[v],
-            sums[3] + self.params[v], sums[4] + self.activations[v], sums[5] + self.kept[v], cut,
+            sums[3] + self.params[v], sums[4] + self.activations[v], cut,
         )  # fmt: skip
 
 
@@ -119,7 +118,7 @@ def _enumerate(cost_graph: CostGraph, limit: int) -> _Lattice | int:
     """The ideals holding every data source, plus the empty one; their count if over `limit`."""
     graph = _Graph(cost_graph)
     lattice = _Lattice()
-    lattice.add(0, (0.0, 0, 0, 0, 0, 0, 0))
+    lattice.add(0, (0.0, 0, 0, 0, 0, 0))
     lattice.levels.append([0])
     if graph.sources:
         j = lattice.add(graph.sources, graph.sums(graph.sources))
@@ -167,11 +166,12 @@ class _Model:
         speed = cluster.speed or (1.0,) * self.total
         d = self.total
         self.speed = np.ones((d + 1, d + 1))  # [m, r]: the slowest of ranks m .. m + r - 1
-        self.counts = np.zeros((3, d + 1, d + 1))  # `MemoryCounts` fields x [m, r]
+        self.counts = np.zeros((5, d + 1, d + 1))  # `MemoryCounts` fields x [m, r]
         for m in range(d):
             for r in range(1, d - m + 1):
                 self.speed[m, r] = min(speed[m : m + r])
-                self.counts[:, m, r] = rules.memory_bounds(d - m, r, microbatches, d)
+                counts = rules.memory_bounds(d - m, r, microbatches, d)
+                self.counts[:, m, r] = (*counts[:3], *counts.graded)
         self.arrays = dict(zip(_SUMS, np.array(lattice.sums, dtype=float).T, strict=True))
 
     def parts(self, pi: np.ndarray, pj: np.ndarray) -> dict[str, np.ndarray]:
@@ -190,14 +190,13 @@ class _Model:
         allreduce = prices.allreduce_s(parts["grad"], r, self.bandwidth, self.every[r])[:, None]
         speed = self.speed[0, r] if self.homogeneous else self.speed[ms, r][None, :]
         time = prices.stage_time(parts["compute"][:, None] / speed, r, comm, allreduce)
-        if self.memory is not None:
-            in_flight, deferred, versions = self.counts[:, ms, r][:, None, :]
-            memory = (
-                parts["weights"][:, None]
-                + versions * parts["params"][:, None]
-                + in_flight * parts["activations"][:, None]
-                + deferred * parts["kept"][:, None]
-            )
+        if self.memory is not None:  # a pending W at all its activations, as dp
+            counts = MemoryCounts(*self.counts[:, ms, r][:, None, :])
+            acts = parts["activations"][:, None]
+            memory = np.maximum(*counts.charges(
+                parts["weights"][:, None], parts["grad"][:, None], parts["params"][:, None],
+                acts, acts,
+            ))  # fmt: skip
             time = np.where(memory <= self.memory, time, np.inf)
         return time
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pdcompile.errors import ScheduleError
 
@@ -26,11 +26,34 @@ SPLIT = 0.5  # a stage's input-gradient part I takes this share of its backward_
 class MemoryCounts(NamedTuple):
     """Per replica of a stage, what the solvers charge: `in_flight` microbatches holding all
     their `activation_bytes`, `deferred` holding only `weight_grad_activation_bytes` (W
-    pending), `versions` weight copies besides the live weights."""
+    pending), `versions` weight copies besides the live weights; of the microbatches, while
+    the replica holds gradients (from its first backward to its update) at most
+    `graded_in_flight` and `graded_deferred` (None: as many)."""
 
     in_flight: int
     deferred: int
     versions: int
+    graded_in_flight: int | None = None
+    graded_deferred: int | None = None
+
+    @property
+    def graded(self) -> tuple[Any, Any]:
+        """(`graded_in_flight`, `graded_deferred`), None read as the counts of all."""
+        held = self.in_flight if self.graded_in_flight is None else self.graded_in_flight
+        return held, self.deferred if self.graded_deferred is None else self.graded_deferred
+
+    def charges(self, weights: Any, grads: Any, params: Any, activations: Any, kept: Any) -> tuple:
+        """The two bytes the peak is the larger of, for a stage's `weights` (parameters,
+        gradients, optimizer state), `grads`, `params` (a weight copy), `activations` and
+        `kept` (of them, held from I to W) per microbatch: without its gradients, every
+        microbatch the counts allow; with them, those allowed while they are held. Numbers,
+        arrays or linear expressions alike (the caller takes the maximum)."""
+        held, waiting = self.graded
+        fixed = weights + self.versions * params
+        return (
+            fixed - grads + self.in_flight * activations + self.deferred * kept,
+            fixed + held * activations + waiting * kept,
+        )
 
 
 def split_parts(backward_s: float, weight_s: float | None = None) -> tuple[float, float]:
@@ -287,11 +310,45 @@ class PipelineSchedule:
         straight = [1] * (max(deepest, warmup) + 1)
         stage = len(straight) - 1 - warmup
         deferred = self.deferred_bound(straight, stage, num_microbatches)
+        in_flight = self.in_flight_bound(straight, stage, num_microbatches) - deferred
+        graded = self.graded_counts(straight, stage, num_microbatches)
         return MemoryCounts(
-            self.in_flight_bound(straight, stage, num_microbatches) - deferred,
+            in_flight,
             deferred,
             self.stashed_versions_bound(straight, stage, num_microbatches),
+            min(graded[0], in_flight),
+            min(graded[0] + graded[1], in_flight + deferred) - min(graded[0], in_flight),
         )
+
+    def graded_counts(
+        self, replicas: Sequence[int], stage: int, num_microbatches: int
+    ) -> tuple[int, int]:
+        """(all, W pending): the microbatches a replica of `stage` may hold at once while it
+        holds gradients (they appear at the end of its first B or W and go at the update), as
+        the simulator holds them. A synchronous replica's own order is walked (the first
+        count the largest such, the second what the largest total adds to it); a stream never
+        drains: the in-flight bound, one less where each backward is followed by its update
+        before the next forward (a round of one microbatch). A schedule that does not run
+        the layout with one stage per rank (`zb-v`) gets the bounds of all."""
+        held = self.in_flight_bound(replicas, stage, num_microbatches)
+        if self.streaming:
+            alone = self.round_size(replicas, stage, num_microbatches) == 1
+            return held - alone, 0
+        try:
+            self.check_layout([(r,) for r in range(len(replicas))], num_microbatches)
+        except ScheduleError:
+            deferred = self.deferred_bound(replicas, stage, num_microbatches)
+            return held - deferred, deferred
+        mine = range(-(-num_microbatches // replicas[stage]))
+        full = waiting = most = most_total = 0
+        graded = False
+        for kind, _ in self.replica_order(replicas, stage, num_microbatches, mine):
+            full += (kind == "F") - (kind in ("B", "I"))
+            waiting += (kind == "I") - (kind == "W")
+            graded = graded or kind in ("B", "W")
+            if graded:
+                most, most_total = max(most, full), max(most_total, full + waiting)
+        return most, most_total - most
 
     def memory_bounds(
         self, devices_from_here: int, replicas: int, num_microbatches: int, num_devices: int
