@@ -10,7 +10,8 @@ thread, the models in turn (their order reversed every other round):
 - profile (cache off) once; the times with the fold (`calibration=` that calibration) and
   without (the same profile's `pdcompile.measured_s`), and the analytic times with and without;
 - measured step: the median of whole training steps (forward and backward) of the unmodified
-  model on the same batch;
+  model on the same batch, timed just before and just after the profile (their mean: this
+  machine's cores change speed from one second to the next);
 - ratio = sum of node forward + backward / measured step (the target is within 15%);
 - stages: the graph cut in two at its middle node (`torch.fx.passes.split_module`), each part run
   as a pipeline stage would (forward, then backward from the gradients the next part sent),
@@ -260,6 +261,7 @@ def measure(name: str, cost: pdcompile.FrameworkCost, repeats: int) -> dict:
     kind, build = MODELS[name]
     model, inputs = build()
     gm = pdcompile.trace(model, inputs)
+    before = step_time(model, inputs, repeats)  # the step is timed on both sides of the profile
     start = time.perf_counter()
     on = pdcompile.analyze(gm, inputs, cache=False, progress=False, calibration=cost)
     profile_s = time.perf_counter() - start
@@ -272,7 +274,7 @@ def measure(name: str, cost: pdcompile.FrameworkCost, repeats: int) -> dict:
     profiled = {n: nodes[n]["forward_s"] + nodes[n]["backward_s"] for n in on.nodes}
     stage = halves(gm)
     measured_stages = stage_times(gm, stage, inputs, repeats)
-    measured = step_time(model, inputs, repeats)
+    measured = (before + step_time(model, inputs, repeats)) / 2
 
     def ratios(times: dict[str, float]) -> dict[str, float]:
         per_stage = [math.fsum(t for n, t in times.items() if stage[n] == s) for s in (0, 1)]
