@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -49,9 +49,10 @@ def listed(directory: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-@dataclass(frozen=True)
+@dataclass
 class AutoCheckpoint:
-    """Where and how often a job checkpoints itself, and how it resumes.
+    """Where and how often a job checkpoints itself, and how it resumes (`skipped`: the
+    checkpoints `resume` found damaged, which pruning leaves alone and does not count).
 
     Raises:
         CheckpointError: `every` is not an integer >= 1, or `directory` is a file.
@@ -60,6 +61,7 @@ class AutoCheckpoint:
     directory: str
     every: int
     keep: int = KEEP
+    skipped: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
@@ -79,11 +81,12 @@ class AutoCheckpoint:
 
     def save(self, save: Callable[[str], None], steps: int, rank: int) -> str:
         """Save through `save(path)` (every rank) into `step-<steps>`; rank 0 then removes all
-        but the newest `keep`. Returns the path."""
+        but the newest `keep` that were not skipped. Returns the path."""
         path = os.path.join(self.directory, checkpoint_name(steps))
         save(path)
         if rank == 0:
-            for _, old in listed(self.directory)[self.keep :]:
+            kept = [p for _, p in listed(self.directory) if p not in self.skipped]
+            for old in kept[self.keep :]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
@@ -95,6 +98,7 @@ class AutoCheckpoint:
                 load(path)
             except CheckpointError as exc:
                 log.warning("skipping checkpoint %s, which does not load: %s", path, exc)
+                self.skipped.add(path)
                 continue
             log.info("resumed from checkpoint %s", path)
             return path
