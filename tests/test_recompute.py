@@ -208,6 +208,26 @@ def test_autocast_is_entered_again(kind: str) -> None:
     assert_same_parameters(got, expected, f"{kind} under autocast")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_on_cuda_dropout_draws_the_same_masks_again(kind: str) -> None:
+    """CUDA's generator restored too, by the checkpoint and by I's rerun."""
+    _, _, x, y = _case()
+    found = []
+    for mode in (False, True):
+        cut = program(kind, mode)
+        for stage in cut.stages:
+            stage.cuda()
+        pipeline = LocalPipeline(cut, schedule=kind, num_microbatches=M, loss_fn=loss_fn,
+                                 optimizer=sgd)  # fmt: skip
+        torch.manual_seed(1)
+        for _ in range(STEPS):
+            pipeline.train_step((x.cuda(),), y.cuda())
+        modules = pipeline.stage_modules().values()
+        found.append({n: p for m in modules for n, p in m.named_parameters()})
+    assert_same_parameters(found[1], found[0], f"{kind} on CUDA")
+
+
 # -- what it keeps and what it runs ---------------------------------------------------------
 
 
