@@ -118,8 +118,8 @@ class Recompute:
             for name, value in zip(segment.outputs, result, strict=True):
                 if name in self.boundaries and not isinstance(value, torch.Tensor):
                     raise CodegenError(
-                        f"stage {self.stage}: recompute boundary {name!r} computes a "
-                        f"{type(value).__name__}, not a tensor; choose a node computing one "
+                        f"stage {self.stage}: recompute boundary {name!r} computes a value of "
+                        f"type {type(value).__name__}, not a tensor; choose a node computing one "
                         "tensor (pdcompile.codegen.stage_segments.boundary_choices)"
                     )
                 known[name] = value

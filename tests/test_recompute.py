@@ -156,7 +156,7 @@ def test_a_boundary_must_be_a_node_of_the_stage_computing_one_tensor() -> None:
                              optimizer=sgd)  # fmt: skip
     _, _, x, y = _case()
     with pytest.raises(pdcompile.CodegenError, match="stage 0: recompute boundary 'size' "
-                       "computes a int, not a tensor"):  # fmt: skip
+                       "computes a value of type int, not a tensor"):  # fmt: skip
         pipeline.train_step((x,), y)
 
 
