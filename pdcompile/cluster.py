@@ -22,6 +22,9 @@ from pdcompile.errors import PartitionError
 
 # Bandwidth of a level given as a bare count ("4"): 100 Gbit/s, a common NIC and NVLink floor.
 DEFAULT_BANDWIDTH = 1.25e10
+# The most devices a cluster may have (all levels multiplied): the largest accelerator clusters
+# built hold about 10^5; beyond, a typo ("99999999999") would exhaust memory listing ranks.
+MAX_DEVICES = 1 << 17
 # What every public function taking a cluster accepts (`Cluster.coerce`)
 SPELLINGS = (
     "a pdcompile.Cluster, its text such as '4' or '8@300GB/s,2@25Gbit/s+5us' "
@@ -148,6 +151,17 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_devices(count: int) -> int:
+    """`count` devices, unless it is above `MAX_DEVICES` (`PartitionError`)."""
+    if count > MAX_DEVICES:
+        raise PartitionError(
+            f"a cluster of {count} devices is above the cap of {MAX_DEVICES} "
+            "(pdcompile.cluster.MAX_DEVICES); check the counts of its levels (innermost first, "
+            "multiplied together), or plan for a part of the cluster"
+        )
+    return count
+
+
 class Cluster:
     """Devices in levels (innermost first), with memory (bytes per device), relative speeds and
     the runtime's own costs.
@@ -161,8 +175,8 @@ class Cluster:
         runtime: what the runtime's copies, updates and messages cost per device (default: free).
 
     Raises:
-        PartitionError: a count below 1, a bandwidth or memory that is not positive, a negative
-            latency, or speeds of the wrong length.
+        PartitionError: a count below 1, more than `MAX_DEVICES` devices in all, a bandwidth
+            or memory that is not positive, a negative latency, or speeds of the wrong length.
 
     Example:
         >>> c = Cluster.parse("8@300GB/s,16@25Gbit/s+5us", memory="80GB")
@@ -199,15 +213,15 @@ class Cluster:
                 )
             parsed.append(Level(count, float(bandwidth), float(latency)))
         self.levels: tuple[Level, ...] = tuple(parsed)
-        self.num_devices = math.prod(level.count for level in self.levels)
-        if memory is not None and not (isinstance(memory, (int, float)) and memory > 0):
+        self.num_devices = check_devices(math.prod(level.count for level in self.levels))
+        if memory is not None and not (_number(memory) and memory > 0):
             raise PartitionError(
                 f"device memory must be a positive number of bytes, got {memory!r}"
             )
         self.memory = float(memory) if memory is not None else None
         if speed is not None:
             speed = tuple(float(s) for s in speed)
-            if len(speed) != self.num_devices or not all(s > 0 for s in speed):
+            if len(speed) != self.num_devices or not all(_number(s) and s > 0 for s in speed):
                 raise PartitionError(
                     f"speed needs {self.num_devices} positive numbers (one per device), got "
                     f"{len(speed)}"
@@ -270,7 +284,10 @@ class Cluster:
             except PartitionError as exc:
                 raise PartitionError(f"{what}={cluster!r}: {exc}") from None
         if isinstance(cluster, int) and not isinstance(cluster, bool) and cluster >= 1:
-            return cls([(cluster, DEFAULT_BANDWIDTH)])
+            try:
+                return cls([(cluster, DEFAULT_BANDWIDTH)])
+            except PartitionError as exc:
+                raise PartitionError(f"{what}={cluster}: {exc}") from None
         shown = repr(cluster) if len(repr(cluster)) <= 80 else repr(cluster)[:77] + "..."
         raise PartitionError(f"{what} must be {SPELLINGS}; got {type(cluster).__name__} {shown}")
 
@@ -289,15 +306,17 @@ class Cluster:
                 f"Cluster.parse reads text such as '8@300GB/s,16@25Gbit/s', got "
                 f"{type(text).__name__} {text!r}; for other spellings use Cluster.coerce"
             )
-        levels = []
+        levels, devices = [], 1
         for part in text.split(","):
             match = _LEVEL.match(part)
-            if match is None:
+            count, rate, latency = match.groups() if match else ("", None, None)
+            # "2@" and "2@+": a bandwidth or latency announced but not written
+            if match is None or (rate is not None and not rate.strip()) or latency == "":
                 raise PartitionError(
                     f"cannot read cluster {text!r}: each level is COUNT, COUNT@BANDWIDTH or "
                     "COUNT@BANDWIDTH+LATENCY, innermost first, e.g. 8@300GB/s,16@25Gbit/s+5us"
                 )
-            count, rate, latency = match.groups()
+            devices = check_devices(devices * int(count))  # before a huge count is used
             rate = (rate or "").strip().removesuffix("/s")
             bandwidth = parse_bytes(rate, "bandwidth") if rate else DEFAULT_BANDWIDTH
             levels.append((int(count), bandwidth, parse_seconds(latency) if latency else 0.0))

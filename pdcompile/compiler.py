@@ -16,6 +16,7 @@ The lowering, top to bottom:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,14 @@ import torch.nn as nn
 from pdcompile.closed_loop.decision import Replan
 from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import CheckpointError, PartitionError, PdcompileError, PipelineTimeoutError
+from pdcompile.errors import (
+    CheckpointError,
+    CostError,
+    PartitionError,
+    PdcompileError,
+    PipelineTimeoutError,
+    ScheduleError,
+)
 from pdcompile.plans import Plan
 from pdcompile.schedules import PipelineSchedule
 
@@ -143,9 +151,11 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
+    from pdcompile.runtime.validate import check_layout
     from pdcompile.schedules import check_nonfinite, get_schedule
     from pdcompile.search.schedule_choice import AUTO
 
+    check_arguments(optimizer, num_microbatches, clip_grad_norm, timeout, startup_timeout)
     policy = Replan() if replan is True else replan or None
     if policy is not None and not isinstance(policy, Replan):
         raise PartitionError(f"replan must be True, False or a pdcompile.Replan, got {replan!r}")
@@ -219,12 +229,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     updates = {"clip": clip_grad_norm is not None, "skip_nonfinite": nonfinite == "skip"}
     if any(getattr(plan, k) != v for k, v in updates.items()):
         plan = simulated(plan.with_(**updates))  # the clip and check every update runs, priced
-    if distributed and plan.num_devices_used != world_size:
-        raise PartitionError(
-            f"the plan places its stages on {plan.num_devices_used} devices but the job has "
-            f"{world_size} ranks; start as many ranks as the plan uses (torchrun "
-            f"--nproc_per_node {plan.num_devices_used}) or plan for cluster={world_size}"
-        )
+    if distributed:  # every rank, before its stages send anything
+        check_layout(plan, world_size, world=True)
     on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     if on_meta and policy is not None:
         raise PartitionError("replan= with a model on the meta device is not supported yet")
@@ -322,6 +328,54 @@ def _to_meta(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _to_meta(v) for k, v in value.items()}
     return value
+
+
+def check_arguments(
+    optimizer: Any,
+    num_microbatches: Any,
+    clip_grad_norm: Any,
+    timeout: Any,
+    startup_timeout: Any,
+) -> None:
+    """`compile`'s arguments that nothing else checks before they are used (on every rank, so
+    that all raise the same error before joining).
+
+    Raises:
+        CostError: `optimizer` is not a factory `params -> torch.optim.Optimizer`, or it fails
+            on one tensor (`passes.step_costs.describe_optimizer`).
+        PartitionError: `num_microbatches` is no count from 1 to the cap
+            (`runtime.validate.check_num_microbatches`).
+        ScheduleError: `clip_grad_norm` is not a finite number > 0 (or None), a timeout not a
+            finite number of seconds > 0.
+    """
+    from pdcompile.passes.step_costs import describe_optimizer
+    from pdcompile.runtime.validate import check_num_microbatches
+
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise CostError(
+            f"optimizer must be a factory params -> torch.optim.Optimizer, which compile "
+            f"applies to each stage's parameters, got {type(optimizer).__name__}; pass e.g. "
+            "lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+    describe_optimizer(optimizer)  # a factory that fails on one tensor raises here, wrapped
+    if num_microbatches is not None:
+        check_num_microbatches(num_microbatches)
+
+    def positive(value: Any) -> bool:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number and math.isfinite(value) and value > 0
+
+    if clip_grad_norm is not None and not positive(clip_grad_norm):
+        raise ScheduleError(
+            f"clip_grad_norm must be a finite number > 0 (the largest gradient norm an update "
+            f"applies) or None (no clipping), got {clip_grad_norm!r}"
+        )
+    for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+        if not positive(value):
+            raise ScheduleError(
+                f"{name} must be a finite number of seconds > 0, got {value!r}; the default is "
+                f"{'300' if name == 'timeout' else '900'} s"
+            )
 
 
 def _local_device(model: nn.Module) -> torch.device:

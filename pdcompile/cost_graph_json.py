@@ -8,6 +8,8 @@ Version 2 files (before the loss and the optimizer step) read too: the graph has
 no optimizer named, and its nodes lack `STEP_COST_ATTRS` (0.0: the step unpriced, the spread
 unknown). Version 1 files (before the split backward) also lack `SPLIT_ATTRS`, which take
 `CostGraph.add_node`'s defaults (half of `backward_s` each; W keeps every activation).
+Both loaders (this one and the PipeDream profile's) refuse a node or edge above `MAX_SECONDS`,
+`MAX_BYTES` or `MAX_FLOPS` (`check_magnitudes`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,31 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdcompile.cost_attrs import NODE_ATTRS, SETTABLE, SPLIT_ATTRS, STEP_COST_ATTRS, check_attr
+from pdcompile.cost_attrs import (
+    FLOP_ATTRS,
+    INT_ATTRS,
+    NODE_ATTRS,
+    SETTABLE,
+    SPLIT_ATTRS,
+    STEP_ATTRS,
+    STEP_COST_ATTRS,
+    TIME_ATTRS,
+    check_attr,
+)
 from pdcompile.cost_graph import FORMAT, READS, VERSION, CostGraph
 from pdcompile.errors import CostError
+
+# The most one node (or edge) of a file may cost, per batch: far above any real layer, so a
+# figure past it is a corrupt file or other units. Under them the sums of a graph's figures
+# stay finite, and a plan's byte counts within a plan file's integers (below 2**63).
+MAX_SECONDS = 1e9  # about 32 years
+MAX_BYTES = 2**53  # 8 PiB: byte counts up to here are exact as floats
+MAX_FLOPS = 1e30
+_CAPS = {
+    **dict.fromkeys((*TIME_ATTRS, *STEP_ATTRS), ("seconds", MAX_SECONDS, "MAX_SECONDS")),
+    **dict.fromkeys((*INT_ATTRS, "activation_sizes"), ("bytes", MAX_BYTES, "MAX_BYTES")),
+    **dict.fromkeys(FLOP_ATTRS, ("FLOPs", MAX_FLOPS, "MAX_FLOPS")),
+}
 
 
 def format_json(graph: CostGraph) -> str:
@@ -102,7 +126,36 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
             graph.add_edge(record["src"], record["dst"], record["bytes"], record.get("grad", True))
     except CostError as e:
         raise CostError(f"{source}: {e}") from None
+    check_magnitudes(graph, source)
     return graph
+
+
+def check_magnitudes(graph: CostGraph, source: str) -> None:
+    """Raise `CostError` naming the first node or edge of `graph` (read from `source`) with
+    seconds, bytes or FLOPs above `MAX_SECONDS`, `MAX_BYTES` or `MAX_FLOPS`."""
+    names = list(graph.graph.nodes)
+    data = [graph.graph.nodes[n] for n in names]
+    edges = list(graph.graph.edges(data="bytes"))
+    figures = {  # name -> (the figure of each node or edge, the attribute whose cap applies)
+        name: ([d[name] for d in data], name) for name in _CAPS if name != "activation_sizes"
+    }
+    figures["activation_sizes"] = ([max(d["activation_sizes"] or (0,)) for d in data], None)
+    figures["loss"] = ([graph.loss_forward_s, graph.loss_backward_s], "forward_s")
+    figures["bytes"] = ([b for _, _, b in edges], "output_bytes")
+    for name, (values, like) in figures.items():
+        unit, cap, constant = _CAPS[like or name]
+        if values and max(values) > cap:
+            i = next(i for i, v in enumerate(values) if v > cap)
+            where = (
+                "the graph" if name == "loss"
+                else f"edge {edges[i][0]!r} -> {edges[i][1]!r}" if name == "bytes"
+                else f"node {names[i]!r}"
+            )  # fmt: skip
+            raise CostError(
+                f"{source}: {where}: {name} is {values[i]:.4g} {unit}, above the {cap:.4g} one "
+                f"node may cost (pdcompile.cost_graph_json.{constant}); the file is corrupt or "
+                "in other units (seconds, bytes): write it again"
+            )
 
 
 def _add_json_node(graph: CostGraph, index: int, record: Any, version: int) -> None:

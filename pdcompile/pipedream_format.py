@@ -3,7 +3,8 @@
 Node lines `nodeID -- description -- forward_compute_time=F, backward_compute_time=B,
 activation_size=A, parameter_size=P` (F and B in milliseconds, A and P in bytes, A possibly a list
 `[a; b; c]`), then edge lines `\tnodeA -- nodeB`. See docs/cost_graph.md for the mapping. The
-format has one backward time: a split backward gets half of it in each part.
+format has one backward time: a split backward gets half of it in each part. A node above the
+caps of `cost_graph_json.check_magnitudes` is refused, as in a CostGraph JSON file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import networkx as nx
 
 from pdcompile.cost_attrs import check_meta
 from pdcompile.cost_graph import CostGraph, read_text
+from pdcompile.cost_graph_json import check_magnitudes
 from pdcompile.errors import CostError
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
@@ -138,6 +140,7 @@ def read_pipedream(path: Path, batch_size: int | None) -> CostGraph:
     if stages:
         extra["stage_ids"] = stages
     graph.meta = check_meta({"source": "pipedream", **({"pipedream": extra} if extra else {})})
+    check_magnitudes(graph, str(path))
     return graph
 
 

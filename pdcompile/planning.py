@@ -22,6 +22,7 @@ from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
 from pdcompile.plans import Plan, Stage, consecutive_ranks
 from pdcompile.registry import Registry
+from pdcompile.runtime.validate import check_num_microbatches
 from pdcompile.schedules import PipelineSchedule, get_schedule
 from pdcompile.schedules.base import MAX_MICROBATCHES
 from pdcompile.search.microbatch_count import plan_microbatches
@@ -151,12 +152,13 @@ def plan(
             or "auto": every synchronous schedule (and chunks per rank it takes) planned as
             here, the fastest `step_time` that fits memory returned, with the comparison in
             `options["auto"]` (`pdcompile.search.schedule_choice`).
-        num_microbatches: microbatches per step (default: twice the number of devices, rounded
-            up to the next count the schedule accepts for the plan's replicas, and to one that
-            every replica count divides if that is less than one round of the largest count
-            further: `settled_microbatches`). `compile` runs what is chosen here.
-        microbatch_size: rows per microbatch; the costs are scaled linearly from the graph's
-            batch size.
+        num_microbatches: microbatches per step, at most `MAX_MICROBATCHES` (65536; default:
+            twice the number of devices, within that cap, rounded up to the next count the
+            schedule accepts for the plan's replicas, and to one that every replica count
+            divides if that is less than one round of the largest count further:
+            `settled_microbatches`). `compile` runs what is chosen here.
+        microbatch_size: rows per microbatch (an integer >= 1); the costs are scaled linearly
+            from the graph's batch size.
         replica_counts: the replica counts a stage may have (default: any); e.g. the divisors
             of `num_microbatches`, so that every replica runs as many microbatches. Solvers
             `dp`, `ideal` and `cpsat` search within them; a plan from another solver that
@@ -184,8 +186,14 @@ def plan(
 
     Raises:
         PartitionError: unknown solver or schedule, `cluster` is no cluster, bad
-            `replica_counts`, or no plan exists (the message says why).
+            `replica_counts`, a count out of range (`check_num_microbatches`), a plan whose
+            simulation would exceed `runtime.simulator.MAX_ACTIONS` or whose figures no plan
+            file holds, or no plan exists (the message says why).
     """
+    if num_microbatches is not None:
+        num_microbatches = check_num_microbatches(num_microbatches)
+    if microbatch_size is not None:
+        microbatch_size = check_num_microbatches(microbatch_size, "microbatch_size", cap=None)
     if isinstance(schedule, str) and schedule == AUTO:
         return plan_auto(
             plan, cost_graph, cluster, allow_async=allow_async, solver=solver,
@@ -209,14 +217,15 @@ def plan(
         raise PartitionError("the cost graph has no nodes; nothing to plan")
     if microbatch_size is not None and microbatch_size != cost_graph.batch_size:
         cost_graph = cost_graph.scaled(microbatch_size)
-    if num_microbatches is not None and num_microbatches < 1:
-        raise PartitionError(f"num_microbatches must be >= 1, got {num_microbatches}")
     chunks = rules.default_chunks if chunks is None else chunks
     if chunks != 1:
-        return _plan_chunks(cost_graph, cluster, solver, rules, chunks, num_microbatches, options)
-    # solvers search with twice the devices; the count the plan runs is settled after. A
-    # count the caller gave limits the replicas to those the schedule accepts with it
-    searched = num_microbatches or 2 * cluster.num_devices
+        chunked = _plan_chunks(cost_graph, cluster, solver, rules, chunks, num_microbatches,
+                               options)  # fmt: skip
+        chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+        return chunked
+    # solvers search with twice the devices (within the cap); the count the plan runs is
+    # settled after. A count the caller gave limits the replicas to those the schedule accepts
+    searched = num_microbatches or min(2 * cluster.num_devices, MAX_MICROBATCHES)
     options = {**options, "schedule": rules.name, "num_microbatches": searched,
                "even_microbatches": num_microbatches is None}  # fmt: skip
     counts = tuple(range(1, cluster.num_devices + 1))
@@ -248,6 +257,7 @@ def plan(
             raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
                                  f"{exc}") from None  # fmt: skip
     result = simulated(result).with_(solve_time_s=seconds)
+    result.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
     for split in result.uneven_splits:
         warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
     return result

@@ -24,6 +24,8 @@ from pdcompile.text import human_bytes, human_seconds
 
 FORMAT = "pdcompile.plans"
 VERSION = 1
+INT64 = 2**63  # a plan file's integers are below this (what its readers hold)
+SIGNED = ("gap", "rank_idle")  # the plan's only numbers that may be negative (by rounding)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,11 @@ class Stage:
     `recompute`: activation recomputation (docs/memory.md): False keeps every saved activation
     from a forward to its backward; True keeps only the stage's inputs and runs the forward
     again inside the backward; a tuple of node names keeps those nodes' outputs as segment
-    boundaries and recomputes each segment from the boundary before it.
+    boundaries and recomputes each segment from the boundary before it. A recomputing stage's
+    `activation_bytes` are what it keeps per microbatch (its inputs, its boundaries), its
+    backward (I under a split backward) holds `recompute_bytes` more while it runs (the
+    activations of the forward run again, or of its largest segment) and takes `recompute_s`
+    longer (that forward, already in `backward_s`).
     `optimizer_s`: seconds of one optimizer step over the stage's parameters, once per update
     (`time_s` carries its share per minibatch, optimizer_s / the schedule's microbatches per
     update, like `allreduce_s`); 0 where it was not priced, and the simulator then charges the
@@ -81,6 +87,8 @@ class Stage:
     loss_s: float = 0.0
     optimizer_s: float = 0.0
     recompute: bool | tuple[str, ...] = False
+    recompute_bytes: int = 0
+    recompute_s: float = 0.0
 
     def __post_init__(self) -> None:
         # JSON gives lists of lists: keep the pairs hashable and equal to the original
@@ -275,12 +283,23 @@ class Plan:
     # -- JSON ------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON values. A figure `from_dict` would refuse (not finite, negative,
+        an integer of `INT64` or more: from costs out of range) raises `PartitionError`."""
         data = asdict(self)
         data["cluster"] = self.cluster.to_dict()
         data["options"] = dict(self.options)
         data["stages"] = [
             {**asdict(s), "nodes": list(s.nodes), "ranks": list(s.ranks)} for s in self.stages
         ]
+        try:
+            for i, stage in enumerate(data["stages"]):
+                _fields(Stage, stage, f"stage #{i}")
+            _fields(Plan, data)
+        except PartitionError as e:
+            raise PartitionError(
+                f"the plan cannot be written: {e}; check the seconds and bytes of the costs it "
+                "was priced with (pdcompile graph COSTS)"
+            ) from None
         return {"format": FORMAT, "version": VERSION, **data}
 
     def to_json(self) -> str:
@@ -291,9 +310,12 @@ class Plan:
         """A plan from `to_dict()`'s output (parsed JSON), every field checked.
 
         Raises:
-            PartitionError: not a plan of this format, or a field missing, unknown or of the
-                wrong type (naming the stage and field).
+            PartitionError: not a plan of this format, a field missing, unknown, of the
+                wrong type or out of range (naming the stage and field), or stages that do not
+                fit together or on the plan's cluster (`runtime.validate.check_layout`).
         """
+        from pdcompile.runtime.validate import check_layout
+
         if not isinstance(data, Mapping):
             raise PartitionError(
                 f"{source}: not a pdcompile plan (a JSON {type(data).__name__}, not an object); "
@@ -309,15 +331,11 @@ class Plan:
             stages = tuple(
                 Stage(**_fields(Stage, s, f"stage #{i}")) for i, s in enumerate(fields["stages"])
             )
-            for i, stage in enumerate(stages):
-                if stage.replicas < 1 or len(stage.ranks) != stage.replicas:
-                    raise PartitionError(
-                        f"stage #{i} has {stage.replicas} replicas on ranks {list(stage.ranks)}; "
-                        "a stage has one rank per replica, at least one"
-                    )
             check_schedule(fields.get("schedule", "1f1b"))
             fields.update(stages=stages, cluster=Cluster.from_dict(data["cluster"]))
-            return cls(**fields)
+            plan = cls(**fields)
+            check_layout(plan, plan.cluster.num_devices)
+            return plan
         except PartitionError as e:
             raise PartitionError(f"{source}: {e}; write plans with Plan.save") from None
         except (KeyError, TypeError, ValueError) as e:
@@ -369,36 +387,38 @@ def _fields(cls: type, values: Any, where: str = "") -> dict[str, Any]:
     if missing := [name for name in required if name not in values]:
         raise PartitionError(f"{where}missing fields {missing}")
     for name, value in values.items():
-        if not _fits(value, hints[name]):
+        if not _fits(value, hints[name], name in SIGNED):
+            sign = "" if name in SIGNED or hints[name] in (str, bool) else " >= 0"
             raise PartitionError(
-                f"{where}field {name!r} is {_brief(value)}, not {_type_name(hints[name])}"
+                f"{where}field {name!r} is {_brief(value)}, not {_type_name(hints[name])}{sign}"
             )
     return {name: _tupled(value) for name, value in values.items()}
 
 
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value has the type `hint` (numbers: int64 counts, floats not NaN)."""
+def _fits(value: Any, hint: Any, signed: bool = False) -> bool:
+    """Whether a JSON value has the type `hint`: numbers finite, >= 0 unless `signed`, and
+    integers int64 (floats of integral value welcome where a float is)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is type(None):
         return value is None
     if hint is bool:
         return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            abs(value) < 2**63 if isinstance(value, int) else not math.isnan(value)
+    if hint in (int, float):
+        kinds = int if hint is int else (int, float)
+        return (
+            isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) < INT64 and (signed or value >= 0)
         )  # fmt: skip
     if hint is str:
         return isinstance(value, str)
     if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, arg) for arg in args)
+        return any(_fits(value, arg, signed) for arg in args)
     if origin is tuple:
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):  # JSON's lists, `to_dict`'s tuples
             return False
         if len(args) == 2 and args[1] is Ellipsis:
-            return all(_fits(v, args[0]) for v in value)
-        return len(value) == len(args) and all(map(_fits, value, args))
+            return all(_fits(v, args[0], signed) for v in value)
+        return len(value) == len(args) and all(map(_fits, value, args, [signed] * len(args)))
     if origin in (dict, Mapping):
         return isinstance(value, dict)
     return True

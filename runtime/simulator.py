@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,16 @@ from pdcompile.errors import PartitionError
 from pdcompile.plans import Plan
 from pdcompile.runtime.sim_engine import Engine
 from pdcompile.runtime.timeline import Event, to_chrome_trace
+from pdcompile.runtime.validate import check_layout, check_num_microbatches
 from pdcompile.schedules import PipelineSchedule, Schedule, build_schedule, get_schedule
 from pdcompile.schedules.actions import COMPUTE
 
-__all__ = ["Simulation", "simulate"]
+__all__ = ["MAX_ACTIONS", "Simulation", "simulate"]
+
+# The most actions a simulation runs (every rank's computes, messages, collectives and updates,
+# all steps together): about 30 s and 1 GiB on one CPU core. `simulated_actions` estimates the
+# count before anything is built, and a plan or simulation above it is refused.
+MAX_ACTIONS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,9 @@ class Simulation:
     steady-state call); `bubble_fraction[rank]`: the share of that span the rank spends
     outside `F` and `B`; `memory[rank]`: (time, bytes in use) after each change;
     `peak_memory[rank]`: its maximum; `stage_memory[stage]`: the peak of that stage's own
-    share of its rank (the largest over its replicas).
+    share of its rank (the largest over its replicas); `held_memory[rank]`: the peak without
+    what a recomputing backward holds inside it only (what a CPU run's memory probe can see:
+    docs/memory.md).
     """
 
     plan: Plan
@@ -54,6 +62,7 @@ class Simulation:
     peak_memory: list[int]
     memory: list[list[tuple[float, int]]]
     stage_memory: list[int]
+    held_memory: list[int] = field(default_factory=list)
 
     def to_chrome_trace(self, path: str | Path | None = None) -> dict[str, Any]:
         """The timeline as Chrome trace-event JSON (opens in Perfetto), written to `path`."""
@@ -99,14 +108,20 @@ def simulate(
             "written by an older pdcompile or never scored); re-score it with "
             "pdcompile.evaluate(plan, cost_graph) or re-plan with `pdcompile plan`"
         )
+    m = plan.num_microbatches if num_microbatches is None else num_microbatches
     return run(
-        plan, get_schedule(schedule or plan.schedule), num_microbatches or plan.num_microbatches,
+        plan, get_schedule(schedule or plan.schedule), check_num_microbatches(m),
         plan.cluster if cluster is None else Cluster.coerce(cluster),
     )  # fmt: skip
 
 
 def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simulation:
-    """`simulate` of a plan `evaluate` is scoring (its byte counts may all be zero)."""
+    """`simulate` of a plan `evaluate` is scoring (its byte counts may all be zero).
+
+    Raises:
+        PartitionError: the plan does not fit `cluster` (`check_layout`), or its simulation
+            would run more than `MAX_ACTIONS` actions (said before it starts).
+    """
     _check(plan, cluster)
     plan = _on(plan, cluster).with_(schedule=rules.name, num_microbatches=m)
     ranks = [s.ranks for s in plan.stages]
@@ -114,6 +129,7 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     ties = [stages for stages, _ in plan.ties]
     updates = (plan.clip, plan.skip_nonfinite and not rules.streaming)
     if not rules.streaming:
+        _check_size(plan, rules, 1)
         engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates))
         engine.run_call(math.inf)
         return _result(engine, dict.fromkeys(engine.release, 0.0), engine.release)
@@ -123,6 +139,7 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     # microbatches follow the last one the calls give (then the finite schedule's drain starts)
     ahead = max(r * rules.warmup(replicas, s, m) for s, r in enumerate(replicas))
     steps = calls + -(-ahead // m) + 1
+    _check_size(plan, rules, steps)
     engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates, num_steps=steps))
     start = engine.release
     for call in range(1, calls + 1):
@@ -131,19 +148,37 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     return _result(engine, start, engine.release)
 
 
+def simulated_actions(plan: Plan, rules: PipelineSchedule, steps: int) -> int:
+    """About how many actions simulating `steps` steps of `plan` under `rules` runs: per
+    microbatch, each stage's computes (and weight stashes, streaming) and each channel's sends
+    and receives; per rank and step, its updates and collectives, and the loss it receives
+    from every replica of the last stage."""
+    stages = plan.num_stages * (rules.items_per_microbatch + 2 * rules.streaming)
+    messages = sum(4 if grad else 2 for grad in plan.edges.values())
+    updates = 4 * (len(plan.ties) + 2 + plan.clip + plan.skip_nonfinite)
+    per_rank = updates + (plan.stages[-1].replicas if plan.stages else 0)
+    return steps * (plan.num_microbatches * (stages + messages) + plan.num_devices_used * per_rank)
+
+
+def _check_size(plan: Plan, rules: PipelineSchedule, steps: int) -> None:
+    actions = simulated_actions(plan, rules, steps)
+    if actions > MAX_ACTIONS:
+        raise PartitionError(
+            f"simulating {plan.num_microbatches} microbatches of {plan.num_stages} stages on "
+            f"{plan.num_devices_used} ranks under {rules.name} runs about {actions:,} actions, "
+            f"above the budget of {MAX_ACTIONS:,} (pdcompile.runtime.simulator.MAX_ACTIONS); "
+            "use fewer microbatches (num_microbatches), or plan for fewer devices"
+        )
+
+
 def _check(plan: Plan, cluster: Cluster) -> None:
-    for stages, _ in plan.ties:
-        if len(set(stages)) < 2 or not all(0 <= s < plan.num_stages for s in stages):
-            raise PartitionError(
-                f"tie group {list(stages)} must name at least two of the plan's "
-                f"{plan.num_stages} stages; re-score the plan with pdcompile.evaluate"
-            )
-    used = max(r for s in plan.stages for r in s.ranks)
+    used = max((r for s in plan.stages for r in s.ranks), default=0)
     if used >= cluster.num_devices:
         raise PartitionError(
             f"the plan uses ranks up to {used} but cluster {cluster} has {cluster.num_devices} "
             "devices; simulate on a cluster with at least as many"
         )
+    check_layout(plan, cluster.num_devices)
 
 
 def _on(plan: Plan, cluster: Cluster) -> Plan:
@@ -179,4 +214,5 @@ def _result(engine: Engine, start: dict[int, float], end: dict[int, float]) -> S
         plan=engine.plan, schedule=engine.schedule, timeline=engine.events, time_per_step=span,
         bubble_fraction=bubble, peak_memory=[max(b for _, b in m) for m in memory],
         memory=memory, stage_memory=stage_memory,
+        held_memory=[engine.held_peak.get(r, 0) for r in range(count)],
     )  # fmt: skip

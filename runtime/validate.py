@@ -1,4 +1,5 @@
-"""Check a schedule before anything runs: matched messages, complete work, no deadlock.
+"""Checks before anything runs: a plan's layout against its cluster or the job's ranks, its
+microbatch counts, and a schedule (matched messages, complete work, no deadlock).
 
 Torch-free. The deadlock check executes the schedule abstractly under the executor's rules:
 a send never blocks (isend), a receive waits for its send, an all-reduce waits for every rank
@@ -7,10 +8,80 @@ of its group, compute waits for nothing else (its inputs are received by earlier
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter
+from typing import TYPE_CHECKING, Any
 
-from pdcompile.errors import ScheduleError
+from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.schedules import Action, Schedule
+from pdcompile.schedules.base import MAX_MICROBATCHES
+
+if TYPE_CHECKING:
+    from pdcompile.plans import Plan
+
+
+def check_num_microbatches(
+    value: Any, what: str = "num_microbatches", cap: int | None = MAX_MICROBATCHES
+) -> int:
+    """`value` as an int from 1 to `cap` (`MAX_MICROBATCHES`, pdcompile.schedules.base: the
+    most microbatches per step a plan, a simulation or a training step runs).
+
+    Raises:
+        PartitionError: not an integer, below 1 or above `cap`, naming `what`, the value, the
+            cap and the way out.
+    """
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise PartitionError(f"{what} must be an integer >= 1, got {type(value).__name__} {shown}")
+    if cap is not None and value > cap:
+        raise PartitionError(
+            f"{what}={shown} is above the cap of {cap} microbatches per step "
+            "(pdcompile.schedules.base.MAX_MICROBATCHES); use fewer, larger microbatches (a "
+            "few per pipeline stage keep the pipeline full)"
+        )
+    return int(value)
+
+
+def check_layout(plan: Plan, num_devices: int, *, world: bool = False) -> None:
+    """Raise `PartitionError` unless `plan`'s stages are numbered in order, each on distinct
+    ranks below `num_devices` and receiving only from earlier stages, its tie groups name two
+    or more of its stages, and its microbatch count and size are in range. With `world`,
+    `num_devices` is the job's world size, and every rank must run a stage: the check every
+    rank makes before its first message, so that all raise the same error."""
+    used = sorted({r for s in plan.stages for r in s.ranks})
+    if world and len(used) != num_devices:
+        raise PartitionError(
+            f"the plan places its stages on {len(used)} devices but the job has {num_devices} "
+            f"ranks; start as many ranks as the plan uses (torchrun --nproc_per_node "
+            f"{len(used)}) or plan for cluster={num_devices}"
+        )
+    where = f"the job's {num_devices} ranks" if world else f"its cluster's {num_devices} devices"
+    for i, stage in enumerate(plan.stages):
+        ranks, sources = stage.ranks, [src for src, _ in stage.recv_bytes]
+        if stage.index != i or stage.replicas < 1 or len(ranks) != stage.replicas:
+            raise PartitionError(
+                f"stage #{i} has index {stage.index} and {stage.replicas} replicas on ranks "
+                f"{list(ranks)}; stages are numbered in order, one rank per replica, at least one"
+            )
+        if len(set(ranks)) < len(ranks) or not all(0 <= r < num_devices for r in ranks):
+            raise PartitionError(
+                f"stage {i} runs on ranks {list(ranks)}, but the plan's stages need distinct "
+                f"ranks among {where} (0 to {num_devices - 1}); plan for this cluster"
+            )
+        if not all(0 <= src < i for src in sources) or not set(stage.no_grad_from) <= {*sources}:
+            raise PartitionError(
+                f"stage {i} receives from stages {sources} (no gradients back to "
+                f"{list(stage.no_grad_from)}); a stage receives only from earlier stages"
+            )
+    for group, _ in plan.ties:
+        if len(set(group)) < 2 or not all(0 <= s < plan.num_stages for s in group):
+            raise PartitionError(
+                f"tie group {list(group)} must name two or more of the plan's {plan.num_stages} "
+                "stages; re-score the plan with pdcompile.evaluate"
+            )
+    check_num_microbatches(plan.num_microbatches)
+    if plan.microbatch_size is not None:
+        check_num_microbatches(plan.microbatch_size, "microbatch_size", cap=None)
 
 
 def _message(rank: int, a: Action) -> tuple:
