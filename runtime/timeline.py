@@ -99,7 +99,7 @@ def load_trace(path: str | Path) -> list[Event]:
         ]
     except OSError as e:
         raise ScheduleError(f"cannot read trace {path}: {e.strerror or e}") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ScheduleError(
             f"{path}: not a pdcompile timeline trace ({e}); write traces with to_chrome_trace"
         ) from None

@@ -20,6 +20,7 @@ N nodes, W starts within P T, L levels.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -29,6 +30,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_model import CostModel
 from pdcompile.schedules import PipelineSchedule
 
+log = logging.getLogger(__name__)
 TOLERANCE = 1e-12
 MAX_PROBES = 15
 # Measured costs of one DP round (2-core CPU, numpy): per node (numpy calls) and per element of
@@ -249,8 +251,10 @@ def _narrow(p, n: int, geo: _Geometry, lo: float, hi: float, tolerance: float) -
     Each round tests several evenly spaced limits at once (one vectorised DP) and keeps the
     bracket between the largest that fails and the smallest that fits. More probes per round
     mean fewer rounds (fewer numpy calls) but more work per call; the count minimises the
-    estimated time per factor of bracket shrink.
+    estimated time per factor of bracket shrink. Each round logs how far the bracket is from
+    `tolerance` (`progress`, 0 to 1: the share of the way in log scale; the CLI draws it).
     """
+    start = max((hi - lo) / hi, tolerance)
     while hi - lo > tolerance * hi:
         ks = np.arange(1, n + 1)
         starts = ks - np.searchsorted(p.compute, p.compute[ks] - geo.group * hi * (1 + 1e-9))
@@ -264,6 +268,10 @@ def _narrow(p, n: int, geo: _Geometry, lo: float, hi: float, tolerance: float) -
         first = int(fits.argmax()) if fits.any() else probes  # feasibility grows with the limit
         hi = float(limits[first]) if first < probes else hi
         lo = float(limits[first - 1]) if first > 0 else lo
+        width = max((hi - lo) / hi, tolerance)
+        done = math.log(start / width) / math.log(start / tolerance) if start > tolerance else 1
+        log.info("bottleneck within %.0e, goal %.0e", width, tolerance,
+                 extra={"progress": min(done, 1.0)})  # fmt: skip
     return hi
 
 

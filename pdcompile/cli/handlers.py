@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pdcompile.cli.parser import build_parser
+from pdcompile.cli.progress import progress
 from pdcompile.errors import PdcompileError, SpecError
 
 
@@ -205,9 +206,10 @@ def _plan(args: argparse.Namespace) -> int:
     costs, _ = _costs(args)
     if args.measured:
         return _replan(args, costs)
-    with warnings.catch_warnings():
+    cluster = _cluster(args)
+    with warnings.catch_warnings(), progress(_planning(costs, cluster, args.solver)):
         warnings.simplefilter("ignore", PlanWarning)  # the table's notes say the same
-        result = plan(costs, _cluster(args), solver=args.solver, schedule=args.schedule,
+        result = plan(costs, cluster, solver=args.solver, schedule=args.schedule,
                       num_microbatches=args.microbatches, chunks=args.chunks,
                       allow_async=args.allow_async,
                       global_batch_size=args.global_batch_size)  # fmt: skip
@@ -221,6 +223,11 @@ def _plan(args: argparse.Namespace) -> int:
         result.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _planning(costs: Any, cluster: Any, solver: str) -> str:
+    """What the progress display says while `costs` are planned."""
+    return f"planning {len(costs.graph)} nodes on {cluster.num_devices} devices ({solver})"
 
 
 def _replan(args: argparse.Namespace, costs: Any) -> int:
@@ -301,7 +308,7 @@ def _is_plan_file(path: str) -> bool:
     try:
         with open(path) as f:
             return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
 
@@ -326,8 +333,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise PdcompileError(f"{args.spec} is not a Plan JSON: give --cluster to plan it")
     else:
         costs, _ = _costs(args)
-        made = plan(costs, cluster, solver=args.solver or "dp", schedule=args.schedule or "1f1b",
-                    num_microbatches=args.microbatches, chunks=args.chunks)  # fmt: skip
+        with progress(_planning(costs, cluster, args.solver or "dp")):
+            made = plan(costs, cluster, solver=args.solver or "dp",
+                        schedule=args.schedule or "1f1b", num_microbatches=args.microbatches,
+                        chunks=args.chunks)  # fmt: skip
         print(made)
     sim = simulate(made, schedule=args.schedule, num_microbatches=args.microbatches,
                    cluster=cluster)  # fmt: skip
