@@ -5,7 +5,8 @@ in flight (inputs received, outputs sent, gradients coming back). Under a stream
 (`pipedream`, `2bw`) each microbatch's forward and backward run on its weight version
 (`runtime/weight_versions.py`) through the module's parameter slots (`runtime/weight_slots.py`).
 A backward runs fused (`B`) or split (`I`, the gradients with respect to the stage's inputs,
-which go back at once; later `W`, those with respect to its weights).
+which go back at once; later `W`, those with respect to its weights). A stage the plan marks
+`recompute` keeps only its inputs or segment boundaries and recomputes (`runtime/recompute.py`).
 """
 
 from __future__ import annotations
