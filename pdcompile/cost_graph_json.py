@@ -39,7 +39,10 @@ MAX_BYTES = 2**53  # 8 PiB: byte counts up to here are exact as floats
 MAX_FLOPS = 1e30
 _CAPS = {
     **dict.fromkeys((*TIME_ATTRS, *STEP_ATTRS), ("seconds", MAX_SECONDS, "MAX_SECONDS")),
-    **dict.fromkeys((*INT_ATTRS, "activation_sizes"), ("bytes", MAX_BYTES, "MAX_BYTES")),
+    **dict.fromkeys(  # memory_bytes: the sum of four parts under the cap
+        (*(a for a in INT_ATTRS if a != "memory_bytes"), "activation_sizes"),
+        ("bytes", MAX_BYTES, "MAX_BYTES"),
+    ),
     **dict.fromkeys(FLOP_ATTRS, ("FLOPs", MAX_FLOPS, "MAX_FLOPS")),
 }
 

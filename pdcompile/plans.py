@@ -8,7 +8,6 @@ schedule it was made for, and what the cost model predicted. JSON in and out, pr
 from __future__ import annotations
 
 import json
-import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -388,10 +387,10 @@ def _fields(cls: type, values: Any, where: str = "") -> dict[str, Any]:
         raise PartitionError(f"{where}missing fields {missing}")
     for name, value in values.items():
         if not _fits(value, hints[name], name in SIGNED):
-            sign = "" if name in SIGNED or hints[name] in (str, bool) else " >= 0"
-            raise PartitionError(
-                f"{where}field {name!r} is {_brief(value)}, not {_type_name(hints[name])}{sign}"
-            )
+            kind = _type_name(hints[name])
+            rule = "finite" if name in SIGNED else "finite, >= 0"
+            rule = f" ({rule}, below 2**63)" if "int" in kind or "float" in kind else ""
+            raise PartitionError(f"{where}field {name!r} is {_brief(value)}, not {kind}{rule}")
     return {name: _tupled(value) for name, value in values.items()}
 
 
@@ -405,9 +404,9 @@ def _fits(value: Any, hint: Any, signed: bool = False) -> bool:
         return isinstance(value, bool)
     if hint in (int, float):
         kinds = int if hint is int else (int, float)
-        return (
-            isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
-            and abs(value) < INT64 and (signed or value >= 0)
+        return (  # abs(value) < INT64: finite too (not NaN, not inf)
+            isinstance(value, kinds) and not isinstance(value, bool) and abs(value) < INT64
+            and (signed or value >= 0)
         )  # fmt: skip
     if hint is str:
         return isinstance(value, str)

@@ -1,14 +1,19 @@
 """Every loader either loads or raises a `PdcompileError`: fuzzed with hypothesis.
 
-Valid files of each kind (a Plan, a CostGraph, a PipeDream profile, a checkpoint manifest) get
-random byte damage (flips, truncation, insertions, random bytes) and random edits of their JSON
-(deleted keys, changed types, negative, huge, NaN and infinite numbers, nested garbage) or of
-their lines. A loader that raises anything else (KeyError, TypeError, OverflowError,
-RecursionError, ...) fails the test; pytest-timeout ends a hang.
+Valid files of each kind (a Plan, a CostGraph, a PipeDream profile, a checkpoint manifest, a
+cluster's text and JSON) get random byte damage (flips, truncation, insertions, random bytes)
+and random edits of their JSON (deleted keys, changed types, negative, huge (1e308, 2**64,
+10**400), NaN and infinite numbers, huge counts, garbage nested up to 100000 deep) or of their
+lines. A loader that raises anything else (KeyError, TypeError, OverflowError, RecursionError,
+...) fails the test, and so does a loaded plan whose simulation is not a finite step with
+bubbles between 0 and 1; pytest-timeout ends a hang. The commands that read files (`graph`,
+`plan`, `simulate`) get the same files: they succeed, or fail with one line on standard error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -23,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdcompile
+from pdcompile.cli.handlers import main
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PdcompileError
@@ -42,8 +48,10 @@ FUZZ = settings(
 )
 
 NUMBERS = st.sampled_from(
-    [-1, 0, -0.5, 1.5, 2**63, 10**400, -(10**400), math.nan, math.inf, -math.inf, True]
-)
+    [-1, 0, -0.5, 1.5, 2**63, 2**64, 10**400, -(10**400), 1e308, -1e308, 1e300, math.nan,
+     math.inf, -math.inf, True, 10**9, 99_999_999_999, 2**53 + 1]
+)  # fmt: skip
+DEPTHS = st.sampled_from([2, 50, 900, 5_000, 100_000])  # nested lists around a value
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6) | NUMBERS,
     lambda inner: (
@@ -101,7 +109,9 @@ def edited_json(draw: st.DrawFn, doc: Any) -> str:
         for step in path:
             parent, key = (parent[key] if key is not None else parent), step
         value = doc if key is None else parent[key]
-        edit = draw(st.sampled_from(["delete", "replace", "number", "negate", "wrap", "text"]))
+        edit = draw(
+            st.sampled_from(["delete", "replace", "number", "negate", "wrap", "nest", "text"])
+        )
         if edit == "delete" and key is not None:
             del parent[key]
             continue
@@ -113,13 +123,20 @@ def edited_json(draw: st.DrawFn, doc: Any) -> str:
             new = -value if isinstance(value, (int, float)) else draw(NUMBERS)
         elif edit == "wrap":
             new = draw(st.sampled_from([[value], {"value": value}, [[value, value]]]))
+        elif edit == "nest":  # written as text below: json.dumps recurses
+            new = _NESTED
         else:
             new = json.dumps(value)
         if key is None:
             doc = new
         else:
             parent[key] = new
-    return json.dumps(doc)
+    text = json.dumps(doc)
+    depth = draw(DEPTHS)
+    return text.replace(json.dumps(_NESTED), "[" * depth + "1" + "]" * depth)
+
+
+_NESTED = "<nested>"  # stands for a value nested deeply in lists
 
 
 @st.composite
@@ -137,7 +154,8 @@ def edited_lines(draw: st.DrawFn, text: str) -> str:
         elif edit == "cut":
             lines[at] = lines[at][: rng.randint(0, len(lines[at]))]
         elif edit == "number":
-            number = draw(st.sampled_from(["-1", "1e999", "nan", "inf", "1" * 400, "0x1", ""]))
+            number = draw(st.sampled_from(["-1", "1e999", "nan", "inf", "1" * 400, "0x1", "",
+                                           "1e308", "1e300", "18446744073709551616"]))  # fmt: skip
             head, sep, tail = lines[at].partition("=")
             lines[at] = head + sep + number + tail.lstrip("0123456789.")
         else:
@@ -165,14 +183,26 @@ def json_files(text: str) -> st.SearchStrategy[bytes]:
     return damaged_bytes(text.encode()) | edited_json(json.loads(text)).map(str.encode)
 
 
-@pytest.mark.timeout(120)
+def simulates(plan: Plan) -> None:
+    """A loaded plan prints, writes itself again and simulates to a finite step with bubbles
+    between 0 and 1, or its simulation refuses it (a schedule it cannot run, a budget)."""
+    str(plan), plan.to_json()
+    try:
+        sim = pdcompile.simulate(plan)
+    except PdcompileError:
+        return
+    assert math.isfinite(sim.time_per_step) and sim.time_per_step >= 0, sim.time_per_step
+    assert all(0 <= b <= 1 for b in sim.bubble_fraction), sim.bubble_fraction
+
+
+@pytest.mark.timeout(300)
 @FUZZ
 @given(json_files(PLAN.to_json()))
 def test_plan_loader(data: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         path.write_bytes(data)
-        loads_or_refuses(lambda: Plan.load(path), path, lambda plan: (str(plan), plan.to_json()))
+        loads_or_refuses(lambda: Plan.load(path), path, simulates)
 
 
 @pytest.mark.timeout(120)
@@ -216,6 +246,72 @@ def test_checkpoint_manifest_loader(saved: Path, data: st.DataObject) -> None:
         shutil.copytree(saved, copy)
         (copy / "manifest.json").write_bytes(damaged)
         loads_or_refuses(lambda: checkpoint.load_full_state_dict(copy), copy, len)
+
+
+CLUSTER_TEXTS = st.sampled_from(
+    ["4", "8@300GB/s,16@25Gbit/s+5us", "2@1GB/s+1ms", "99999999999", "1000000", "2@", "2@+",
+     "2@+5us", "2@1e308B/s", "2@1e999GB/s", "2@nanGB/s", "2@-1GB/s", "0", "1024,1024", "2+inf s",
+     "18446744073709551616", "2@1GB/s+1e308s", ",", "4@@1GB/s"]
+)  # fmt: skip
+
+
+@st.composite
+def cluster_texts(draw: st.DrawFn) -> str:
+    """A cluster spelling, possibly with characters damaged, dropped or inserted."""
+    text = draw(CLUSTER_TEXTS)
+    if draw(st.booleans()):
+        return text
+    return draw(damaged_bytes(text.encode())).decode("latin-1")
+
+
+@FUZZ
+@given(cluster_texts(), st.sampled_from([None, "80GB", "1e400GB", "0B", "-1GB", "nan", "2**64"]))
+def test_cluster_text_loader(text: str, memory: str | None) -> None:
+    try:
+        cluster = Cluster.parse(text, memory=memory)
+    except PdcompileError:
+        return
+    assert 1 <= cluster.num_devices <= 2**17
+    assert Cluster.parse(str(cluster), memory=cluster.memory) == cluster  # str parses back
+    assert Cluster.from_json(cluster.to_json()) == cluster
+
+
+@FUZZ
+@given(json_files(Cluster.parse("8@300GB/s,2@25Gbit/s+5us", memory="80GB").to_json()))
+def test_cluster_json_loader(data: bytes) -> None:
+    try:
+        cluster = Cluster.from_json(data.decode("latin-1"))
+    except PdcompileError:
+        return
+    assert 1 <= cluster.num_devices <= 2**17 and Cluster.from_json(cluster.to_json()) == cluster
+
+
+def one_line_or_success(*argv: object) -> None:
+    """`pdcompile ARGV` succeeds, or fails with one line on standard error (no traceback)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    if code:
+        text = err.getvalue()
+        assert code in (1, 2) and text.startswith("pdcompile: error: "), text
+        assert text.count("\n") == 1, text
+
+
+CLI = settings(FUZZ, max_examples=40)  # a command reads, plans and simulates: fewer examples
+
+
+@pytest.mark.timeout(600)
+@CLI
+@given(json_files(COSTS.to_json()) | damaged_bytes(PROFILE.encode()) | json_files(PLAN.to_json()))
+def test_commands_reading_files(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("input.json", "graph.txt"):
+            path = Path(tmp) / name
+            path.write_bytes(data)
+            one_line_or_success("graph", path)
+            one_line_or_success("plan", path, "--cluster", "2")
+            one_line_or_success("simulate", path, "--cluster", "2")
+            one_line_or_success("simulate", path)
 
 
 LOADERS = {
