@@ -171,7 +171,7 @@ class TwoHosts:
         port: int = 29400,
         run_id: str = "pdcompile",
         max_restarts: int = 0,
-        join_timeout_s: int = 30,
+        join_timeout_s: int = 60,
         env: dict[str, str] | None = None,
     ) -> subprocess.Popen:
         """`torchrun --nnodes 2 --nproc-per-node nproc` on host `label`, meeting the other host
