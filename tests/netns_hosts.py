@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-_IP = shutil.which("ip") or "/usr/sbin/ip"
-_TC = shutil.which("tc") or "/usr/sbin/tc"
+IP = shutil.which("ip") or "/usr/sbin/ip"
+TC = shutil.which("tc") or "/usr/sbin/tc"
 _COMMAND_S = 10.0  # the longest any ip or tc command may take
 _counter = itertools.count()
 
@@ -57,7 +57,7 @@ def unavailable() -> str | None:
     """Why two hosts cannot be made here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root (CI runs the multihost tier as root)"
-    if not os.path.exists(_IP):
+    if not os.path.exists(IP):
         return "no `ip` command (iproute2) on this machine"
     return None
 
@@ -91,15 +91,15 @@ class TwoHosts:
         a, b = self.hosts["a"], self.hosts["b"]
         try:
             for host in (a, b):
-                _run([_IP, "netns", "add", host.netns])
+                _run([IP, "netns", "add", host.netns])
                 self._made.append(host.netns)
-            _run([_IP, "link", "add", a.ifname, "netns", a.netns, "type", "veth",
+            _run([IP, "link", "add", a.ifname, "netns", a.netns, "type", "veth",
                   "peer", "name", b.ifname, "netns", b.netns])  # fmt: skip
             for host in (a, b):
-                _run([_IP, "-n", host.netns, "addr", "add", f"{host.address}/30",
+                _run([IP, "-n", host.netns, "addr", "add", f"{host.address}/30",
                       "dev", host.ifname])  # fmt: skip
-                _run([_IP, "-n", host.netns, "link", "set", "dev", host.ifname, "up"])
-                _run([_IP, "-n", host.netns, "link", "set", "dev", "lo", "up"])
+                _run([IP, "-n", host.netns, "link", "set", "dev", host.ifname, "up"])
+                _run([IP, "-n", host.netns, "link", "set", "dev", "lo", "up"])
         except subprocess.CalledProcessError as exc:
             self.close()
             raise HostsUnavailable(
@@ -116,7 +116,7 @@ class TwoHosts:
         for label in self.hosts:
             self.kill(label)
         for netns in self._made:
-            subprocess.run([_IP, "netns", "del", netns], capture_output=True, timeout=_COMMAND_S)
+            subprocess.run([IP, "netns", "del", netns], capture_output=True, timeout=_COMMAND_S)
         self._made = []
         for _, _, log in self._processes:
             log.close()
@@ -127,23 +127,23 @@ class TwoHosts:
         `burst`: bytes sent at line rate before the limit holds (default: 1/250 s of traffic,
         at least 16 KiB; `tbf` refuses bursts under one timer tick's worth).
         """
-        if not os.path.exists(_TC):
+        if not os.path.exists(TC):
             raise HostsUnavailable("no `tc` command (iproute2) on this machine")
         burst = burst or max(16 * 1024, int(bytes_per_s / 250))
         for host in self.hosts.values():
-            _run([_IP, "netns", "exec", host.netns, _TC, "qdisc", "replace", "dev", host.ifname,
+            _run([IP, "netns", "exec", host.netns, TC, "qdisc", "replace", "dev", host.ifname,
                   "root", "tbf", "rate", f"{int(bytes_per_s * 8)}bit", "burst", str(burst),
                   "latency", "200ms"])  # fmt: skip
 
     def link(self, up: bool) -> None:
         """Bring host A's end of the link up or down (the carrier drops on both ends)."""
         a = self.hosts["a"]
-        _run([_IP, "-n", a.netns, "link", "set", "dev", a.ifname, "up" if up else "down"])
+        _run([IP, "-n", a.netns, "link", "set", "dev", a.ifname, "up" if up else "down"])
 
     def tx_bytes(self, label: str) -> int:
         """Bytes host `label` has sent over the link so far."""
         host = self.hosts[label]
-        out = _run([_IP, "-j", "-s", "-n", host.netns, "link", "show", "dev", host.ifname])
+        out = _run([IP, "-j", "-s", "-n", host.netns, "link", "show", "dev", host.ifname])
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
     def start(
@@ -154,7 +154,7 @@ class TwoHosts:
         host = self.hosts[label]
         out = open(log, "ab")  # noqa: SIM115 - closed by close()
         process = subprocess.Popen(
-            [_IP, "netns", "exec", host.netns, *argv], env=env, stdout=out,
+            [IP, "netns", "exec", host.netns, *argv], env=env, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._processes.append((label, process, out))
@@ -211,7 +211,7 @@ class TwoHosts:
         netns = self.hosts[label].netns
         if netns not in self._made:
             return []
-        out = subprocess.run([_IP, "netns", "pids", netns], capture_output=True, text=True,
+        out = subprocess.run([IP, "netns", "pids", netns], capture_output=True, text=True,
                              timeout=_COMMAND_S).stdout  # fmt: skip
         return [int(p) for p in out.split()]
 

@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multihost_worker import MICROBATCHES, OPTIMIZER, batch, example, model
-from netns_hosts import HostsUnavailable, TwoHosts
+from netns_hosts import IP, HostsUnavailable, TwoHosts
 from pipeline_support import microbatches, one_thread, pipedream_reference
 
 import pdcompile
@@ -242,3 +242,30 @@ def test_a_lost_host_rejoins_and_the_job_resumes_from_its_checkpoint(hosts, tmp_
     expected, got = accumulated(steps), parameters(out, "1f1b")
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, msg=name)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_harness_leaves_nothing_behind_even_on_failure(tmp_path) -> None:
+    """Processes in sessions of their own (as torchrun's workers) are killed, the namespaces
+    and the veth pair deleted, when the body raises."""
+    started: list[int] = []
+    with pytest.raises(RuntimeError, match="the body failed"), two_hosts() as hosts:
+        for label in "ab":
+            hosts.start(label, ["sh", "-c", "setsid sleep 300 & exec sleep 300"],
+                        env=dict(os.environ), log=tmp_path / f"{label}.log")  # fmt: skip
+        wait(lambda: all(len(hosts.pids(h)) == 2 for h in "ab"), 10, tmp_path, "the sleepers")
+        started = hosts.pids("a") + hosts.pids("b")
+        names = [hosts[h].netns for h in "ab"]
+        raise RuntimeError("the body failed")
+    assert len(started) == 4 and all(_gone(pid) for pid in started), started
+    listed = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, timeout=10)
+    assert not set(names) & set(listed.stdout.split()), listed.stdout
+    links = subprocess.run([IP, "-o", "link"], capture_output=True, text=True, timeout=10)
+    assert not any(name in links.stdout for name in names), links.stdout
