@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import netns_hosts
 import pytest
 import torch
 import torch.nn.functional as F
@@ -269,3 +270,9 @@ def test_the_harness_leaves_nothing_behind_even_on_failure(tmp_path) -> None:
     assert not set(names) & set(listed.stdout.split()), listed.stdout
     links = subprocess.run([IP, "-o", "link"], capture_output=True, text=True, timeout=10)
     assert not any(name in links.stdout for name in names), links.stdout
+
+
+def test_where_namespaces_cannot_be_made_the_tier_is_skipped_saying_why(monkeypatch) -> None:
+    monkeypatch.setattr(netns_hosts.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match="network namespaces need root"), two_hosts():
+        pass
