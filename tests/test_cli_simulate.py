@@ -173,6 +173,11 @@ def test_simulate_errors_are_one_line(capsys, vgg_plan, tmp_path) -> None:
         (("simulate", vgg_plan, "--measured", vgg_plan), "give --png or --svg"),
         (("simulate", vgg_plan, "--measured", vgg_plan, "--png", tmp_path / "g.png"),
          "not a pdcompile timeline trace"),
+        # was ignored (the plan's 8 ran), or ran into the schedules' cap unexplained
+        (("simulate", vgg_plan, "--microbatches", 0), "an integer >= 1, got int 0"),
+        (("simulate", vgg_plan, "--microbatches", 10**9), "above the cap of 65536 microbatches"),
+        (("simulate", VGG, "--cluster", "4", "--microbatches", 10**9), "above the cap of 65536"),
+        (("simulate", VGG, "--cluster", "99999999999"), "above the cap of 131072"),
     ]  # fmt: skip
     for argv, message in cases:
         code, _, err = run(capsys, *argv)

@@ -5,6 +5,7 @@ an AttributeError where `compile` took the string)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -103,3 +104,28 @@ def test_the_command_line_takes_the_text_and_names_a_bad_one(capsys, tmp_path) -
     assert main(["plan", str(costs), "--cluster", "2x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pdcompile: error: cannot read cluster '2x': each level is COUNT")
+
+
+@pytest.mark.parametrize("text", ["2@", "2@+", "2@ +5us", "2@+5us", "2@1GB/s+", "8@300GB/s,2@"])
+@pytest.mark.parametrize("name", ["plan", "simulate", "Cluster.coerce"])
+def test_a_bandwidth_or_latency_announced_but_not_written_is_refused(name: str, text: str) -> None:
+    # "2@" and "2@+" were read as the default bandwidth (issue 22)
+    with pytest.raises(PartitionError, match=re.escape(f"cluster={text!r}: cannot read cluster "
+                       f"{text!r}: each level is COUNT, COUNT@BANDWIDTH or")):  # fmt: skip
+        TAKERS[name](text)
+
+
+@pytest.mark.parametrize("text", ["2+5us", "2@1e+9B/s", "2@1GB/s+5us", "4@10GB/s,2@1GB/s+1ms"])
+def test_the_written_parts_still_read(text: str) -> None:
+    cluster = Cluster.parse(text)
+    assert Cluster.parse(str(cluster)) == cluster
+
+
+def test_a_huge_count_is_refused_on_the_command_line(capsys, tmp_path) -> None:
+    costs = tmp_path / "costs.json"
+    G.save(costs)
+    assert main(["plan", str(costs), "--cluster", "99999999999"]) == 1  # was a MemoryError
+    err = capsys.readouterr().err
+    assert err.startswith("pdcompile: error: a cluster of 99999999999 devices is above the cap")
+    assert main(["plan", str(costs), "--cluster", "2@"]) == 1
+    assert "cannot read cluster '2@'" in capsys.readouterr().err
