@@ -163,11 +163,17 @@ def simulated_actions(plan: Plan, rules: PipelineSchedule, steps: int) -> int:
 def _check_size(plan: Plan, rules: PipelineSchedule, steps: int) -> None:
     actions = simulated_actions(plan, rules, steps)
     if actions > MAX_ACTIONS:
+        ranks, last = plan.num_devices_used, plan.stages[-1].replicas
+        losses = steps * ranks * last
+        why = (
+            f" ({losses:,} of them the loss each rank receives from the last stage's {last} "
+            "replicas)" if 2 * losses > actions else ""
+        )  # fmt: skip
         raise PartitionError(
             f"simulating {plan.num_microbatches} microbatches of {plan.num_stages} stages on "
-            f"{plan.num_devices_used} ranks under {rules.name} runs about {actions:,} actions, "
-            f"above the budget of {MAX_ACTIONS:,} (pdcompile.runtime.simulator.MAX_ACTIONS); "
-            "use fewer microbatches (num_microbatches), or plan for fewer devices"
+            f"{ranks} ranks under {rules.name} runs about {actions:,} actions{why}, above the "
+            f"budget of {MAX_ACTIONS:,} (pdcompile.runtime.simulator.MAX_ACTIONS); use fewer "
+            "microbatches (num_microbatches), or plan for fewer devices"
         )
 
 

@@ -113,7 +113,7 @@ def test_a_plan_for_a_large_cluster_says_its_simulation_is_over_the_budget() -> 
     # plan(costs, 100000) looped forever (twice the devices is above the schedules' cap)
     budget = r"above the budget of 2,000,000 \(pdcompile.runtime.simulator.MAX_ACTIONS\); use"
     size = r"simulating 65536 microbatches of \d+ stages on 100000 ranks under 1f1b"
-    with pytest.raises(PartitionError, match=rf"{size} runs about [\d,]+ actions, {budget}"):
+    with pytest.raises(PartitionError, match=rf"{size} runs about [\d,]+ actions.*, {budget}"):
         pdcompile.plan(COSTS, 100000)
 
 
