@@ -158,6 +158,7 @@ def linked(tmp_path_factory: pytest.TempPathFactory) -> Linked:
         wait(lambda: paused(out), 150, out, "both schedules on both hosts", agents)
         hosts.link(up=False)
         cut_at = time.time()
+        (out / "cut").write_text(repr(cut_at))  # for a reader of the folder
         (out / "go").touch()
         wait(lambda: host_a_reported(out), TIMEOUT + MARGIN, out, "host A's ranks' errors")
     return Linked(out, cut_at)
