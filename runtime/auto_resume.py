@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError
 
-__all__ = ["KEEP", "AutoCheckpoint", "checkpoint_name", "listed"]
+__all__ = ["KEEP", "AutoCheckpoint", "auto_checkpoint", "checkpoint_name", "listed"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,26 @@ def listed(directory: str) -> list[tuple[int, str]]:
         if match and os.path.isdir(os.path.join(directory, name)):
             found.append((int(match.group(1)), os.path.join(directory, name)))
     return sorted(found, reverse=True)
+
+
+def auto_checkpoint(
+    directory: str | os.PathLike | None, every: int | None
+) -> AutoCheckpoint | None:
+    """The `AutoCheckpoint` of `compile(checkpoint_dir=, checkpoint_every=)`, or None for
+    neither.
+
+    Raises:
+        CheckpointError: one given without the other, or as `AutoCheckpoint`.
+    """
+    if directory is None and every is None:
+        return None
+    if directory is None or every is None:
+        given, missing = ("checkpoint_dir", "checkpoint_every")[:: 1 if every is None else -1]
+        raise CheckpointError(
+            f"{given} was given without {missing}: automatic checkpoints need both (a folder "
+            "every rank sees, and the train steps between checkpoints)"
+        )
+    return AutoCheckpoint(os.fspath(directory), every)
 
 
 @dataclass
