@@ -148,6 +148,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.evaluation import rescore, simulated
     from pdcompile.pipelined_module import PipelinedModule
     from pdcompile.planning import plan as make_plan
+    from pdcompile.runtime.auto_resume import auto_checkpoint
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
@@ -165,7 +166,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
             "CostGraph or its JSON file) with plan=, or leave plan= out"
         )
     auto = isinstance(schedule, str) and schedule == AUTO  # chosen with the plan, below
-    autosave = _auto_checkpoint(checkpoint_dir, checkpoint_every)
+    autosave = auto_checkpoint(checkpoint_dir, checkpoint_every)
     if not auto:
         schedule = get_schedule(schedule).name
         check_nonfinite(schedule, nonfinite)
@@ -265,21 +266,6 @@ def compile(  # noqa: A001 - the public name API.md gives it
     if measure_memory:
         module.measure_memory()
     return module
-
-
-def _auto_checkpoint(directory: str | os.PathLike | None, every: int | None) -> Any:
-    """The `AutoCheckpoint` of `compile(checkpoint_dir=, checkpoint_every=)`, or None."""
-    from pdcompile.runtime.auto_resume import AutoCheckpoint
-
-    if directory is None and every is None:
-        return None
-    if directory is None or every is None:
-        given, missing = ("checkpoint_dir", "checkpoint_every")[:: 1 if every is None else -1]
-        raise CheckpointError(
-            f"{given} was given without {missing}: automatic checkpoints need both (a folder "
-            "every rank sees, and the train steps between checkpoints)"
-        )
-    return AutoCheckpoint(os.fspath(directory), every)
 
 
 def _materialize(
