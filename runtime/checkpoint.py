@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pdcompile.errors import CheckpointError
+from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.runtime import manifest
 from pdcompile.runtime.checkpoint_entries import (
     empty,
@@ -48,6 +48,7 @@ from pdcompile.runtime.checkpoint_entries import (
     optimizer_reads,
     restore_optimizer,
 )
+from pdcompile.runtime.checkpoint_ranks import Ranks, ranks_of
 
 __all__ = ["load", "load_full_state_dict", "rng_state", "save", "set_rng_state"]
 
@@ -66,6 +67,7 @@ def save(
     extra: Mapping[str, Any],
     step: int | None = None,
     process_group: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Write this rank's stage (module, optimizer, `extra`) into the checkpoint `directory`.
 
@@ -81,43 +83,46 @@ def save(
         extra: this rank's small metadata, kept per rank: tensors or Python bool, int, float
             values, e.g. `{"step": 100, **rng_state()}`.
         step: the step count recorded in `manifest.json` (rank 0's), or None.
+        process_group: the ranks that save (default: every rank); its own timeout bounds
+            their waits for each other.
+        timeout_s: with the default group, how long a wait for the other ranks may last
+            (`PipelinedModule.save` passes `compile(timeout=...)`); None: the group's timeout.
 
     Raises:
         CheckpointError: on every rank, when a value in `extra` or the optimizer state is not a
             tensor or a number, when ranks hold a name with different shapes or values, when
             `directory` holds files that are not a checkpoint's, or when the write fails.
+        PipelineTimeoutError: a rank died or hung past the timeout; the checkpoint in
+            `directory` is then whole, the previous one unless the error says otherwise.
     """
-    rank, world_size = _rank_and_size(process_group)
     path = os.path.abspath(os.fspath(directory))
-    items: dict[str, torch.Tensor] = {_FORMAT: torch.tensor([FORMAT_VERSION, world_size])}
-    items.update({f"model/{k}": v for k, v in model.state_dict(keep_vars=False).items()})
-    problems = [] if optimizer is None else optimizer_items(model, optimizer, items)
-    for key, value in extra.items():
-        problems += encode(f"extra/{rank}/", str(key), value, items, f"extra[{key!r}]")
+    with ranks_of(path, "saving", process_group, timeout_s) as ranks:
+        rank, world_size = ranks.rank, ranks.world_size
+        items: dict[str, torch.Tensor] = {_FORMAT: torch.tensor([FORMAT_VERSION, world_size])}
+        items.update({f"model/{k}": v for k, v in model.state_dict(keep_vars=False).items()})
+        problems = [] if optimizer is None else optimizer_items(model, optimizer, items)
+        for key, value in extra.items():
+            problems += encode(f"extra/{rank}/", str(key), value, items, f"extra[{key!r}]")
+        token = uuid.uuid4().hex[:8]
+        if rank == 0:
+            problems += _attempt(lambda: manifest.prepare(path, token), "preparing")
+        keys, token = _agree(items, problems, ranks, token)
+        staging = manifest.staging_path(path, token)
+        with ranks.phase("writing its files"), _dcp(path, rank, not ranks.local, writing=True):
+            saved = dcp.save(items, checkpoint_id=staging, process_group=ranks.group,
+                             no_dist=ranks.local)  # fmt: skip
+        # DCP's save returns once rank 0 wrote `.metadata`, after every rank reported its files
+        # written: the ranks hash them (on a shared filesystem), round robin, and rank 0 commits
+        names = sorted({".metadata", *(s.relative_path for s in saved.storage_data.values())})
+        mine: dict[str, tuple[int, str]] = {}
+        problems = _attempt(lambda: mine.update(manifest.hashes(staging, names[rank::world_size])),
+                            "hashing")  # fmt: skip
+        shares = ranks.gather((problems, mine), "hashing its files")
+        problems = [] if rank else _commit(path, staging, token, keys, shares, world_size, step)
+        whole = f"{path} holds the previous or the new checkpoint, whole (see its manifest's step)"
+        _agree({}, problems, ranks, what="waiting for rank 0 to commit it", outcome=whole)
     if rank == 0:
-        problems += _attempt(lambda: manifest.prepare(path), "preparing")
-    keys, token = _agree(items, problems, path, process_group, uuid.uuid4().hex[:8])
-    staging = manifest.staging_path(path, token)
-    with _dcp(path, rank, writing=True):
-        dcp.save(items, checkpoint_id=staging, process_group=process_group, no_dist=_local())
-    # DCP's save returns once rank 0 wrote `.metadata`, after every rank reported its files
-    # written: rank 0 hashes the whole folder (on a shared filesystem) and commits it
-    problems = []
-    if rank == 0:
-        holds = {
-            "model": tuple(sorted(k[len("model/") :] for k in keys if k.startswith("model/"))),
-            "optimizer": any(k.startswith("optim/") for k in keys),
-            "extra": tuple(sorted({k.split("/", 3)[3] for k in keys if k.startswith("extra/")})),
-            "step": step,
-        }
-
-        def finish() -> list[str]:
-            manifest.write(staging, manifest.describe(staging, world_size, holds))
-            manifest.commit(staging, path, token)
-            return []
-
-        problems = _attempt(finish, "committing")
-    _agree({}, problems, path, process_group)  # no rank returns before the checkpoint is in place
+        manifest.finish(path, token)  # the previous checkpoint deleted: no rank waits for it
     log.info("rank %d: saved %d entries to %s", rank, len(items), path)
 
 
@@ -127,6 +132,7 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     process_group: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Load, in place, the names this rank's module holds from a checkpoint saved by any plan.
 
@@ -138,6 +144,7 @@ def load(
         directory: a folder written by `save`, under any plan or world size.
         model: this rank's stage module, under the original model's names (not on `meta`).
         optimizer: its optimizer, built over the module's parameters, or None.
+        process_group, timeout_s: as for `save`.
 
     Returns:
         the `extra` this rank saved when as many ranks saved as load; otherwise (the world size
@@ -146,46 +153,34 @@ def load(
 
     Raises:
         CheckpointError: on every rank, when `directory` is not a pdcompile checkpoint, is
-            partial or altered (a file missing, added or unlike its checksum in the manifest:
-            checked before any file is opened), or lacks a name (or its optimizer state) that
-            some rank holds, or has it in another shape.
+            partial or altered (a file missing, added, not a regular file or unlike its
+            checksum in the manifest: checked before any file is opened), or lacks a name (or
+            its optimizer state) that some rank holds, or has it in another shape.
+        PipelineTimeoutError: a rank died or hung past the timeout (the module may be partly
+            loaded if the error says so).
     """
-    rank, world_size = _rank_and_size(process_group)
     path, problems, reads, chosen = os.fspath(directory), [], {}, []
-    _verify(path, rank, world_size, process_group, gather=not _local())
-    try:
-        metadata, saved_world_size = _open(path)
-    except CheckpointError as exc:  # raised below, on every rank at once
-        metadata, saved_world_size = None, world_size
-        problems.append(str(exc).removeprefix(f"checkpoint {path}: "))
-    source = rank if saved_world_size == world_size else 0
-    module_state = model.state_dict(keep_vars=False)
-    if metadata is not None:
-        entries = metadata.state_dict_metadata
-        for name, tensor in module_state.items():
-            entry = entries.get(f"model/{name}")
-            if not isinstance(entry, TensorStorageMetadata):
-                problems.append(
-                    f"no {name!r}, which rank {rank}'s module holds: the checkpoint is of another "
-                    f"model (compare its names: load_full_state_dict({path!r}).keys())"
-                )
-            elif entry.size != tensor.shape:
-                problems.append(
-                    f"{name!r} is {list(entry.size)} in the checkpoint but {list(tensor.shape)} "
-                    f"in rank {rank}'s module: build the model with its saved configuration"
-                )
-            elif tensor.is_meta:
-                problems.append(
-                    f"{name!r} is on the meta device in rank {rank}'s module: "
-                    "materialise it first (module.toempty(device=...))"
-                )
-            reads[f"model/{name}"] = tensor
-        if optimizer is not None:
-            chosen = optimizer_reads(model, optimizer, metadata, reads, problems)
-        reads.update({k: empty(metadata, k) for k in entries if k.startswith(f"extra/{source}/")})
-    _agree({}, problems, path, process_group)
-    with _dcp(path, rank):
-        dcp.load(reads, checkpoint_id=path, process_group=process_group, no_dist=_local())
+    with ranks_of(path, "loading", process_group, timeout_s) as ranks:
+        rank, world_size = ranks.rank, ranks.world_size
+        _verify(path, ranks)
+        try:
+            metadata, saved_world_size = _open(path)
+        except CheckpointError as exc:  # raised below, on every rank at once
+            metadata, saved_world_size = None, world_size
+            problems.append(str(exc).removeprefix(f"checkpoint {path}: "))
+        source = rank if saved_world_size == world_size else 0
+        module_state = model.state_dict(keep_vars=False)
+        if metadata is not None:
+            problems += _module_reads(path, rank, metadata, module_state, reads)
+            if optimizer is not None:
+                chosen = optimizer_reads(model, optimizer, metadata, reads, problems)
+            keys = [k for k in metadata.state_dict_metadata if k.startswith(f"extra/{source}/")]
+            reads.update({k: empty(metadata, k) for k in keys})
+        _agree({}, problems, ranks, what="agreeing on what to load")
+        with ranks.phase("reading its files", "this rank's module may be partly loaded"):
+            with _dcp(path, rank, not ranks.local):
+                dcp.load(reads, checkpoint_id=path, process_group=ranks.group,
+                         no_dist=ranks.local)  # fmt: skip
     model.load_state_dict(module_state, strict=True)  # the modules' own load hooks run
     if optimizer is not None:
         restore_optimizer(optimizer, chosen, reads, path)
@@ -202,6 +197,33 @@ def load(
             _, _, kind, name = key.split("/", 3)
             extra[name] = value if kind == "tensor" else value.item()
     return extra
+
+
+def _module_reads(
+    path: str, rank: int, metadata: Metadata, state: dict[str, torch.Tensor], reads: dict
+) -> list[str]:
+    """Add the module's entries to `reads`; the problems of names missing or unlike the saved."""
+    problems = []
+    entries = metadata.state_dict_metadata
+    for name, tensor in state.items():
+        entry = entries.get(f"model/{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            problems.append(
+                f"no {name!r}, which rank {rank}'s module holds: the checkpoint is of another "
+                f"model (compare its names: load_full_state_dict({path!r}).keys())"
+            )
+        elif entry.size != tensor.shape:
+            problems.append(
+                f"{name!r} is {list(entry.size)} in the checkpoint but {list(tensor.shape)} "
+                f"in rank {rank}'s module: build the model with its saved configuration"
+            )
+        elif tensor.is_meta:
+            problems.append(
+                f"{name!r} is on the meta device in rank {rank}'s module: "
+                "materialise it first (module.toempty(device=...))"
+            )
+        reads[f"model/{name}"] = tensor
+    return problems
 
 
 def load_full_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
@@ -244,42 +266,77 @@ def set_rng_state(states: Mapping[str, Any]) -> None:
 
 
 def _agree(
-    items: dict[str, torch.Tensor], problems: list[str], path: str, group: Any, token: str = ""
+    items: dict[str, torch.Tensor],
+    problems: list[str],
+    ranks: Ranks,
+    token: str = "",
+    what: str = "agreeing on what to save",
+    outcome: str = "",
 ) -> tuple[set[str], str]:
     """Raise on every rank when any rank has a problem, or ranks hold a key with other values.
 
     Two gathers: every rank's problems and keys, then fingerprints of the keys several hold.
     Returns the keys any rank holds and rank 0's `token`.
     """
-    if _local():
-        _raise(problems, path)
+    if ranks.local:
+        _raise(problems, ranks.path)
         return set(items), token
     held = {key: (tuple(t.shape), str(t.dtype)) for key, t in items.items()}
-    gathered = _gather((problems, held, token), group)
-    _raise([f"rank {r}: {p}" for r, (own, _, _) in enumerate(gathered) for p in own], path)
+    gathered = ranks.gather((problems, held, token), what, outcome)
+    _raise([f"rank {r}: {p}" for r, (own, _, _) in enumerate(gathered) for p in own], ranks.path)
     holders: dict[str, list[int]] = {}
     for rank, (_, keys, _) in enumerate(gathered):
         for key in keys:
             holders.setdefault(key, []).append(rank)
-    shared = [key for key, ranks in holders.items() if len(ranks) > 1]
+    shared = [key for key, owners in holders.items() if len(owners) > 1]
     mine = {k: repr((*held[k], *_fingerprint(items[k]))) for k in shared if k in items}
-    prints = _gather(mine, group) if shared else []  # repr: NaN matches NaN
+    prints = ranks.gather(mine, what, outcome) if shared else []  # repr: NaN matches NaN
     for key in shared:
-        ranks = holders[key]
-        if differ := [r for r in ranks if prints[r][key] != prints[ranks[0]][key]]:
+        owners = holders[key]
+        if differ := [r for r in owners if prints[r][key] != prints[owners[0]][key]]:
             problems.append(
-                f"{key} differs between rank {ranks[0]} and ranks {differ} (shape, dtype or "
+                f"{key} differs between rank {owners[0]} and ranks {differ} (shape, dtype or "
                 "values): replicas and tied copies must agree when saved (flush first)"
             )
-    _raise(problems, path)
+    _raise(problems, ranks.path)
     return set(holders), gathered[0][2]
 
 
-def _attempt(step: Callable[[], list[str]], what: str) -> list[str]:
-    """The problems `step` returns, or its filesystem failure as one."""
+def _commit(
+    path: str,
+    staging: str,
+    token: str,
+    keys: set[str],
+    shares: list[tuple[list[str], dict[str, tuple[int, str]]]],
+    world_size: int,
+    step: int | None,
+) -> list[str]:
+    """Rank 0: write the manifest of the ranks' hashes (and of any file they did not hash) and
+    put the checkpoint in place; the problems (every rank raises them)."""
+    if problems := [f"rank {r}: {p}" for r, (own, _) in enumerate(shares) for p in own]:
+        return problems
+    holds = {
+        "model": tuple(sorted(k[len("model/") :] for k in keys if k.startswith("model/"))),
+        "optimizer": any(k.startswith("optim/") for k in keys),
+        "extra": tuple(sorted({k.split("/", 3)[3] for k in keys if k.startswith("extra/")})),
+        "step": step,
+    }
+
+    def finish() -> None:
+        files = {name: entry for _, share in shares for name, entry in share.items()}
+        rest = [n for n in os.listdir(staging) if n not in files and n != manifest.MANIFEST]
+        files.update(manifest.hashes(staging, rest))  # e.g. a rank's file with no entries
+        manifest.write(staging, manifest.Manifest(files=files, world_size=world_size, **holds))
+        manifest.commit(staging, path, token)
+
+    return _attempt(finish, "committing")
+
+
+def _attempt(step: Callable[[], list[str] | None], what: str) -> list[str]:
+    """The problems `step` returns (None: none), or its filesystem failure as one."""
     try:
-        return step()
-    except OSError as exc:
+        return step() or []
+    except (OSError, CheckpointError) as exc:  # the latter: a file that is not a regular one
         return [f"{what} failed: {type(exc).__name__}: {exc}; check the folder's permissions and "
                 "free space"]  # fmt: skip
 
@@ -291,11 +348,10 @@ def _fingerprint(tensor: torch.Tensor) -> list[float]:
     return torch.stack([x.sum(), (x * weights).sum()]).tolist()
 
 
-def _verify(
-    path: str, rank: int = 0, world_size: int = 1, group: Any = None, gather: bool = False
-) -> None:
-    """Check the manifest and this rank's share of the checksums; raise when a problem is found
-    (with `gather`: on every rank of `group` when any rank finds one)."""
+def _verify(path: str, ranks: Ranks | None = None) -> None:
+    """Check the manifest and this rank's share of the checksums; raise on every rank when any
+    rank finds a problem."""
+    rank, world_size = (ranks.rank, ranks.world_size) if ranks else (0, 1)
     try:
         problems = [
             f"reading failed: rank {rank}: {problem}"
@@ -303,7 +359,7 @@ def _verify(
         ]
     except CheckpointError as exc:
         problems = [str(exc).removeprefix(f"checkpoint {path}: ")]
-    everyone = _gather(problems, group) if gather else [problems]
+    everyone = ranks.gather(problems, "verifying its checksums") if ranks else [problems]
     _raise(list(dict.fromkeys(p for own in everyone for p in own)), path)
 
 
@@ -348,29 +404,17 @@ def _raise(problems: list[str], path: str) -> None:
         raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems[:5]) + more)
 
 
-def _local() -> bool:
-    """No process group: save and load are local (DCP's `no_dist`)."""
-    return not (dist.is_available() and dist.is_initialized())
-
-
-def _rank_and_size(group: Any) -> tuple[int, int]:
-    return (0, 1) if _local() else (dist.get_rank(group), dist.get_world_size(group))
-
-
-def _gather(value: Any, group: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
 @contextlib.contextmanager
-def _dcp(path: str, rank: int, writing: bool = False) -> Iterator[None]:
-    """Around a DCP call: its single-process warning silenced, its failures a CheckpointError."""
+def _dcp(path: str, rank: int, grouped: bool = False, writing: bool = False) -> Iterator[None]:
+    """Around a DCP call: its single-process warning silenced, its failures a CheckpointError
+    (under a group, a collective's own failure is left to `Ranks.phase`)."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             yield
     except (Exception, dcp.CheckpointException) as exc:  # the latter gathers every rank's
+        if grouped and isinstance(exc, RuntimeError) and not isinstance(exc, PdcompileError):
+            raise  # a timeout or a dead peer in one of DCP's collectives
         failures = getattr(exc, "failures", None) or {rank: (exc, None)}
         why = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in failures.items())
         fix = "write to it" if writing else "read it whole (a save may have been cut short)"

@@ -3,10 +3,12 @@
 A save writes into a staging folder beside the target, `.<name>.tmp-<token>`; rank 0 then writes
 `manifest.json` (the size and SHA-256 of every other file, the step, what the checkpoint holds)
 and `commit` puts the folder in place: the previous checkpoint is renamed to `.<name>.old-<token>`,
-the new one to `<name>`, and the old one is deleted. A process killed at any point leaves the
-previous checkpoint or the new one, whole (docs/checkpoints.md, "Atomic saves"). Readers check the
-manifest and the checksums before opening any file: torch.distributed.checkpoint's `.metadata` is
-a pickle. Torch-free.
+the new one to `<name>`, and `finish` deletes the old one. Before anything is created, `prepare`
+records the token in the journal `.<name>.journal`: what interrupted saves left is found there,
+by exact name, never by a pattern that another checkpoint's name could match. A process killed at
+any point leaves the previous checkpoint or the new one, whole (docs/checkpoints.md, "Atomic
+saves"). Readers check the manifest and the checksums before opening any file (DCP's `.metadata`
+is a pickle), and open regular files only: a FIFO or a device never blocks a load. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,88 +18,33 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pdcompile.errors import CheckpointError
+from pdcompile.runtime.manifest_format import FORMAT, MANIFEST, VERSION, Manifest
 
-__all__ = ["MANIFEST", "Manifest", "commit", "prepare", "read", "staging_path", "verify"]
+__all__ = [
+    "FORMAT", "MANIFEST", "VERSION", "Manifest", "commit", "finish", "hashes", "prepare", "read",
+    "staging_path", "verify",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-FORMAT = "pdcompile.checkpoint"
-VERSION = 1
 _CHUNK = 1 << 20
-_SHA256_HEX = 64
+_MANIFEST_MAX = 64 << 20  # bytes: a manifest of 10^5 files and names is a few MiB
+_JOURNAL = "pdcompile.save-journal"
+_TOKEN = re.compile(r"[0-9a-f]{8}")
+_SUFFIX = len("." + ".tmp-") + 8  # what a staging folder's name adds to the checkpoint's
+_KINDS = {
+    stat.S_IFREG: "a regular file", stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
+}  # fmt: skip
 # what a folder may hold for a save to replace it: a checkpoint's own files
 _REPLACEABLE = (MANIFEST, ".metadata", "*.distcp")
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What `manifest.json` records.
-
-    `files`: name -> (bytes, SHA-256 hex) of every file of the checkpoint but the manifest.
-    `model`: the original model's names saved; `optimizer`: whether optimizer state was saved;
-    `extra`: the keys of the ranks' `extra`; `step`: the caller's step count, or None.
-    """
-
-    files: Mapping[str, tuple[int, str]]
-    world_size: int
-    model: tuple[str, ...] = ()
-    optimizer: bool = False
-    extra: tuple[str, ...] = ()
-    step: int | None = None
-
-    def to_json(self) -> str:
-        holds = {"model": list(self.model), "optimizer": self.optimizer, "extra": list(self.extra)}
-        files = {n: {"bytes": b, "sha256": s} for n, (b, s) in sorted(self.files.items())}
-        return json.dumps(
-            {"format": FORMAT, "version": VERSION, "step": self.step,
-             "world_size": self.world_size, "holds": holds, "files": files},
-            indent=1,
-        )  # fmt: skip
-
-    @classmethod
-    def from_json(cls, text: str, source: str) -> Manifest:
-        """Parse and check a manifest.
-
-        Raises:
-            CheckpointError: `source` is not valid JSON or not a manifest of this format,
-                naming the field at fault.
-        """
-        try:
-            doc = json.loads(text)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-            raise CheckpointError(
-                f"{source} is not valid JSON ({exc}): the save did not finish or the file was "
-                "altered; load an earlier checkpoint"
-            ) from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CheckpointError(f"{source} is not a pdcompile checkpoint manifest")
-        if doc.get("version") != VERSION:
-            raise CheckpointError(
-                f"{source}: manifest version {doc.get('version')!r}; this pdcompile reads "
-                f"version {VERSION}: upgrade pdcompile"
-            )
-        problems = _problems(doc)
-        if problems:
-            raise CheckpointError(
-                f"{source} is malformed: " + "; ".join(problems[:3]) + ": the file was altered; "
-                "load an earlier checkpoint"
-            )
-        holds = doc["holds"]
-        return cls(
-            files={n: (e["bytes"], e["sha256"].lower()) for n, e in doc["files"].items()},
-            world_size=doc["world_size"],
-            model=tuple(holds["model"]),
-            optimizer=holds["optimizer"],
-            extra=tuple(holds["extra"]),
-            step=doc["step"],
-        )
 
 
 def read(directory: str) -> Manifest:
@@ -105,17 +52,16 @@ def read(directory: str) -> Manifest:
 
     Raises:
         CheckpointError: no such folder (saying what an interrupted save left beside it), no
-            manifest (a torch.distributed.checkpoint folder, or not a checkpoint), or a
-            malformed one.
+            manifest (a torch.distributed.checkpoint folder, or not a checkpoint), a manifest
+            that is not a regular file, or a malformed one.
     """
     where = f"checkpoint {directory}"
     if not os.path.isdir(directory):
         raise CheckpointError(f"{where}: not a checkpoint: {_missing(directory)}")
     try:
-        with open(os.path.join(directory, MANIFEST), "rb") as file:
-            text = file.read().decode("utf-8")
+        data = read_regular(os.path.join(directory, MANIFEST), _MANIFEST_MAX)
     except FileNotFoundError:
-        if os.path.exists(os.path.join(directory, ".metadata")):
+        if os.path.lexists(os.path.join(directory, ".metadata")):
             raise CheckpointError(
                 f"{where}: a torch.distributed.checkpoint directory without pdcompile's "
                 f"{MANIFEST}: not opened, since its metadata is a pickle and only checkpoints "
@@ -125,9 +71,33 @@ def read(directory: str) -> Manifest:
         raise CheckpointError(
             f"{where}: not a checkpoint: no {MANIFEST}; the path is wrong or a save did not finish"
         ) from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot read {MANIFEST}: {exc}") from None
+    except CheckpointError as exc:  # not a regular file, or too large
+        raise CheckpointError(f"{where}: {exc}; the folder was altered: load an earlier "
+                              "checkpoint") from None  # fmt: skip
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise CheckpointError(f"{where}: cannot read {MANIFEST}: {exc}") from None
     return Manifest.from_json(text, f"{where}: {MANIFEST}")
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes; nothing else is opened (a
+    FIFO would block, a device could be endless).
+
+    Raises:
+        OSError: no such file, or it cannot be read.
+        CheckpointError: it is not a regular file (saying what it is), or larger.
+    """
+    with _open_regular(path) as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(
+            f"{os.path.basename(path)} is over {limit} bytes, more than pdcompile writes there"
+        )
+    return data
 
 
 def verify(directory: str, manifest: Manifest, share: int = 0, num_shares: int = 1) -> list[str]:
@@ -154,8 +124,14 @@ def verify(directory: str, manifest: Manifest, share: int = 0, num_shares: int =
         size, digest = manifest.files[name]
         path = os.path.join(directory, name)
         try:
-            found = os.path.getsize(path)
-            if found != size:
+            info = os.stat(path)  # a symlink's target: its contents are checked
+            kind, found = _kind(info.st_mode), info.st_size
+            if kind != "a regular file":
+                problems.append(
+                    f"{name} is {kind}, not a regular file: not opened; the folder was altered, "
+                    "load an earlier checkpoint"
+                )
+            elif found != size:
                 problems.append(
                     f"{name} is {found} bytes but {MANIFEST} records {size}: the file is "
                     "truncated or altered; not opened, load an earlier checkpoint"
@@ -167,6 +143,8 @@ def verify(directory: str, manifest: Manifest, share: int = 0, num_shares: int =
                 )
         except OSError as exc:
             problems.append(f"{name}, which {MANIFEST} lists, cannot be read ({exc.strerror})")
+        except CheckpointError as exc:  # made a FIFO since the check above
+            problems.append(f"{exc}; the folder was altered, load an earlier checkpoint")
     return problems
 
 
@@ -181,17 +159,22 @@ def write(directory: str, manifest: Manifest) -> None:
 
 def describe(directory: str, world_size: int, holds: Mapping[str, Any]) -> Manifest:
     """A manifest of the files now in `directory` (sizes and SHA-256s), with what it holds."""
+    names = [name for name in os.listdir(directory) if name != MANIFEST]
+    return Manifest(files=hashes(directory, names), world_size=world_size, **holds)
+
+
+def hashes(directory: str, names: list[str]) -> dict[str, tuple[int, str]]:
+    """The size and SHA-256 of each of `names` in `directory` (a rank's share of a save's)."""
     files = {}
-    for name in sorted(os.listdir(directory)):
-        if name != MANIFEST:
-            path = os.path.join(directory, name)
-            files[name] = (os.path.getsize(path), sha256(path))
-    return Manifest(files=files, world_size=world_size, **holds)
+    for name in sorted(names):
+        path = os.path.join(directory, name)
+        files[name] = (os.path.getsize(path), sha256(path))
+    return files
 
 
 def sha256(path: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as file:
+    with _open_regular(path) as file:
         while chunk := file.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -203,12 +186,71 @@ def staging_path(directory: str, token: str, kind: str = "tmp") -> str:
     return os.path.join(parent, f".{name}.{kind}-{token}")
 
 
-def prepare(directory: str) -> list[str]:
+def prepare(directory: str, token: str | None = None) -> list[str]:
     """Before a save into `directory`: refuse to replace a folder that is not a checkpoint,
-    restore a previous checkpoint that a save killed between its two renames left aside, and
-    delete what interrupted saves left. Returns the problems (empty: go ahead)."""
+    restore a previous checkpoint that a save killed between its two renames left aside, delete
+    what interrupted saves recorded, and record `token`, the save's (when given). Returns the
+    problems (empty: go ahead)."""
+    if problems := _refusals(directory):
+        return problems
+    if token is not None and any(
+        os.path.lexists(staging_path(directory, token, kind)) for kind in ("tmp", "old")
+    ):
+        return [f"{staging_path(directory, token)} exists already: save again (another token)"]
+    tokens = _recorded(directory)
+    previous = _previous(directory, tokens)
+    if previous and not os.path.lexists(directory):
+        log.warning("restoring %s from %s (a save was cut short)", directory, previous)
+        os.rename(previous, directory)
+    for left in tokens:
+        for kind in ("tmp", "old"):
+            shutil.rmtree(staging_path(directory, left, kind), ignore_errors=True)
+    kept = [t for t in tokens if _left(directory, t)]  # what could not be deleted stays recorded
+    _record(directory, kept + ([token] if token is not None else []))
+    return []
+
+
+def commit(staging: str, directory: str, token: str) -> None:
+    """Put the complete checkpoint `staging` in place of `directory` (see the module doc)."""
+    _fsync_dir(os.path.dirname(os.path.abspath(directory)))  # the journal, before any rename
+    if os.path.lexists(directory):
+        os.rename(directory, staging_path(directory, token, "old"))
+    os.rename(staging, directory)
+    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+
+
+def finish(directory: str, token: str) -> None:
+    """After a commit: delete the previous checkpoint and the save's record (best effort: what
+    is left stays recorded, and the next save into `directory` deletes it)."""
+    try:
+        if os.path.lexists(old := staging_path(directory, token, "old")):
+            shutil.rmtree(old)
+        _record(directory, [t for t in _recorded(directory) if t != token or _left(directory, t)])
+    except OSError as exc:
+        log.warning("%s: cannot delete %s (%s): the next save into it does", directory, old, exc)
+
+
+def _refusals(directory: str) -> list[str]:
+    """Why a save must not replace `directory`, or write beside it."""
+    parent, name = os.path.split(os.path.abspath(directory))
+    try:
+        longest = os.pathconf(parent, "PC_NAME_MAX") if os.path.isdir(parent) else 255
+    except (OSError, ValueError):
+        longest = 255
+    if len(os.fsencode(name)) + _SUFFIX > longest:
+        return [
+            f"the name {name!r} is {len(os.fsencode(name))} bytes: a save writes beside it into "
+            f"a folder named {_SUFFIX} bytes longer, past this filesystem's {longest}; choose a "
+            "shorter name"
+        ]
     if os.path.lexists(directory) and not os.path.isdir(directory):
-        return [f"{directory} is a file, not a checkpoint folder: choose another path"]
+        return [f"{directory} is {_what(directory)}, not a checkpoint folder: choose another path"]
+    journal = _journal(directory)
+    if os.path.lexists(journal) and _what(journal) != "a regular file":
+        return [
+            f"{journal}, where saves into {name} record what they create, is "
+            f"{_what(journal)}: move it away, or save into another folder"
+        ]
     if os.path.isdir(directory):
         others = [
             n for n in os.listdir(directory)
@@ -219,35 +261,20 @@ def prepare(directory: str) -> list[str]:
                 f"{directory} holds {sorted(others)[:3]}, which are not a checkpoint's files: a "
                 "save replaces the whole folder, so it refuses; save into a new folder"
             ]
-    old = _leftovers(directory, "old")
-    if old and not os.path.lexists(directory):
-        log.warning("restoring %s from %s (a save was cut short)", directory, old[-1])
-        os.rename(old[-1], directory)
-    for leftover in _leftovers(directory, "tmp") + _leftovers(directory, "old"):
-        shutil.rmtree(leftover, ignore_errors=True)
     return []
 
 
-def commit(staging: str, directory: str, token: str) -> None:
-    """Put the complete checkpoint `staging` in place of `directory` (see the module doc)."""
-    old = staging_path(directory, token, "old")
-    replaced = os.path.lexists(directory)
-    if replaced:
-        os.rename(directory, old)
-    os.rename(staging, directory)
-    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
-    if replaced:
-        shutil.rmtree(old)
-
-
 def _missing(directory: str) -> str:
-    """Why `directory` does not exist, from what an interrupted save left beside it."""
-    old, tmp = _leftovers(directory, "old"), _leftovers(directory, "tmp")
+    """Why `directory` is not a folder, from what an interrupted save left beside it."""
+    if os.path.lexists(directory):
+        return f"it is {_what(directory)}, not a folder"
+    tokens = _recorded(directory)
+    old, tmp = _previous(directory, tokens), _existing(directory, tokens, "tmp")
     if old:
         return (
-            f"a save was killed while replacing it: the previous checkpoint is {old[-1]}"
+            f"a save was killed while replacing it: the previous checkpoint is {old}"
             + (f" and the unfinished new one {tmp[-1]}" if tmp else "")
-            + f"; rename {old[-1]} to {directory} to load the previous one (the next save "
+            + f"; rename {old} to {directory} to load the previous one (the next save "
             "into it does so)"
         )
     if tmp:
@@ -258,17 +285,100 @@ def _missing(directory: str) -> str:
     return "no such folder"
 
 
-def _leftovers(directory: str, kind: str) -> list[str]:
-    """What interrupted saves of `directory` left: `.<name>.<kind>-*`, oldest first."""
-    # a prefix match, not glob: glob caches a compiled pattern per folder name, ~1.7 KB that
-    # every save into a new folder (ckpt/step-N) would add, up to 32,768 patterns
-    parent, prefix = os.path.split(staging_path(directory, "", kind))
+def _previous(directory: str, tokens: list[str]) -> str | None:
+    """The previous checkpoint that a save into `directory`, killed between its renames, left
+    aside: the newest recorded one; else, when a save was recorded but its folder is gone (moved
+    by hand), the newest sibling named exactly `.<name>.old-<8 hex digits>` holding a manifest."""
+    if found := _existing(directory, tokens, "old"):
+        return found[-1]
+    if not tokens:
+        return None
+    parent, prefix = os.path.split(staging_path(directory, "", "old"))
     try:
         names = os.listdir(parent)
-    except OSError:  # no parent folder: nothing left
-        names = []
-    found = [os.path.join(parent, n) for n in names if n.startswith(prefix)]
-    return sorted(found, key=lambda path: os.stat(path).st_mtime if os.path.exists(path) else 0)
+    except OSError:
+        return None
+    found = [
+        os.path.join(parent, n) for n in names
+        if n.startswith(prefix) and _TOKEN.fullmatch(n[len(prefix) :])
+        and os.path.isfile(os.path.join(parent, n, MANIFEST))
+    ]  # fmt: skip
+    return max(found, key=lambda path: os.stat(path).st_mtime, default=None)
+
+
+def _existing(directory: str, tokens: list[str], kind: str) -> list[str]:
+    paths = (staging_path(directory, token, kind) for token in tokens)
+    return [path for path in paths if os.path.lexists(path)]
+
+
+def _left(directory: str, token: str) -> bool:
+    return bool(_existing(directory, [token], "tmp") + _existing(directory, [token], "old"))
+
+
+def _journal(directory: str) -> str:
+    parent, name = os.path.split(os.path.abspath(directory))
+    return os.path.join(parent, f".{name}.journal")
+
+
+def _recorded(directory: str) -> list[str]:
+    """The tokens of the saves into `directory` whose folders may be left, oldest first; an
+    unreadable journal records nothing (what it named stays on disk, never another's files)."""
+    path = _journal(directory)
+    try:
+        doc = json.loads(read_regular(path, 1 << 16))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, RecursionError, CheckpointError) as exc:
+        log.warning("%s is unreadable (%s): what it recorded is not deleted", path, exc)
+        return []
+    tokens = doc.get("tokens") if isinstance(doc, dict) and doc.get("format") == _JOURNAL else []
+    if not isinstance(tokens, list):
+        return []
+    return [t for t in tokens if isinstance(t, str) and _TOKEN.fullmatch(t)]
+
+
+def _record(directory: str, tokens: list[str]) -> None:
+    """Write the journal of `directory` (flushed to disk), or delete it when it records none."""
+    path = _journal(directory)
+    if not tokens:
+        if os.path.lexists(path):
+            os.unlink(path)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    target = os.path.basename(os.path.abspath(directory))
+    with os.fdopen(os.open(path, flags, 0o644), "w", encoding="utf-8") as file:
+        file.write(json.dumps({"format": _JOURNAL, "target": target, "tokens": tokens}))
+        file.flush()
+        os.fdatasync(file.fileno())
+
+
+def _open_regular(path: str) -> Any:
+    """`path` opened for reading if it is a regular file (after symlinks), else CheckpointError
+    saying what it is; a FIFO swapped in after the check cannot block (O_NONBLOCK)."""
+    kind = _what(path)
+    if kind == "a regular file":
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind == "a regular file":
+            return os.fdopen(fd, "rb")
+        os.close(fd)
+    raise CheckpointError(f"{os.path.basename(path)} is {kind}, not a regular file: not opened")
+
+
+def _what(path: str) -> str:
+    """What `path` is, after symlinks: "a regular file", "a FIFO", ... (FileNotFoundError when
+    there is nothing)."""
+    try:
+        return _kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return "a broken symbolic link"
+        raise
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def _fsync_dir(path: str) -> None:
@@ -283,50 +393,3 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _problems(doc: dict[str, Any]) -> list[str]:
-    """What is wrong with the fields of a parsed manifest."""
-    problems = []
-    step, world_size = doc.get("step", -1), doc.get("world_size")
-    if step is not None and not _count(step):
-        problems.append(f"'step' is {step!r}, not null or an integer >= 0")
-    if not (_count(world_size) and world_size >= 1):
-        problems.append(f"'world_size' is {world_size!r}, not an integer >= 1")
-    holds = doc.get("holds")
-    if not (
-        isinstance(holds, dict)
-        and _strings(holds.get("model"))
-        and isinstance(holds.get("optimizer"), bool)
-        and _strings(holds.get("extra"))
-    ):
-        problems.append("'holds' is not {model: [names], optimizer: bool, extra: [keys]}")
-    files = doc.get("files")
-    if not isinstance(files, dict):
-        return [*problems, "'files' is not an object"]
-    for name, entry in files.items():
-        if not _plain(name):
-            problems.append(f"'files' lists {name!r}, not a file name inside the folder")
-        elif not (
-            isinstance(entry, dict)
-            and set(entry) == {"bytes", "sha256"}
-            and _count(entry["bytes"])
-            and isinstance(entry["sha256"], str)
-            and len(entry["sha256"]) == _SHA256_HEX
-        ):
-            problems.append(f"'files' entry {name!r} is not {{bytes: int, sha256: hex}}")
-    return problems
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _strings(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-
-def _plain(name: str) -> bool:
-    """A file name directly inside the folder: no separators, not `.`, `..` or the manifest."""
-    base = os.path.basename(name)
-    return base == name and name not in ("", ".", "..", MANIFEST) and not set(name) & {"\\", "\0"}
