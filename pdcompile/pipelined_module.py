@@ -218,7 +218,7 @@ class PipelinedModule:
             extra.update(state_entries(worker.scheduler.state_dict(), "scheduler"))
         save(
             directory, model=worker.module, optimizer=worker.optimizer, extra=extra,
-            step=self.steps,
+            step=self.steps, timeout_s=self._timeout_s(),
         )  # fmt: skip
 
     def load(self, directory: str) -> None:
@@ -230,7 +230,9 @@ class PipelinedModule:
 
         worker = self._only_worker("load")
         self.flush()
-        extra = load(directory, model=worker.module, optimizer=worker.optimizer)
+        extra = load(
+            directory, model=worker.module, optimizer=worker.optimizer, timeout_s=self._timeout_s()
+        )
         set_rng_state(extra)
         self.steps = int(extra.get("steps", self.steps))
         worker.versions.updates = int(extra.get("updates", worker.versions.updates))
@@ -240,6 +242,11 @@ class PipelinedModule:
         self.pipeline.restart()
         shadow = {k.removeprefix("shadow/"): t for k, t in extra.items() if k.startswith("shadow/")}
         worker.versions.restore_previous(shadow)
+
+    def _timeout_s(self) -> float | None:
+        """The step timeout, which bounds a save's or load's waits too (None: one process)."""
+        comm = getattr(self.pipeline, "comm", None)
+        return None if comm is None else comm.timeout_s
 
     def _only_worker(self, what: str) -> Any:
         if len(self.pipeline.workers) != 1:
