@@ -17,12 +17,13 @@ import copy
 import dataclasses
 import functools
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pipeline_support import stage_parameters
+from pipeline_support import one_thread, stage_parameters
 from spawn import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,6 +49,13 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def sgd(params: list) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Every run at one thread, as the spawned ranks run (on a loaded machine 10x faster)."""
+    with one_thread():
+        yield
 
 
 @functools.cache
