@@ -9,6 +9,8 @@ two network namespaces joined by a shaped veth pair, c10d rendezvous across it.
   killed after step 2, host A's ranks stop with a named error, host B comes back, every rank
   resumes from the newest valid checkpoint (a torn newer one skipped with a warning) and the
   job ends equal to an uninterrupted run.
+- The harness's promises: nothing is left behind when the body fails; without root the tier is
+  skipped with the reason.
 
 The `multihost` tier (`pytest -m multihost`), run by the default command too. It needs root;
 elsewhere it is skipped with the reason. Every wait is bounded; the harness kills every process
