@@ -100,12 +100,15 @@ class TwoHosts:
                       "dev", host.ifname])  # fmt: skip
                 _run([IP, "-n", host.netns, "link", "set", "dev", host.ifname, "up"])
                 _run([IP, "-n", host.netns, "link", "set", "dev", "lo", "up"])
-        except subprocess.CalledProcessError as exc:
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             self.close()
             raise HostsUnavailable(
                 f"cannot make the namespaces: `{' '.join(exc.cmd)}` failed: "
                 f"{(exc.stderr or '').strip()}"
             ) from exc
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -125,7 +128,8 @@ class TwoHosts:
         """Limit both directions to `bytes_per_s` (tc `tbf` on each end's egress).
 
         `burst`: bytes sent at line rate before the limit holds (default: 1/250 s of traffic,
-        at least 16 KiB; `tbf` refuses bursts under one timer tick's worth).
+        at least 16 KiB: under one timer tick's worth, HZ=250 here, tbf falls short of the
+        rate).
         """
         if not os.path.exists(TC):
             raise HostsUnavailable("no `tc` command (iproute2) on this machine")
@@ -172,7 +176,6 @@ class TwoHosts:
         run_id: str = "pdcompile",
         max_restarts: int = 0,
         join_timeout_s: int = 60,
-        env: dict[str, str] | None = None,
     ) -> subprocess.Popen:
         """`torchrun --nnodes 2 --nproc-per-node nproc` on host `label`, meeting the other host
         through c10d rendezvous at host A's address (host A's agent holds the store). Host A's
@@ -200,7 +203,6 @@ class TwoHosts:
             # a host that rejoins after its agent died then waits forever for the store's
             # address (pytorch/pytorch#135712): every round publishes its own instead
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            **(env or {}),
         }  # fmt: skip
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             variables.pop(name, None)
