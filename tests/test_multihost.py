@@ -20,7 +20,6 @@ it started and deletes the namespaces, whatever happens.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import shutil
@@ -106,8 +105,9 @@ def host_a_reported(out: Path) -> bool:
 
 def host(stage: pdcompile.plans.Stage) -> str:
     """The host of a stage's ranks (ranks 0-1 are host A's, 2-3 host B's)."""
-    (label,) = {"ab"[rank // 2] for rank in stage.ranks}  # no stage spans the link
-    return label
+    labels = {"ab"[rank // 2] for rank in stage.ranks}
+    assert len(labels) == 1, f"stage {stage.index} spans the link: ranks {stage.ranks}"
+    return labels.pop()
 
 
 def parameters(out: Path, schedule: str) -> dict[str, torch.Tensor]:
@@ -120,7 +120,7 @@ def parameters(out: Path, schedule: str) -> dict[str, torch.Tensor]:
 @one_thread()
 def accumulated(steps: int) -> dict[str, torch.Tensor]:
     """Single-process gradient accumulation over `batch(step)` for every step, as 1f1b runs."""
-    reference = copy.deepcopy(model())
+    reference = model()
     optimizer = OPTIMIZER(list(reference.parameters()))
     for step in range(steps):
         for a, b, share in microbatches(*batch(step), MICROBATCHES):
