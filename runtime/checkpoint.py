@@ -103,10 +103,15 @@ def save(
         problems = [] if optimizer is None else optimizer_items(model, optimizer, items)
         for key, value in extra.items():
             problems += encode(f"extra/{rank}/", str(key), value, items, f"extra[{key!r}]")
-        token = uuid.uuid4().hex[:8]
+        token, prepared = uuid.uuid4().hex[:8], []
         if rank == 0:
-            problems += _attempt(lambda: manifest.prepare(path, token), "preparing")
-        keys, token = _agree(items, problems, ranks, token)
+            prepared = _attempt(lambda: manifest.prepare(path, token), "preparing")
+        try:
+            keys, token = _agree(items, problems + prepared, ranks, token)
+        except CheckpointError:
+            if rank == 0 and not prepared:
+                manifest.finish(path, token)  # refused before any file: the record goes too
+            raise
         staging = manifest.staging_path(path, token)
         with ranks.phase("writing its files"), _dcp(path, rank, not ranks.local, writing=True):
             saved = dcp.save(items, checkpoint_id=staging, process_group=ranks.group,

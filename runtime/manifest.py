@@ -220,8 +220,9 @@ def commit(staging: str, directory: str, token: str) -> None:
 
 
 def finish(directory: str, token: str) -> None:
-    """After a commit: delete the previous checkpoint and the save's record (best effort: what
-    is left stays recorded, and the next save into `directory` deletes it)."""
+    """After a commit, or a save refused before it wrote a file: delete the previous checkpoint
+    and the save's record (best effort: what is left stays recorded, and the next save into
+    `directory` deletes it)."""
     try:
         if os.path.lexists(old := staging_path(directory, token, "old")):
             shutil.rmtree(old)

@@ -215,7 +215,7 @@ def _killing(point: str | None, name: str, patch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.timeout(240)
 @settings(
-    max_examples=20,
+    max_examples=50,
     deadline=None,
     derandomize=True,  # the same examples on every run: CI failures reproduce
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
