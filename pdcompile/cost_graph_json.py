@@ -8,8 +8,8 @@ Version 2 files (before the loss and the optimizer step) read too: the graph has
 no optimizer named, and its nodes lack `STEP_COST_ATTRS` (0.0: the step unpriced, the spread
 unknown). Version 1 files (before the split backward) also lack `SPLIT_ATTRS`, which take
 `CostGraph.add_node`'s defaults (half of `backward_s` each; W keeps every activation).
-Both loaders (this one and the PipeDream profile's) refuse a node or edge above `MAX_SECONDS`,
-`MAX_BYTES` or `MAX_FLOPS` (`check_magnitudes`).
+Both formats (this one and the PipeDream profile's) refuse to read or write a node or edge above
+`MAX_SECONDS`, `MAX_BYTES` or `MAX_FLOPS` (`check_magnitudes`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pdcompile.errors import CostError
 # The most one node (or edge) of a file may cost, per batch: far above any real layer, so a
 # figure past it is a corrupt file or other units. Under them the sums of a graph's figures
 # stay finite, and a plan's byte counts within a plan file's integers (below 2**63).
-MAX_SECONDS = 1e9  # about 32 years
+MAX_SECONDS = 1e12  # about 32,000 years
 MAX_BYTES = 2**53  # 8 PiB: byte counts up to here are exact as floats
 MAX_FLOPS = 1e30
 _CAPS = {
@@ -48,7 +48,9 @@ _CAPS = {
 
 
 def format_json(graph: CostGraph) -> str:
-    """`graph` as JSON, one node or edge per line; `read_json` reads it back exactly."""
+    """`graph` as JSON, one node or edge per line; `read_json` reads it back exactly (a figure
+    above the caps raises `CostError` here, as it would there)."""
+    check_magnitudes(graph, "CostGraph.to_json")
 
     def dump(obj: Any) -> str:
         return json.dumps(obj, allow_nan=False)

@@ -201,6 +201,7 @@ def file_order(cost_graph: CostGraph) -> tuple[list[str], list[tuple[str, str]]]
 
 
 def format_pipedream(cost_graph: CostGraph) -> str:
+    check_magnitudes(cost_graph, "CostGraph.to_pipedream")  # what the reader would refuse
     g = cost_graph.graph
     extra = cost_graph.meta.get("pipedream")
     extra = extra if isinstance(extra, dict) else {}

@@ -178,10 +178,15 @@ def test_huge_costs_are_refused_by_the_loaders_naming_the_node_and_the_cap(capsy
         node.update(forward_s=1e308, backward_s=1e308)
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(doc))
-    seconds = r"forward_s is 1e\+308 seconds, above the 1e\+09 one node may cost " \
+    seconds = r"forward_s is 1e\+308 seconds, above the 1e\+12 one node may cost " \
               r"\(pdcompile.cost_graph_json.MAX_SECONDS\)"  # fmt: skip
     with pytest.raises(CostError, match=rf"{costs}: node 'node1': {seconds}"):
         CostGraph.load(costs)
+    huge = CostGraph(batch_size=4)  # in memory: refused when written, as it would be when read
+    huge.add_node("n0", forward_s=1e300, backward_s=1.0)
+    for write in (huge.to_json, lambda: huge.to_pipedream(tmp_path / "huge.txt")):
+        with pytest.raises(CostError, match=r"CostGraph.to_\w+: node 'n0': forward_s is 1e\+300"):
+            write()
     # OverflowError in `graph`, IndexError in `plan` and `simulate`
     for argv in (("graph", costs), ("plan", costs, "--cluster", "2"),
                  ("simulate", costs, "--cluster", "2")):  # fmt: skip
