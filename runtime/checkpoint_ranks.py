@@ -61,7 +61,7 @@ class Ranks:
             return
         doing = f"{self.verb} checkpoint {self.path} ({what})"
         peers = [r for r in range(self.world_size) if r != self.rank]
-        limit = "the process group's timeout" if self.timeout_s is None else f"{self.timeout_s:g} s"
+        bound = "the group's timeout" if self.timeout_s is None else f"timeout {self.timeout_s:g} s"
         start, stop = time.monotonic(), threading.Event()
         threading.Thread(target=_watch, args=(stop, self.rank, doing, peers, self.timeout_s),
                          name="checkpoint-watchdog", daemon=True).start()  # fmt: skip
@@ -81,7 +81,7 @@ class Ranks:
             )
             raise PipelineTimeoutError(
                 f"rank {self.rank} gave up {doing} with ranks {peers} after {waited:.1f} s "
-                f"(timeout {limit}): {reason}; a rank died or hangs: see its own log; "
+                f"({bound}): {reason}; a rank died or hangs: see its own log; "
                 f"{outcome or default}"
             ) from exc
         finally:
@@ -93,7 +93,7 @@ def _watch(
 ) -> None:
     """The watchdog of one phase: until `stop`, log every tick how long this rank has waited."""
     tick = 60.0 if timeout_s is None else min(60.0, max(1.0, timeout_s / 5))
-    limit = "the process group's timeout" if timeout_s is None else f"{timeout_s:g} s"
+    limit = "the group's timeout" if timeout_s is None else f"{timeout_s:g} s"
     start = time.monotonic()
     while not stop.wait(tick):
         log.warning("rank %d has waited %.0f s %s with ranks %s (it gives up after %s)",

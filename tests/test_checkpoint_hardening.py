@@ -125,35 +125,39 @@ def test_a_stopped_rank_ends_a_save_and_a_load_after_the_step_timeout(tmp_path: 
     assert warned >= {"writing its files", "verifying its checksums"}, ranks[0]["log"]
 
 
-def _killed(rank: int, world_size: int, init_file: str, root: str, point: str) -> dict:
+def _killed(
+    rank: int, world_size: int, init_file: str, root: str, point: str, timeout_s: float | None
+) -> dict:
     """Three ranks save twice; rank 2 kills itself (SIGKILL) during the second save."""
     init_process_group(rank, world_size, init_file=init_file, backend="gloo", timeout_s=60)
     stage = torch.nn.ModuleDict({f"stage{rank}": torch.nn.Linear(4, 4)})
     directory = os.path.join(root, "ckpt")
-    checkpoint.save(directory, model=stage, optimizer=None, extra={}, step=1, timeout_s=30)
+    options = dict(model=stage, optimizer=None, extra={})
+    options.update({} if timeout_s is None else {"timeout_s": timeout_s})  # None: as before
+    checkpoint.save(directory, step=1, **options)
     if rank == 2:
         owner, name = (dist, "all_gather_object") if point == "agreeing" else (
             FileSystemWriter, "write_data")  # fmt: skip
         setattr(owner, name, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
     with torch.no_grad():
         stage[f"stage{rank}"].weight.add_(1.0)
-    save = lambda: checkpoint.save(  # noqa: E731
-        directory, model=stage, optimizer=None, extra={}, step=2, timeout_s=30
-    )
+    save = lambda: checkpoint.save(directory, step=2, **options)  # noqa: E731
     return dict(zip(("kind", "message", "elapsed"), _outcome(save), strict=True))
 
 
-@pytest.mark.parametrize("point", ["agreeing", "writing"])
+# in the default group (its timeout 60 s), and in a save's own (30 s)
+@pytest.mark.parametrize(("point", "timeout_s"), [("agreeing", None), ("writing", 30)])
 def test_the_survivors_of_a_rank_killed_mid_save_raise_the_timeout_error(
-    tmp_path: Path, point: str
+    tmp_path: Path, point: str, timeout_s: float | None
 ) -> None:
-    outcomes = run_ranks(_killed, 3, str(tmp_path), point, timeout_s=120, allow_failures=True)
+    outcomes = run_ranks(_killed, 3, str(tmp_path), point, timeout_s, timeout_s=120,
+                         allow_failures=True)  # fmt: skip
     assert outcomes[2].error == "exit", outcomes[2]
     for rank in (0, 1):
         result = outcomes[rank].value
         assert outcomes[rank].ok and result["kind"] == "PipelineTimeoutError", result
         assert f"rank {rank} gave up saving checkpoint {tmp_path / 'ckpt'}" in result["message"]
-        assert result["elapsed"] < 10, result  # at once (the timeout is 30 s): the peer is dead
+        assert result["elapsed"] < 10, result  # at once, not after a timeout: the peer is dead
     assert manifest.read(str(tmp_path / "ckpt")).step == 1  # the previous one, whole
     assert sorted(checkpoint.load_full_state_dict(tmp_path / "ckpt")) == [
         f"stage{r}.{p}" for r in range(3) for p in ("bias", "weight")
