@@ -225,7 +225,7 @@ def _module_reads(
         elif tensor.is_meta:
             problems.append(
                 f"{name!r} is on the meta device in rank {rank}'s module: "
-                "materialise it first (module.toempty(device=...))"
+                "materialise it first (module.to_empty(device=...))"
             )
         reads[f"model/{name}"] = tensor
     return problems
