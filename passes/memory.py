@@ -2,13 +2,18 @@
 
 A parameter used by several nodes (tied) is owned by its first user, so sums over nodes count it
 once. Optimizer state is a multiple of the trainable parameter bytes: none for SGD, one copy
-(momentum buffer) for SGD with momentum, two (first and second moments) for Adam.
+(momentum buffer) for SGD with momentum, two (first and second moments) for Adam, which also
+keeps a step count per tensor (a float32 scalar, `STEP_BYTES`).
 
 Activations kept for the backward pass are measured, not guessed: one forward pass with autograd
 on runs under `torch.autograd.graph.saved_tensors_hooks`, and every tensor autograd saves is
 charged to the node running at that moment. A storage saved twice (by a producer and by a
 consumer) is charged once, to the first node that saves it; parameters and buffers are not
-activations. Works on the `meta` device.
+activations. Works on the `meta` device. With `autocast` (the dtype `compile(autocast=)` runs
+forwards in) the forward runs under `torch.autocast`, so what it saves is measured at the dtypes
+the run saves: bf16/fp16 activations, the lower-precision copies of the weights a matrix product
+saves for its backward (one per microbatch in flight), fp32 where autocast keeps it (a layer
+norm, a softmax); the weights themselves, their gradients and optimizer state stay fp32.
 
 Of those, the storages some node's weight gradient reads stay alive after the input-gradient
 part I of a split backward, until its weight-gradient part W: a Linear's input, a LayerNorm's
@@ -30,6 +35,7 @@ Reads `pdcompile.params`, `pdcompile.param_table`. Writes on every node `pdcompi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -53,6 +59,7 @@ from pdcompile.passes.weight_grad import weight_grad_reads
 
 # Optimizer state bytes per byte of trainable parameter.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+STEP_BYTES = {"adam": 4}  # per trainable tensor: Adam's step count, a float32 scalar tensor
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -65,10 +72,11 @@ def annotate_memory(
     optimizer: str = "sgd",
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     targets: Any = None,
+    autocast: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """Write the memory keys on every node of `gm`, measuring activations on `inputs` (and,
     with `loss_fn` and `targets` for the example's rows, what the loss saves, on the `output`
-    node).
+    node), under `torch.autocast` to `autocast` where given (a CPU or CUDA graph).
 
     Raises:
         CostError: an unknown optimizer kind.
@@ -81,10 +89,12 @@ def annotate_memory(
             owned.setdefault(info.users[0], []).append(info)
     for node in gm.graph.nodes:
         infos = owned.get(node.name, [])
-        trainable = sum(p.nbytes for p in infos if not p.is_buffer and p.requires_grad)
+        trained = [p for p in infos if not p.is_buffer and p.requires_grad]
+        trainable = sum(p.nbytes for p in trained)
         node.meta[PARAM_BYTES] = sum(p.nbytes for p in infos if not p.is_buffer)
         node.meta[GRAD_BYTES] = trainable
-        node.meta[OPTIMIZER_BYTES] = OPTIMIZER_STATE[optimizer] * trainable
+        steps = STEP_BYTES.get(optimizer, 0) * len(trained)
+        node.meta[OPTIMIZER_BYTES] = OPTIMIZER_STATE[optimizer] * trainable + steps
         node.meta[BUFFER_BYTES] = sum(p.nbytes for p in infos if p.is_buffer)
         node.meta[ACTIVATION_BYTES] = 0
     gm.meta[OPTIMIZER] = optimizer
@@ -114,10 +124,18 @@ def annotate_memory(
                 current.pop()
 
     args = [inputs[p.target] for p in gm.graph.find_nodes(op="placeholder")]
+    device = next((t.device.type for t in [*args, *gm.parameters()]
+                   if isinstance(t, torch.Tensor)), "cpu")  # fmt: skip
+    lower = autocast is not None and device in ("cpu", "cuda")
+
+    def precision() -> Any:
+        return torch.autocast(device, dtype=autocast) if lower else nullcontext()
+
     with preserved_state(gm), torch.enable_grad():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision():
             output = Recorder(gm).run(*args)
-        kept = _kept_for_weight_grads(gm, values, saved_by)
+        with precision():  # each node alone, as in the run
+            kept = _kept_for_weight_grads(gm, values, saved_by)
         if loss_fn is not None and targets is not None:
             (out,) = gm.graph.find_nodes(op="output")
             out.meta[ACTIVATION_BYTES] += _loss_bytes(output, loss_fn, targets, state, charged)

@@ -90,6 +90,7 @@ def analyze(
     calibration: bool | FrameworkCost | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     targets: Any = None,
+    autocast: torch.dtype | None = None,
 ) -> CostGraph:
     """Run the cost passes on a captured graph and return its CostGraph.
 
@@ -118,6 +119,8 @@ def analyze(
             rows: the loss is timed on the graph's output (forward and backward; without
             profiling, its FLOPs and bytes on the device model) into the CostGraph's
             `loss_forward_s` and `loss_backward_s`. Without both the loss is not priced (0.0).
+        autocast: the dtype `compile(autocast=)` runs forwards in: the activations are
+            measured under `torch.autocast` (docs/memory.md); the weights stay fp32.
 
     Returns:
         The CostGraph; its `meta` records the model, capture path, device, optimizer and source,
@@ -149,7 +152,7 @@ def analyze(
 
     kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
     passes: list[tuple[str, Callable[[], Any]]] = [
-        ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets)),
+        ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets, autocast)),
         ("analytic", lambda: annotate_analytic(gm, inputs, model)),
     ]
     if profile:

@@ -71,6 +71,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     measure_memory: bool = False,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
+    memory: float | str | None = None,
+    recompute: bool | None = None,
 ) -> Any:
     """Turn `model` into a pipelined module: call it the same way on every rank.
 
@@ -132,6 +134,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
             and every `checkpoint_every` steps the job saves `step-<steps>` there, keeping
             the newest 3 (docs/checkpoints.md). One rank per stage (torchrun).
         checkpoint_every: train steps between automatic checkpoints (with `checkpoint_dir`).
+        memory, recompute: as `plan(..., memory=, recompute=)`; memory="auto" is rank 0's
+            device's (CUDA: total memory, CPU: available RAM per rank; less 10%: docs/memory.md).
 
     Returns:
         A `PipelinedModule`.
@@ -152,6 +156,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.runtime.distributed import init_process_group
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
+    from pdcompile.runtime.memory_probe import device_memory
     from pdcompile.runtime.validate import check_layout
     from pdcompile.schedules import check_nonfinite, get_schedule
     from pdcompile.search.schedule_choice import AUTO
@@ -200,7 +205,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
                    vertical=vertical_sync, nonfinite=nonfinite, plan=given,
                    batch=global_batch_size,
                    replan=policy and (policy.after_steps, policy.threshold),
-                   checkpoint_every=checkpoint_every)  # fmt: skip
+                   checkpoint_every=checkpoint_every, memory=str(memory),
+                   recompute=recompute)  # fmt: skip
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
     failure: Exception | None = None
@@ -212,10 +218,12 @@ def compile(  # noqa: A001 - the public name API.md gives it
             if costs is None:
                 costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile,
                                 optimizer=optimizer, loss_fn=loss_fn,
-                                targets=example_targets)  # fmt: skip
+                                targets=example_targets, autocast=autocast)  # fmt: skip
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
                              num_microbatches=num_microbatches, allow_async=allow_async,
-                             global_batch_size=global_batch_size)  # fmt: skip
+                             global_batch_size=global_batch_size, recompute=recompute,
+                             memory=device_memory(memory, device, cluster.num_devices),
+                             )  # fmt: skip
         except Exception as exc:
             if not distributed:
                 raise

@@ -25,7 +25,7 @@ from pdcompile.plans import Plan, Stage
 from pdcompile.schedules import get_schedule
 from pdcompile.stage_sums import (
     cut_bytes,
-    kept_for_weights,
+    kept_activations,
     no_grad_pairs,
     node_sums,
     optimizer_call_s,
@@ -155,6 +155,13 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
             sums.forward_s + sums.loss_forward_s,
             sums.backward_s + sums.loss_backward_s,
         )
+        # a recomputing stage runs its forward (and loss) again inside its backward (its I)
+        kept = kept_activations(
+            cost_graph, s.nodes, s.recompute, sum(b for (_, d), b in pairs.items() if d == s.index),
+            rules.items_per_microbatch == 3,
+        )  # fmt: skip
+        again = forward if s.recompute else 0.0
+        backward += again
         compute = (forward + backward) / speed
         comm = 0.0
         prev = plan.stages[s.index - 1].ranks if s.index > 0 else s.ranks
@@ -172,13 +179,14 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
             Stage(
                 index=s.index, nodes=s.nodes, replicas=s.replicas, ranks=s.ranks,
                 forward_s=forward / speed, backward_s=backward / speed,
-                backward_input_s=(sums.backward_input_s + sums.loss_backward_s) / speed,
+                backward_input_s=(sums.backward_input_s + sums.loss_backward_s + again) / speed,
                 backward_weight_s=sums.backward_weight_s / speed,
                 comm_s=comm, allreduce_s=ring / every,
                 time_s=prices.stage_time(compute, s.replicas, comm, ring / every, update),
                 recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
-                activation_bytes=sums.activation_bytes,
-                weight_grad_activation_bytes=kept_for_weights(cost_graph, s.nodes),
+                activation_bytes=kept.in_flight, weight_grad_activation_bytes=kept.for_weights,
+                recompute=s.recompute, recompute_bytes=kept.recomputed,
+                recompute_s=again / speed,
                 param_bytes=sums.param_bytes + copy_params,
                 grad_bytes=sums.grad_bytes + copy_params,
                 weight_bytes=sums.weight_bytes + copy_weights,
@@ -285,6 +293,7 @@ def rescore(
             time_s=prices.stage_time(forward + backward, s.replicas, comm, allreduce, update),
             activation_bytes=round(s.activation_bytes * factor),
             weight_grad_activation_bytes=round(s.weight_grad_activation_bytes * factor),
+            recompute_bytes=round(s.recompute_bytes * factor), recompute_s=s.recompute_s * factor,
             recv_bytes=tuple((src, round(b * factor)) for src, b in s.recv_bytes),
         ))  # fmt: skip
     predicted = bottleneck(stages)

@@ -21,6 +21,7 @@ from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 from pdcompile.search.microbatch_count import counts_table
+from pdcompile.search.recompute_choice import recompute_table
 from pdcompile.search.schedule_choice import auto_table
 from pdcompile.text import human_bytes, human_seconds
 
@@ -269,6 +270,9 @@ class PipelinedModule:
         comparison = auto_table(self.plan) or counts_table(self.plan)
         if comparison:
             lines += [comparison, ""]
+        recomputed = recompute_table(self.plan)  # which stages recompute, what it costs
+        if recomputed:
+            lines += [recomputed, ""]
         lines += self._explain_replan()
         fused = {w.stage: w.fused for w in self.pipeline.workers.values() if w.fused}
         lines += [  # a split backward (zb-*) falls back where a stage cannot split (worker.py)

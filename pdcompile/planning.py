@@ -26,6 +26,7 @@ from pdcompile.runtime.validate import check_num_microbatches
 from pdcompile.schedules import PipelineSchedule, get_schedule
 from pdcompile.schedules.base import MAX_MICROBATCHES
 from pdcompile.search.microbatch_count import plan_microbatches
+from pdcompile.search.recompute_choice import check_recompute, limited, plan_recompute
 from pdcompile.search.schedule_choice import AUTO, plan_auto
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
@@ -139,6 +140,8 @@ def plan(
     chunks: int | None = None,
     allow_async: bool = False,
     global_batch_size: int | None = None,
+    memory: float | str | None = None,
+    recompute: bool | None = None,
     **options: Any,
 ) -> Plan:
     """Cut `cost_graph` into pipeline stages with replica counts for `cluster`.
@@ -173,6 +176,15 @@ def plan(
             at G / M rows per microbatch, each with its own partition, and the fastest fitting
             plan is returned, the counts tried in `options["microbatches"]`
             (`pdcompile.search.microbatch_count`); with "auto", for every candidate schedule.
+        memory: bytes per device (a number or a size such as "16GB"), overriding
+            `cluster.memory`; "auto": this host's available RAM divided by the devices of the
+            cluster's innermost level, less 10% (`search.recompute_choice.host_memory`). A bad
+            value raises `PartitionError`, and so does a limit no plan fits (naming the least
+            memory a plan tried needs and the stage setting it).
+        recompute: activation recomputation (`Stage.recompute`, docs/memory.md): None, the
+            planner recomputes the stages that need it to fit the memory limit where that is
+            the fastest plan (with "auto", for every schedule); True, every stage; False, none.
+            What it costs is in `options["recomputation"]`.
         options: the solver's own options.
 
     Returns:
@@ -194,21 +206,37 @@ def plan(
         num_microbatches = check_num_microbatches(num_microbatches)
     if microbatch_size is not None:
         microbatch_size = check_num_microbatches(microbatch_size, "microbatch_size", cap=None)
+    check_recompute(recompute)
+    if memory is not None:
+        cluster = limited(Cluster.coerce(cluster), memory)
     if isinstance(schedule, str) and schedule == AUTO:
         return plan_auto(
             plan, cost_graph, cluster, allow_async=allow_async, solver=solver,
             num_microbatches=num_microbatches, microbatch_size=microbatch_size,
             replica_counts=replica_counts, chunks=chunks, global_batch_size=global_batch_size,
-            **options,
+            recompute=recompute, **options,
         )  # fmt: skip
     if global_batch_size is not None:
         return plan_microbatches(
             plan, cost_graph, cluster, global_batch_size=global_batch_size,
             num_microbatches=num_microbatches, microbatch_size=microbatch_size, solver=solver,
-            schedule=schedule, replica_counts=replica_counts, chunks=chunks, **options,
+            schedule=schedule, replica_counts=replica_counts, chunks=chunks,
+            recompute=recompute, **options,
         )  # fmt: skip
     solve = SOLVERS.get(solver)
     cluster = Cluster.coerce(cluster)
+    if recompute is True or (recompute is None and cluster.memory is not None):
+        with warnings.catch_warnings():  # the plans tried; the one returned warns below
+            warnings.simplefilter("ignore", PlanWarning)
+            result = plan_recompute(
+                plan, cost_graph, cluster, recompute=recompute, solver=solver,
+                schedule=schedule, num_microbatches=num_microbatches,
+                microbatch_size=microbatch_size, replica_counts=replica_counts, chunks=chunks,
+                **options,
+            )  # fmt: skip
+        for split in result.uneven_splits:
+            warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
+        return result
     try:
         rules = get_schedule(schedule)
     except ScheduleError as exc:
@@ -400,7 +428,7 @@ def _virtual_plan(
     )
     found = plan(cost_graph, virtual, solver=solver, schedule="1f1b",
                  num_microbatches=num_microbatches, replica_counts=[1], chunks=1,
-                 **options)  # fmt: skip
+                 recompute=False, **options)  # fmt: skip
     if found.num_stages != len(ranks):
         chunks = len(ranks) // cluster.num_devices
         raise PartitionError(

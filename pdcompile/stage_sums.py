@@ -1,7 +1,8 @@
 """What a stage's nodes add up to in a CostGraph: times and bytes (`node_sums`), the bytes that
 cross its boundaries (`cut_bytes`, `pair_bytes`, `no_grad_pairs`), its parameter tensors and
 the tied copies it holds (`parameter_layout`, `tie_copies`), the optimizer's per-call cost, and
-what a split backward keeps from I to W (`kept_for_weights`).
+what it keeps of its activations (`kept_activations`: with recomputation, and from a split
+backward's I to its W, `kept_for_weights`).
 What `evaluation.price` prices a stage from. Torch-free.
 
 cut_s is the bytes of the tensors produced before stage s and used at or after it (a skip
@@ -103,6 +104,55 @@ def kept_for_weights(cost_graph: CostGraph, nodes: Sequence[str]) -> int:
                 kept.add(u)
                 queue.append(u)
     return sum(g.nodes[n]["activation_bytes"] for n in kept)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a stage keeps of its activations (`Stage.activation_bytes`,
+    `weight_grad_activation_bytes`, `recompute_bytes`)."""
+
+    in_flight: int  # per microbatch from its forward to its backward (to its I when split)
+    for_weights: int  # from a split backward's I to its W
+    recomputed: int  # held while its backward (I) runs: the forward run again
+
+
+def kept_activations(
+    cost_graph: CostGraph, nodes: Sequence[str], recompute: bool | Sequence[str], received: int,
+    split: bool,
+) -> Kept:  # fmt: skip
+    """What a stage of `nodes` receiving `received` bytes per microbatch keeps (docs/memory.md),
+    as the runtime keeps it (`runtime/recompute.py`). Without recomputation, every activation
+    its forward saves. Recomputing (`recompute` True), only its inputs (the checkpoint's), and
+    its backward runs the forward again, holding that forward's activations; with segment
+    boundaries (node names), also every value a later segment reads (each boundary's output, a
+    residual branch's start: each segment's checkpoint keeps its inputs), and the backward holds
+    one segment's at a time (the largest counted). Under a split backward (`split`) the
+    boundaries make no difference: I runs the forward again, whole, and its graph stays for W
+    (`kept_for_weights`)."""
+    g = cost_graph.graph
+    full = sum(g.nodes[n]["activation_bytes"] for n in nodes)
+    for_weights = kept_for_weights(cost_graph, nodes)
+    if not recompute:
+        return Kept(full, for_weights, 0)
+    sources = sum(producer_bytes(cost_graph, n) for n in nodes if g.nodes[n]["kind"] == "input")
+    inputs = received + sources
+    if recompute is True or split:
+        return Kept(inputs, for_weights, full)
+    inside, marks = set(nodes), set(recompute)
+    order = [n for n in cost_graph.nodes if n in inside]
+    position = {n: i for i, n in enumerate(order)}
+    cuts = [i for i, n in enumerate(order) if marks.intersection(g.nodes[n]["members"])]
+    kept = inputs  # and every value a later segment reads (a boundary, a residual's start)
+    for u in order:
+        last = max((position[v] for v in g.successors(u) if v in inside), default=-1)
+        if any(position[u] <= c < last for c in cuts):
+            kept += producer_bytes(cost_graph, u)
+    ends = [-1, *cuts, len(order) - 1]
+    largest = max(
+        sum(g.nodes[n]["activation_bytes"] for n in order[a + 1 : b + 1])
+        for a, b in zip(ends, ends[1:], strict=False)
+    )
+    return Kept(kept, for_weights, largest)
 
 
 def producer_bytes(cost_graph: CostGraph, node: str) -> int:

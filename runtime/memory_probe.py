@@ -31,6 +31,7 @@ allocator's peak, transients included. On the CPU the transients inside one forw
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -278,6 +279,19 @@ class MemoryProbe:
         return comm + _storage_bytes(kept)
 
 
+def device_memory(memory: Any, device: torch.device, num_devices: int) -> Any:
+    """`memory="auto"` on `device` (`compile` plans with it): CUDA's total memory, else the
+    host's available RAM over the ranks on it (`LOCAL_WORLD_SIZE`, as torchrun sets it, else
+    all `num_devices`), less the margin (`search.recompute_choice.host_memory`); any other
+    value as given."""
+    if memory != "auto":
+        return memory
+    from pdcompile.search.recompute_choice import host_memory
+
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return host_memory(int(os.environ.get("LOCAL_WORLD_SIZE", num_devices)), total)
+
+
 def attach(pipeline: Pipeline) -> dict[int, MemoryProbe]:
     """Measure the memory of every rank this process runs: a probe per rank, by rank."""
     probes = {}
@@ -298,34 +312,49 @@ class RankComparison:
     """A rank's measured peak against the simulated one (`Plan.rank_memory`), with the model's
     parts: `weights` (parameters, gradients, optimizer state of its stages: `weight_bytes`) and
     the rest, in flight (activations and weight copies) at the simulated peak; `stages` the
-    model's stages of the rank."""
+    model's stages of the rank. `held` is the simulated peak without what a recomputing
+    backward holds inside it only (`Simulation.held_memory`), which the probe's parts do not
+    see (CUDA's allocator peak does): the figure they are compared with."""
 
     rank: int
     measured: RankMemory
     predicted: int
     weights: int
     stages: tuple[Stage, ...] = ()
+    held: int | None = None
+
+    @property
+    def comparable(self) -> int:
+        return self.predicted if self.held is None else self.held
 
     @property
     def error(self) -> float:
-        """(measured - predicted) / predicted."""
-        return self.measured.peak.total / self.predicted - 1 if self.predicted else float("inf")
+        """(measured - predicted) / predicted, predicted as the probe sees it (`held`)."""
+        expected = self.comparable
+        return self.measured.peak.total / expected - 1 if expected else float("inf")
 
     def describe(self) -> str:
         m = self.measured
+        inside = self.predicted - self.comparable
+        recomputed = (
+            f" (of which {human_bytes(inside)} only inside a recomputing backward, not measured "
+            "by the parts)" if inside else ""
+        )  # fmt: skip
         lines = [
             f"memory measured {human_bytes(m.peak.total)} against predicted "
-            f"{human_bytes(self.predicted)} ({self.error:+.1%})",
+            f"{human_bytes(self.comparable)} ({self.error:+.1%})",
             f"  measured at its peak: {m.peak.describe()}",
             f"  predicted: weights {human_bytes(self.weights)} (params, grads, optimizer), in "
-            f"flight {human_bytes(self.predicted - self.weights)} (activations, weight copies)",
+            f"flight {human_bytes(self.comparable - self.weights)} (activations, weight copies, "
+            "less the gradients before the first backward)",
+            f"  predicted peak {human_bytes(self.predicted)}{recomputed}",
             f"  message buffers (not modelled) peak {human_bytes(m.messages)}",
         ]
         lines += [
             f"  stage {s.index}: predicted peak {human_bytes(s.memory_bytes)} (weights "
             f"{human_bytes(s.weight_bytes)}, activations {human_bytes(s.activation_bytes)} per "
-            f"microbatch, a weight copy {human_bytes(s.param_bytes)}); measured activations at "
-            f"the rank's peak {human_bytes(m.stage_activations.get(s.index, 0))}"
+            f"microbatch{_recomputed(s)}, a weight copy {human_bytes(s.param_bytes)}); measured "
+            f"activations at the rank's peak {human_bytes(m.stage_activations.get(s.index, 0))}"
             for s in self.stages
         ]
         if m.cuda_peak is not None:
@@ -335,12 +364,23 @@ class RankComparison:
         return "\n".join(lines)
 
 
+def _recomputed(stage: Stage) -> str:
+    if not stage.recompute:
+        return ""
+    return f" kept while recomputing, {human_bytes(stage.recompute_bytes)} inside its backward"
+
+
 def compare(plan: Plan, measured: dict[int, RankMemory]) -> dict[int, RankComparison]:
-    """Each measured rank against the plan's simulated peak (`rank_memory[r]`)."""
+    """Each measured rank against the plan's simulated peak (`rank_memory[r]`), and that peak
+    without what a recomputing backward holds inside it (`RankComparison.held`)."""
+    from pdcompile.runtime.simulator import simulate
+
+    held = simulate(plan).held_memory if plan.rank_memory else []
     out = {}
     for rank, memory in measured.items():
         predicted = plan.rank_memory[rank] if rank < len(plan.rank_memory) else 0
         stages = tuple(plan.stages[s] for s in memory.stages)
         weights = sum(s.weight_bytes for s in stages)
-        out[rank] = RankComparison(rank, memory, predicted, weights, stages)
+        within = held[rank] if rank < len(held) else None
+        out[rank] = RankComparison(rank, memory, predicted, weights, stages, within)
     return out

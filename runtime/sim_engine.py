@@ -97,12 +97,14 @@ class Engine:
         # memory per rank and per (rank, stage): weights, activations in flight, weight copies
         rules = get_schedule(plan.schedule)
         self.kept = {s.index: s.activation_bytes for s in plan.stages}
-        # of them, what a split backward's W still needs after its I (all when unknown)
-        self.kept_for_w = {}
-        for s in plan.stages:
-            for_w = getattr(s, "weight_grad_activation_bytes", None)
-            self.kept_for_w[s.index] = s.activation_bytes if for_w is None else min(
-                for_w, s.activation_bytes)  # fmt: skip
+        # what a split backward's I leaves for its W (of the activations; recomputing, of
+        # those I's forward made again) and what a recomputing backward holds while it runs
+        self.kept_for_w = {
+            s.index: s.weight_grad_activation_bytes if s.recompute
+            else min(s.weight_grad_activation_bytes, s.activation_bytes)
+            for s in plan.stages
+        }  # fmt: skip
+        self.recomputed = {s.index: s.recompute_bytes for s in plan.stages}
         self.weights = {
             (r, s.index): SimulatedWeights(rules, plan.num_microbatches, self.costs[s.index],
                                            s.param_bytes, s.grad_bytes)
@@ -117,6 +119,9 @@ class Engine:
         for (r, _), used in self.stage_used.items():
             self.used[r] += used
         self.memory = {r: [(0.0, self.used[r])] for r in self.actions}
+        # of it, what a recomputing B holds inside it only (a CPU run does not measure it)
+        self.transient = dict.fromkeys(self.actions, 0)
+        self.held_peak = dict(self.used)
 
     # -- the event loop ---------------------------------------------------------------------
 
@@ -195,13 +200,18 @@ class Engine:
                 self.last_compute[rank] = kind
                 self._record(rank, a, now, end)
                 # activations are kept from a forward to the end of its backward (split: W's
-                # share of them until W); the gradients it adds are there at its end
+                # share of them until W); the gradients it adds are there at its end; a
+                # recomputing backward (I) holds the forward's activations again while it runs
+                again = self.recomputed[stage]
                 if kind == "F":
                     self._use(rank, stage, now, self.kept[stage])
                 elif kind == "B":
-                    self._use(rank, stage, end, weights.grads - grads - self.kept[stage])
+                    self._use(rank, stage, now, again, transient=again)
+                    change = weights.grads - grads - self.kept[stage] - again
+                    self._use(rank, stage, end, change, transient=-again)
                 elif kind == "I":
-                    self._use(rank, stage, end, self.kept_for_w[stage] - self.kept[stage])
+                    self._use(rank, stage, now, again)
+                    self._use(rank, stage, end, self.kept_for_w[stage] - self.kept[stage] - again)
                 else:
                     self._use(rank, stage, end, weights.grads - grads - self.kept_for_w[stage])
                 self._push(end, RESUME, rank)
@@ -339,9 +349,13 @@ class Engine:
         self._use(rank, a.stage, now, weights.grads - grads)
         return seconds
 
-    def _use(self, rank: int, stage: int, time: float, change: int) -> None:
+    def _use(self, rank: int, stage: int, time: float, change: int, transient: int = 0) -> None:
+        """`change` bytes in use on `rank` for `stage` from `time`, of them `transient` held
+        inside a backward only."""
+        self.transient[rank] += transient
         if change:
             self.used[rank] += change
+            self.held_peak[rank] = max(self.held_peak[rank], self.used[rank] - self.transient[rank])
             self.memory[rank].append((time, self.used[rank]))
             key = (rank, stage)
             self.stage_used[key] += change

@@ -109,7 +109,7 @@ def fits(plan: Plan, rules, m: int) -> bool:
 
 def solve(g: CostGraph, cluster: Cluster, solver: str, schedule: str, m: int, **options) -> Plan:
     plan = pdcompile.plan(g, cluster, solver=solver, schedule=schedule, num_microbatches=m,
-                          **options)  # fmt: skip
+                          recompute=False, **options)  # fmt: skip
     assert plan.predicted_time == pytest.approx(evaluate(plan, g).predicted_time, rel=1e-12)
     assert plan.fits_memory
     return plan

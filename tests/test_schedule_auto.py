@@ -103,7 +103,7 @@ def test_auto_is_the_fastest_fitting_single_schedule_plan(graph: str, text: str)
 
 def test_a_tight_memory_limit_rules_faster_schedules_out() -> None:
     cluster = _limits(EQUAL, "4@10GB/s")[1]
-    chosen = _auto(EQUAL, cluster)
+    chosen = _auto(EQUAL, cluster, recompute=False)  # recomputing, every candidate fits
     rows = chosen.options["auto"]
     assert any(r["skipped"] or not r["fits_memory"] for r in rows)
     table = auto_table(chosen)

@@ -123,8 +123,9 @@ def test_cost_model_formulas_on_a_worked_example() -> None:
     assert second.comm_s == pytest.approx(2 * 10 / 100)  # activations forward, gradients back
     assert plan.predicted_time == pytest.approx(max(first.time_s, 1.0 + 0.2))
     assert plan.lower_bound == pytest.approx(4.0 / 4)
-    # pipedream: w_0 = (2 + 1 - 1) // 2 = 1 warm-up, so 2 in flight, each on its stashed version
-    assert first.memory_bytes == (100 + 100) + 2 * 100 + 2 * 7
+    # pipedream: w_0 = (2 + 1 - 1) // 2 = 1 warm-up, so 2 in flight, each on its stashed
+    # version; the 100 B of gradients are held from a backward to its update, when 1 is
+    assert first.memory_bytes == max(100 + 2 * 100 + 2 * 7, (100 + 100) + 2 * 100 + 7)
     sync = evaluate(plan, g, schedule="1f1b")
     assert sync.stages[0].allreduce_s == pytest.approx(ring / 4)  # once per 4 microbatches
     assert sync.step_time == pdcompile.simulate(sync).time_per_step  # one set of numbers
@@ -309,7 +310,7 @@ def test_bisection_equals_the_general_dp_on_hierarchies(data, n, cluster_text, s
     fast = pdcompile.plan(g, Cluster.parse(cluster_text), schedule=schedule, num_microbatches=m)
     # a memory limit no plan reaches sends dp down its general DP
     roomy = Cluster.parse(cluster_text, memory=1e30)
-    general = pdcompile.plan(g, roomy, schedule=schedule, num_microbatches=m)
+    general = pdcompile.plan(g, roomy, schedule=schedule, num_microbatches=m, recompute=False)
     # compared at the count both searched with (the plans may then run different counts)
     at = m or searched
     fast, general = (price(p.with_(num_microbatches=at), g) for p in (fast, general))
@@ -319,7 +320,7 @@ def test_bisection_equals_the_general_dp_on_hierarchies(data, n, cluster_text, s
 def test_memory_limit_no_plan_fits_names_the_numbers() -> None:
     g = chain([1.0, 1.0], [10**9, 10**9], [1, 1], [4, 4])
     with pytest.raises(PartitionError, match="no placement fits: device memory is 1e\\+08 B"):
-        pdcompile.plan(g, Cluster.parse("2", memory="100MB"))
+        pdcompile.plan(g, Cluster.parse("2", memory="100MB"), recompute=False)
 
 
 def test_memory_limit_is_respected() -> None:
@@ -328,10 +329,12 @@ def test_memory_limit_is_respected() -> None:
     g = chain([1.0] * 6, [100] * 6, [50] * 6, [4] * 6)
     free = pdcompile.plan(g, Cluster.parse("3"), schedule="1f1b", num_microbatches=4)
     assert max(s.memory_bytes for s in free.stages) == 700
-    fits = pdcompile.plan(g, Cluster.parse("3", memory=700), schedule="1f1b", num_microbatches=4)
+    fits = pdcompile.plan(g, Cluster.parse("3", memory=700), schedule="1f1b", num_microbatches=4,
+                          recompute=False)  # fmt: skip
     assert fits.fits_memory and all(s.memory_bytes <= 700 for s in fits.stages)
     with pytest.raises(PartitionError, match="no placement fits: device memory is 699 B"):
-        pdcompile.plan(g, Cluster.parse("3", memory=699), schedule="1f1b", num_microbatches=4)
+        pdcompile.plan(g, Cluster.parse("3", memory=699), schedule="1f1b", num_microbatches=4,
+                       recompute=False)  # fmt: skip
 
 
 def test_a_plan_with_more_stages_than_nodes_is_refused() -> None:
@@ -390,7 +393,7 @@ def test_memory_bounds_are_the_closed_forms_the_solvers_charge(schedule) -> None
             "2bw": (two + 1, 0, 2 if two else 1), "zb-h1": (h1, min(deepest + 1, m) - h1, 0),
             "zb-h2": (h2, min(2 * deepest + 1, m) - h2, 0),
         }[schedule]  # fmt: skip
-        assert rules.memory_bounds(after, r, m, d) == expected, (d, after, r, m)
+        assert rules.memory_bounds(after, r, m, d)[:3] == expected, (d, after, r, m)
 
 
 @register_cost_model("test-free-links")
