@@ -367,3 +367,14 @@ def test_simulate_refuses_zero_microbatches_instead_of_ignoring_them() -> None:
     # `simulate --microbatches 0`: tests/test_cli_simulate.py::test_simulate_errors_are_one_line
     with pytest.raises(PartitionError, match="num_microbatches must be an integer >= 1, got int 0"):
         pdcompile.simulate(PLAN, num_microbatches=0)
+
+
+def test_a_schedule_that_accepts_no_count_is_refused_not_searched_forever() -> None:
+    from pdcompile.schedules import get_schedule
+
+    class Picky(type(get_schedule("1f1b"))):
+        def check(self, replicas, num_microbatches, ties=()):  # noqa: ANN001, ANN201
+            raise ScheduleError("accepts nothing")
+
+    with pytest.raises(ScheduleError, match="accepts no microbatch count from 4 to 65536"):
+        Picky().accepted_microbatches([1, 1], 4)

@@ -118,11 +118,19 @@ class PipelineSchedule:
 
     def accepted_microbatches(self, replicas: Sequence[int], at_least: int) -> int:
         """The first microbatch count from `at_least` on this schedule accepts for stages with
-        `replicas` (`plan()` defaults to it from twice the devices)."""
-        m = max(1, at_least)
-        while not self.accepts(replicas, m):
-            m += 1
-        return m
+        `replicas` (`plan()` defaults to it from twice the devices).
+
+        Raises:
+            ScheduleError: it accepts none up to `MAX_MICROBATCHES`.
+        """
+        for m in range(max(1, at_least), MAX_MICROBATCHES + 1):
+            if self.accepts(replicas, m):
+                return m
+        raise ScheduleError(
+            f"{self.name} accepts no microbatch count from {max(1, at_least)} to "
+            f"{MAX_MICROBATCHES} for stages with replicas {list(replicas)}; give fewer devices "
+            "or another schedule"
+        )
 
     # -- the order of one replica's compute ------------------------------------------------
 
