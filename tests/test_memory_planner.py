@@ -163,5 +163,5 @@ def test_runs_fit_under_the_limit_as_predicted() -> None:
     text = per_rank[0][2]  # explain(): which stages recompute, and the slowdown
     assert recompute_table(plan) in text and "predicted slowdown" in text
     for s in plan.stages:
-        form = "whole" if isinstance(s.recompute, bool) else f"{len(s.recompute)} boundaries"
+        form = "whole" if isinstance(s.recompute, bool) else f"{len(s.recompute)} boundar"
         assert (f"stage {s.index} {form}" in text) == bool(s.recompute), s.index

@@ -13,9 +13,10 @@ returns the fastest (simulated `step_time`) whose every rank fits:
   the limit, the share bisected over `TRIES` cuts against the simulated ranks as
   `planning._plan_chunks` bisects its budget; then relaxed.
 
-Each stage recomputing starts at whichever of its two forms gives the smaller simulated peak:
-whole (keeps its inputs, its backward holds one forward's activations) or segments (the √n rule,
-`segment_boundaries`: keeps each segment's inputs, holds one segment's activations). Relaxing
+Each stage recomputing starts at whichever of its forms gives the smaller simulated peak where
+it runs: whole (keeps its inputs, its backward holds one forward's activations) or segments
+(`segment_boundaries`: keeps each segment's inputs, holds one segment's activations), in ⌈√n⌉
+segments (the √n rule) or in `COUNTS` (fewer segments keep less per microbatch in flight). Relaxing
 then turns recomputation off stage by stage, the most expensive first (its `recompute_s`), while
 every rank still fits: only the stages that need it recompute. `recompute=True` forces every
 stage to recompute (its form still chosen), `False` forbids it (the solver's plan, as without
@@ -48,6 +49,7 @@ AUTO = "auto"
 MARGIN = 0.10  # of the device's memory `memory="auto"` leaves free (allocator, context, transients)
 TRIES = 4  # cuts of the recomputing pipeline, bisecting the solver's share of the limit
 KEY = "recomputation"  # plan.options key of what recomputation costs
+COUNTS = (2, 3)  # segment counts tried besides the √n rule's
 
 Recompute = bool | tuple[str, ...]
 
@@ -101,27 +103,34 @@ def check_recompute(recompute: Any) -> None:
         )
 
 
-def segment_boundaries(cost_graph: CostGraph, nodes: Sequence[str]) -> tuple[str, ...]:
-    """The √n rule (Chen et al., 2016): a stage of n computing nodes cut into ⌈√n⌉ segments of
-    about equal activation bytes, each boundary the node that ends one (its last member, a node
-    computing one value: no `getitem` reads it). () where no cut is possible."""
+def segment_boundaries(
+    cost_graph: CostGraph, nodes: Sequence[str], count: int | None = None
+) -> tuple[str, ...]:
+    """A stage of n computing nodes cut into `count` segments (default ⌈√n⌉, the √n rule of
+    Chen et al., 2016) of about equal activation bytes: each boundary the node of the smallest
+    output within half a segment of its share (what every microbatch keeps), computing one
+    value (no `getitem` reads it); its last member names it. () where no cut is possible."""
     g = cost_graph.graph
     inside = [n for n in cost_graph.nodes if n in set(nodes) and g.nodes[n]["kind"] == "compute"]
-    count = math.ceil(math.sqrt(len(inside)))
+    count = count or math.ceil(math.sqrt(len(inside)))
     total = sum(g.nodes[n]["activation_bytes"] for n in inside)
     if count < 2 or total == 0:
         return ()
-    boundaries, running, mark = [], 0, 1
+    spots, running = [], 0  # (activation bytes up to and with the node, output bytes, node)
     for n in inside[:-1]:
         running += g.nodes[n]["activation_bytes"]
         single = not any(
             str(g.nodes[v].get("description", "")).endswith("operator.getitem")
             for v in g.successors(n)
         )
-        if running >= mark * total / count and single and producer_bytes(cost_graph, n):
-            boundaries.append(g.nodes[n]["members"][-1])
-            mark += 1
-    return tuple(boundaries)
+        if single and producer_bytes(cost_graph, n):
+            spots.append((running, producer_bytes(cost_graph, n), n))
+    share, chosen = total / count, []
+    for k in range(1, count):
+        near = [p for p in spots if abs(p[0] - k * share) <= share / 2 and p[2] not in chosen]
+        if near:
+            chosen.append(min(near, key=lambda p: (p[1], abs(p[0] - k * share)))[2])
+    return tuple(g.nodes[n]["members"][-1] for n in inside if n in chosen)
 
 
 def recompute_view(cost_graph: CostGraph) -> CostGraph:
@@ -192,10 +201,12 @@ def _recomputing(plan: Plan, costs: CostGraph, recompute: bool | None) -> Plan:
     choice: list[Recompute] = [True] * plan.num_stages
     current = with_recompute(plan, costs, choice)
     for s, stage in enumerate(plan.stages):
-        boundaries = segment_boundaries(costs, stage.nodes)
-        if boundaries:
+        forms = {segment_boundaries(costs, stage.nodes, k) for k in (*COUNTS, None)} - {()}
+        for boundaries in sorted(forms):
             trial = with_recompute(plan, costs, [*choice[:s], boundaries, *choice[s + 1 :]])
-            if max(trial.rank_memory) < max(current.rank_memory):
+            if _peak(trial, stage.ranks) < _peak(current, stage.ranks) and max(
+                trial.rank_memory
+            ) <= max(current.rank_memory):  # lower where the stage runs, higher nowhere
                 choice[s], current = boundaries, trial
     if recompute is True or not current.fits_memory:
         return current
@@ -206,6 +217,10 @@ def _recomputing(plan: Plan, costs: CostGraph, recompute: bool | None) -> Plan:
         if trial.fits_memory:
             choice[stage.index], current = False, trial
     return current
+
+
+def _peak(plan: Plan, ranks: Sequence[int]) -> int:
+    return max(plan.rank_memory[r] for r in ranks)
 
 
 def _cut_for_recomputation(
@@ -342,6 +357,12 @@ def _no_fit(plans: Sequence[Plan], limit: float) -> str:
     )  # fmt: skip
 
 
+def _form(recompute: Recompute) -> str:
+    if recompute is True:
+        return "whole"
+    return f"{len(recompute)} boundar{'y' if len(recompute) == 1 else 'ies'}"
+
+
 def recompute_table(plan: Plan) -> str:
     """The stages that recompute and, where the planner chose it (`options["recomputation"]`),
     what it costs, as text; "" for a plan that neither recomputes nor was planned under a
@@ -350,7 +371,7 @@ def recompute_table(plan: Plan) -> str:
     if not info and not any(s.recompute for s in plan.stages):
         return ""
     stages = ", ".join(
-        f"stage {s.index} {'whole' if s.recompute is True else f'{len(s.recompute)} boundaries'}"
+        f"stage {s.index} {_form(s.recompute)}"
         f" (+{human_seconds(s.recompute_s)} per backward, keeps "
         f"{human_bytes(s.activation_bytes)} per microbatch)"
         for s in plan.stages
