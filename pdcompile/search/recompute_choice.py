@@ -187,7 +187,12 @@ def plan_recompute(
     on += _cut_for_recomputation(planner, cost_graph, costs, cluster, recompute, kwargs)
     chunks = kwargs.get("chunks") or get_schedule(free.schedule).default_chunks
     if chunks == 1 and 1 in (kwargs.get("replica_counts") or (1,)):  # one stage per device
-        on.append(_recomputing(least_memory(costs, free.with_(cluster=cluster)), costs, recompute))
+        try:
+            least = least_memory(costs, free.with_(cluster=cluster))
+        except PartitionError:  # the schedule does not run that many stages (e.g. 2bw, M < S)
+            pass
+        else:
+            on.append(_recomputing(least, costs, recompute))
     candidates += [p for p in on if p.fits_memory]
     if not candidates:
         raise PartitionError(_no_fit(on, limit))
