@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pdcompile import CostGraph
+from pdcompile import CostGraph, zoo
 from pdcompile.cli.handlers import main
+from pdcompile.passes.memory import STEP_BYTES
 
 PIPEDREAM = Path(__file__).parent / "data" / "pipedream"
 
@@ -30,7 +31,9 @@ def test_profile_prints_the_costliest_nodes_and_writes_the_cost_graph(capsys, tm
     assert "5 of 12 nodes" in out and "costs from profile, batch size 4" in out
     costs = CostGraph.load(target)
     assert len(costs.nodes) == 12 and costs.meta["optimizer"] == "adam"
-    assert costs.totals()["optimizer_bytes"] == 2 * costs.totals()["param_bytes"] > 0
+    # Adam: two state tensors per parameter and a float32 step count per tensor
+    steps = STEP_BYTES["adam"] * len(list(zoo.mlp()[0].parameters()))
+    assert costs.totals()["optimizer_bytes"] == 2 * costs.totals()["param_bytes"] + steps > 0
 
 
 def test_profile_analytic_for_another_device_coarsened(capsys, tmp_path) -> None:
