@@ -102,8 +102,9 @@ def test_a_registered_schedule_plans_simulates_and_trains_locally(kind: str) -> 
     model, x, y, loss_fn = mlp_case()
     gm = pdcompile.trace(model, (x,))
     costs = pdcompile.analyze(gm, (x,), profile=False)
-    plan = pdcompile.plan(costs, "2", schedule=kind, num_microbatches=4)
-    assert plan.schedule == kind
+    # a 2-stage pipeline (not the data-parallel plan the solver may prefer for the MLP)
+    plan = pdcompile.plan(costs, "2", schedule=kind, num_microbatches=4, replica_counts=[1])
+    assert plan.schedule == kind and plan.num_stages == 2
     sim = pdcompile.simulate(plan)
     assert plan.step_time == sim.time_per_step and plan.rank_memory == tuple(sim.peak_memory)
     deeper = pdcompile.simulate(plan, schedule="1f1b")
