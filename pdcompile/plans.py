@@ -269,6 +269,20 @@ class Plan:
                 f"stage {s.index} {human_seconds(s.optimizer_s)}" for s in self.stages
             )
             lines.append(f"optimizer step per update: {steps}")
+        recomputing = [s for s in self.stages if s.recompute]
+        if recomputing:
+            how = ", ".join(
+                f"stage {s.index} "
+                + (
+                    "whole"
+                    if s.recompute is True
+                    else f"in segments after {', '.join(s.recompute)}"
+                )
+                for s in recomputing
+            )
+            slowdown = self.options.get("recomputation", {}).get("slowdown")
+            more = f"; predicted {slowdown:+.1%} on the step" if slowdown is not None else ""
+            lines.append(f"activation recomputation: {how}{more}")
         how = {
             "loss": "the loss function (analyze(..., loss_fn=, targets=); compile(..., "
             "example_targets=))",

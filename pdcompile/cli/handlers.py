@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdcompile.cli.parser import build_parser
+from pdcompile.cli.parser import RECOMPUTE, build_parser
 from pdcompile.cli.progress import progress
 from pdcompile.errors import PdcompileError, SpecError
 
@@ -211,7 +211,7 @@ def _plan(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", PlanWarning)  # the table's notes say the same
         result = plan(costs, cluster, solver=args.solver, schedule=args.schedule,
                       num_microbatches=args.microbatches, chunks=args.chunks,
-                      allow_async=args.allow_async,
+                      allow_async=args.allow_async, recompute=RECOMPUTE[args.recompute],
                       global_batch_size=args.global_batch_size)  # fmt: skip
     print(result)
     # --schedule auto: how every candidate compared; else --global-batch-size: every count

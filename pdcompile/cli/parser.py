@@ -39,6 +39,10 @@ def _plan_options(
     _capture_options(parser)
 
 
+# --recompute's choices: plan()'s `recompute` (None: the planner decides)
+RECOMPUTE = {"auto": None, "on": True, "off": False}
+
+
 def _chunks_option(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     parser.add_argument(
         "--chunks", type=int, metavar="N",
@@ -137,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--global-batch-size", type=int, metavar="G",
         help="rows per step: plan every microbatch count dividing G (with --schedule auto, "
         "for every schedule) and keep the fastest that fits",
+    )  # fmt: skip
+    plan.add_argument(
+        "--recompute", choices=RECOMPUTE, default="auto",
+        help="activation recomputation under --memory: auto (the planner decides per stage), "
+        "on (every stage), off (never)",
     )  # fmt: skip
     plan.add_argument(
         "--measured", metavar="TRACE",
