@@ -42,7 +42,10 @@ _LOOPBACK = "127.0.0.1"
 _DEFAULT_PORT = 29500  # torch's
 _STREAMS = {"act": 0, "grad": 1}
 LINGER_S = 2.0  # how long a failing rank waits for its error messages to be delivered
-EXCHANGE_MAX = 4  # on gloo, groups up to this size all-reduce by exchanging whole tensors
+EXCHANGE_MAX = 4  # on gloo, groups up to this size all-reduce by exchanging whole tensors...
+# ...of at most this many bytes: measured on 2 gloo ranks here, the exchange took 2.9 ms for 1 MB
+# (gloo's all-reduce 2.8 ms) and 97.4 ms for 34 MB (gloo's 34.3 ms)
+EXCHANGE_MAX_BYTES = 2**20
 
 
 def init_process_group(
@@ -313,7 +316,8 @@ class DistributedComm:
         with torch.no_grad():
             for parts in by_dtype.values():
                 flat = torch.cat([t.reshape(-1) for t in parts]).to(self.device)
-                if self._gloo and len(members) <= EXCHANGE_MAX:
+                small = flat.numel() * flat.element_size() <= EXCHANGE_MAX_BYTES
+                if self._gloo and len(members) <= EXCHANGE_MAX and small:
                     flat = self._exchange(flat, members, handle, what)
                 else:
                     work = self._start(dist.all_reduce, flat, members, what, group=handle,

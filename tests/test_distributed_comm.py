@@ -226,6 +226,9 @@ def _three_ranks(rank: int, world_size: int, init_file: str) -> dict:
     rounding = [torch.tensor([(1e8, 1.0, -1e8)[rank]])]  # float32: the order of the sum shows
     comm.all_reduce(rounding, (0, 1, 2), ("tie", 1, -1, (0, 1, 2)))
     out["rounding"] = rounding[0]
+    large = [torch.full((300_000,), rank + 1.0), torch.full((3,), rank + 0.5)]  # over 1 MiB:
+    comm.all_reduce(large, (0, 1, 2), ("tie", 2, -1, (0, 1, 2)), average=True)  # gloo's own
+    out["large"] = large
     alone = [torch.full((2,), 3.0 + rank)]
     comm.all_reduce(alone, (rank,), ("replicas", rank, -1, (rank,)))
     out["alone"] = alone
@@ -252,6 +255,8 @@ def test_all_reduce_sums_or_averages_over_each_group() -> None:
         assert torch.equal(out["mean"][0], torch.full((2,), 1.0))
         assert torch.equal(out["mean"][1], torch.full((1,), 2.0, dtype=torch.float64))
         assert torch.equal(out["alone"][0], torch.full((2,), 3.0 + rank))
+        assert torch.equal(out["large"][0], torch.full((300_000,), 2.0))
+        assert torch.equal(out["large"][1], torch.full((3,), 1.5))
         # every rank adds the parts in rank order: the same bits everywhere
         assert torch.equal(out["rounding"], torch.tensor([1e8]) + 1.0 - 1e8)
         assert "not one of the groups" in out["undeclared"]
