@@ -357,8 +357,7 @@ def _no_fit(plans: Sequence[Plan], limit: float) -> str:
         f"({len(stage.nodes)} nodes {stage.nodes[0]}..{stage.nodes[-1]}: weights "
         f"{human_bytes(stage.weight_bytes)}, {human_bytes(stage.activation_bytes)} kept per "
         f"microbatch, {how}); give memory of at least {human_bytes(need)}, more devices, or "
-        + ("fewer microbatches" if least.schedule == "1f1b" else "schedule='1f1b' (it holds "
-           "fewer microbatches)")
+        "fewer microbatches in flight (fewer microbatches, or a schedule that holds fewer)"
     )  # fmt: skip
 
 
