@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pdcompile
 from pdcompile import zoo
@@ -63,3 +65,15 @@ def captured(name: str, *, eval_mode: bool = True, **options: Any):
             [w for w in caught if w.category is pdcompile.TraceWarning],
         )
     return _CACHE[key]
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten operations run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

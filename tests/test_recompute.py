@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pipeline_support import one_thread, stage_parameters
 from spawn import run_ranks
-from torch.utils._python_dispatch import TorchDispatchMode
+from support import Ops
 
 import pdcompile
 from pdcompile import zoo
@@ -287,18 +286,6 @@ def test_the_probe_measures_what_recomputation_keeps(kind: str) -> None:
         assert segments[rank].peak.activations == in_flight * kept_bytes(cut, rank, True)
         assert 10 * whole[rank].peak.activations < plain[rank].peak.activations
         assert 5 * segments[rank].peak.activations < plain[rank].peak.activations
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten operations run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def layer_norms(kind: str, mode: bool | str) -> tuple[int, LocalPipeline]:

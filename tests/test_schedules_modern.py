@@ -17,7 +17,6 @@ import copy
 import dataclasses
 import functools
 import math
-from collections import Counter
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ from pipeline_support import (
     stage_parameters,
 )
 from spawn import run_ranks
-from torch.utils._python_dispatch import TorchDispatchMode
+from support import Ops
 
 import pdcompile
 from pdcompile import Cluster, Plan, ScheduleError, Stage, zoo
@@ -302,18 +301,6 @@ def staged(case: str, kind: str, p: int, v: int) -> pdcompile.StagedProgram:
 
 
 # -- single process: the split backward, clipping ---------------------------------------------
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten operations run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_w_computes_the_weight_gradients_from_what_i_kept() -> None:
