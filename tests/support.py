@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections import Counter
 from typing import Any
@@ -77,3 +78,14 @@ class Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+class WarningRecords(logging.Handler):
+    """Keeps the messages of the warnings logged while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

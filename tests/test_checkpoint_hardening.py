@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from pipeline_support import OPTIMIZERS, mlp_case
 from spawn import run_ranks
+from support import WarningRecords
 from torch.distributed.checkpoint import FileSystemWriter
 
 import pdcompile
@@ -36,15 +37,6 @@ WATCHDOG = re.compile(
     r"rank 0 has waited \d+ s (saving|loading) checkpoint \S+ \(([a-z ]+)\) with ranks \[1\] "
     r"\(it gives up after 3 s\)"
 )
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _stop_once(owner: object, name: str) -> None:
@@ -77,7 +69,7 @@ def _stuck(rank: int, world_size: int, init_file: str, root: str) -> dict:
     model, x, y, loss_fn = mlp_case()
     pipe = pdcompile.compile(model, (x,), loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"],
                              cluster="2", solver="uniform", profile=False, timeout=3)  # fmt: skip
-    records = _Records()
+    records = WarningRecords()
     logging.getLogger("pdcompile.runtime.checkpoint_ranks").addHandler(records)
     pipe.train_step(x, y)
     directory = os.path.join(root, "ckpt")

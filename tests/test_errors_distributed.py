@@ -21,6 +21,7 @@ import pytest
 import torch
 from pipeline_support import OPTIMIZERS, accumulate_reference, mlp_case
 from spawn import run_ranks
+from support import WarningRecords
 
 import pdcompile
 from pdcompile import Cluster
@@ -133,15 +134,6 @@ def test_nonfinite_losses_on_two_ranks() -> None:
     assert "rank 1 (stage 1) stopped at F1 in step 1: LossError: the loss is nan" in message
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _mismatches_then_hang(rank: int, world_size: int, init_file: str) -> dict:
     init_process_group(rank, world_size, init_file=init_file, timeout_s=120)
     model, x, y, loss_fn = mlp_case()
@@ -181,7 +173,7 @@ def _mismatches_then_hang(rank: int, world_size: int, init_file: str) -> dict:
 
     pipe = pdcompile.compile(model, (x,), loss_fn=hangs_in_step_two, optimizer=SGD, timeout=5,
                              **OPTIONS)  # fmt: skip
-    records = _Records()
+    records = WarningRecords()
     logging.getLogger("pdcompile.runtime.distributed").addHandler(records)
     pipe.train_step(x, y)
     start = time.monotonic()
