@@ -25,8 +25,10 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
     gradients     a backward adds 3 * G / C + n * t to the gradients its weights hold (autograd
                   keeps the first ones as they are: free); moving a copy's gradients to the live
                   weights costs the same when they hold some, else n * t
-    all-reduce    2 (r - 1) alpha + c + 2 (r - 1) / r * G / bandwidth + 4 * G / B + n * t over
-                  r ranks (flattened into one buffer, reduced, copied back; c = collective_s)
+    all-reduce    2 (r - 1) alpha + c + 2 (r - 1) / r * G / bandwidth + 4 * F / B + n * t over
+                  r ranks (c = collective_s): tensors of up to COALESCE_MAX_BYTES are flattened
+                  into one buffer, reduced and copied back, larger ones reduced in place; F, the
+                  bytes flattened, is taken as min(G, n * COALESCE_MAX_BYTES), its bound
     loss          every `train_step` ends with the last stage's ranks sending the loss to every
                   other rank: a send of LOSS_BYTES each, a receive on the others
     clip          3 * G / C + n * t per stage of the rank (the squares of its gradients summed,
@@ -42,6 +44,9 @@ from dataclasses import dataclass
 from pdcompile.cluster import Cluster
 from pdcompile.plans import Plan
 
+# the runtime all-reduces a gradient tensor of more bytes in place; the others of a stage are
+# flattened into one buffer, reduced, and copied back (runtime/distributed.py)
+COALESCE_MAX_BYTES = 2**20
 LOSS_BYTES = 32 + 16  # what a loss message's sender writes: the wire preamble and two float64
 
 
@@ -107,7 +112,8 @@ def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Clus
     first, last = min(ranks), max(ranks)
     network = 2 * (r - 1) * cluster.latency(first, last) + cluster.runtime.collective_s
     network += 2 * (r - 1) / r * nbytes / cluster.bandwidth(first, last)
-    return network + cluster.runtime.moved_s(4 * nbytes, tensors)
+    flattened = min(nbytes, tensors * COALESCE_MAX_BYTES)  # at most: tensor sizes are not known
+    return network + cluster.runtime.moved_s(4 * flattened, tensors)
 
 
 def scalar_allreduce_s(ranks: tuple[int, ...], cluster: Cluster) -> float:

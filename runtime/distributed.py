@@ -32,6 +32,7 @@ import torch.distributed as dist
 from pdcompile.codegen.staged_program import Channel
 from pdcompile.errors import PipelineTimeoutError, StageCommError
 from pdcompile.runtime import wire
+from pdcompile.runtime.action_costs import COALESCE_MAX_BYTES
 from pdcompile.runtime.comm import Key, LocalComm
 
 __all__ = ["DistributedComm", "init_process_group", "message_tag"]
@@ -295,7 +296,8 @@ class DistributedComm:
         key: Any,
         average: bool = False,
     ) -> None:
-        """Sum (or average) `tensors` in place over the ranks of `group`: one all-reduce per dtype.
+        """Sum (or average) `tensors` in place over the ranks of `group`: one all-reduce per
+        tensor of over `COALESCE_MAX_BYTES`, one per dtype of the others flattened together.
 
         Returns when this rank has the result (a group of one rank returns at once).
         """
@@ -309,14 +311,25 @@ class DistributedComm:
             )
         if len(members) == 1 or not tensors:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        # a large tensor in place: flattening it would copy it twice through a fresh buffer, whose
+        # first touch faults a page per 4 KiB (34 MB: 26 ms to flatten, 28 ms to all-reduce here)
+        whole, by_dtype = [], {}
+        for t in tensors:
+            if t.nbytes > COALESCE_MAX_BYTES and t.is_contiguous() and t.device == self.device:
+                whole.append(t)
+            else:
+                by_dtype.setdefault(t.dtype, []).append(t)
         what = f"all-reducing {key}"
         with torch.no_grad():
+            for tensor in whole:
+                work = self._start(dist.all_reduce, tensor, members, what, group=handle,
+                                   async_op=True)  # fmt: skip
+                self._wait(work, tensor, members, what)
+                if average:
+                    tensor /= len(members)
             for parts in by_dtype.values():
                 flat = torch.cat([t.reshape(-1) for t in parts]).to(self.device)
-                small = flat.numel() * flat.element_size() <= EXCHANGE_MAX_BYTES
+                small = flat.nbytes <= EXCHANGE_MAX_BYTES
                 if self._gloo and len(members) <= EXCHANGE_MAX and small:
                     flat = self._exchange(flat, members, handle, what)
                 else:

@@ -226,8 +226,11 @@ def _three_ranks(rank: int, world_size: int, init_file: str) -> dict:
     rounding = [torch.tensor([(1e8, 1.0, -1e8)[rank]])]  # float32: the order of the sum shows
     comm.all_reduce(rounding, (0, 1, 2), ("tie", 1, -1, (0, 1, 2)))
     out["rounding"] = rounding[0]
-    large = [torch.full((300_000,), rank + 1.0), torch.full((3,), rank + 0.5)]  # over 1 MiB:
-    comm.all_reduce(large, (0, 1, 2), ("tie", 2, -1, (0, 1, 2)), average=True)  # gloo's own
+    # over 1 MiB: in place; flattened with the small one (over 1 MiB too: gloo's all-reduce)
+    # when not contiguous
+    large = [torch.full((300_000,), rank + 1.0), torch.full((3,), rank + 0.5),
+             (torch.arange(360_000.0).reshape(600, 600) * (rank + 1)).t()]  # fmt: skip
+    comm.all_reduce(large, (0, 1, 2), ("tie", 2, -1, (0, 1, 2)), average=True)
     out["large"] = large
     alone = [torch.full((2,), 3.0 + rank)]
     comm.all_reduce(alone, (rank,), ("replicas", rank, -1, (rank,)))
@@ -257,6 +260,7 @@ def test_all_reduce_sums_or_averages_over_each_group() -> None:
         assert torch.equal(out["alone"][0], torch.full((2,), 3.0 + rank))
         assert torch.equal(out["large"][0], torch.full((300_000,), 2.0))
         assert torch.equal(out["large"][1], torch.full((3,), 1.5))
+        assert torch.equal(out["large"][2], torch.arange(360_000.0).reshape(600, 600).t() * 2)
         # every rank adds the parts in rank order: the same bits everywhere
         assert torch.equal(out["rounding"], torch.tensor([1e8]) + 1.0 - 1e8)
         assert "not one of the groups" in out["undeclared"]
