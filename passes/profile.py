@@ -13,7 +13,9 @@ A time whose median is far above its fastest repeat (another process took the de
 part of the repeats), or whose repeats spread widely ((p75 - p25) / median above `MAX_SPREAD`),
 is measured again, at most `EXTRA_ROUNDS` times; a profile still unsettled after that is used
 but flagged (`UnsettledProfileWarning`, `ProfileSettings.unsettled`) and not cached; times still
-spread are used, cached and listed (`ProfileSettings.noisy`, with their rounds).
+spread are used, cached and listed (`ProfileSettings.noisy`, with their rounds). A profile taken
+while other processes train on purpose (`loaded_by`, `compile`'s ranks) is judged by its spread
+only: its slow repeats are the load it measures.
 
 Settled profiles are cached (`profile_cache`), so a second run on the same model is instant; a
 profile served from the cache says so (file and age: `ProfileSettings.origin()`, a log record,
@@ -345,14 +347,17 @@ def _measure_settled(
     warmup: int,
     repeats: int,
     progress: bool,
+    loaded: bool,
 ) -> tuple[_Profile, list[tuple[str, str, float]]]:
     """Measure, then measure the unsettled and noisy times again (their fresh repeats replace the
-    old), at most `EXTRA_ROUNDS` times. Returns the profile and its times still unsettled."""
+    old), at most `EXTRA_ROUNDS` times. Returns the profile and its times still unsettled (none
+    when `loaded`: other processes trained meanwhile on purpose, so a median above the fastest
+    repeat is the load it measures, not a disturbance)."""
     samples = _measure(gm, inputs, device, warmup, repeats, progress)
     profile = _summarize(samples)
     rounds = profile.rounds
     for extra in range(1, EXTRA_ROUNDS + 1):
-        unsettled, noisy = profile.unsettled(), profile.noisy()
+        unsettled, noisy = [] if loaded else profile.unsettled(), profile.noisy()
         if not (unsettled or noisy):
             break
         said = [f"{profile.describe(unsettled)} unsettled"] if unsettled else []
@@ -380,7 +385,7 @@ def _measure_settled(
                 samples.backward[name] = fresh.backward[name]
                 rounds[name][1:] = [r + 1 for r in rounds[name][1:]]
         profile = _summarize(samples, rounds)
-    return profile, profile.unsettled()
+    return profile, [] if loaded else profile.unsettled()
 
 
 def _tell(message: str, progress: bool) -> None:
@@ -399,6 +404,7 @@ def annotate_profile(
     repeats: int = 10,
     cache: bool | str | Path = True,
     progress: bool = True,
+    loaded_by: int = 0,
 ) -> fx.GraphModule:
     """Measure every node's forward and backward time on the device of `inputs`.
 
@@ -409,6 +415,8 @@ def annotate_profile(
         warmup, repeats: untimed and timed runs of each forward and backward.
         cache: True for the default cache directory, a directory, or False for no cache.
         progress: show a progress bar, and a line saying so when the times come from the cache.
+        loaded_by: other processes training on this machine meanwhile (keys the cache; a
+            loaded profile is not judged unsettled: its slow repeats are the load).
 
     Returns:
         `gm`, annotated; `gm.meta["pdcompile.profile"].origin()` says where the times came from.
@@ -424,10 +432,12 @@ def annotate_profile(
         'profile from cache /home/me/.cache/pdcompile/profile-3f2a.json, measured 4 s ago'
     """
     device = next(iter(inputs.values())).device
-    settings = ProfileSettings(str(device), num_threads, warmup, repeats, torch.__version__)
+    settings = ProfileSettings(
+        str(device), num_threads, warmup, repeats, torch.__version__, loaded_by
+    )
     key = cache_key(gm, inputs, settings)
     path = cache_file(cache, key)
-    found = read_cache(path, key, _settled) if path else None
+    found = read_cache(path, key, _settled if not loaded_by else lambda *_: True) if path else None
     if found is not None:
         profile = _Profile(found.times, found.slowdown, found.spread, found.rounds,
                            found.whole_s, found.backward_scale)  # fmt: skip
@@ -438,7 +448,9 @@ def annotate_profile(
         threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
         try:
-            profile, unsettled = _measure_settled(gm, inputs, device, warmup, repeats, progress)
+            profile, unsettled = _measure_settled(
+                gm, inputs, device, warmup, repeats, progress, loaded=loaded_by > 0
+            )
         finally:
             torch.set_num_threads(threads)
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")

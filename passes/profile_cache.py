@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # overwritten.
 CACHE_FORMAT = 4
 TIMES_PER_NODE = 4  # forward, backward, and the split backward's input and weight parts
-_KEYED = ("device", "num_threads", "warmup", "repeats", "torch_version")  # ProfileSettings
+_KEYED = ("device", "num_threads", "warmup", "repeats", "torch_version", "loaded_by")
 
 # node -> [forward, backward, backward_input, backward_weight] (seconds, median / fastest,
 # spread or rounds)
@@ -56,10 +56,12 @@ class CachedProfile:
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    """How a profile was measured (the fields up to `torch_version` key the cache) and where it
+    """How a profile was measured (the fields up to `loaded_by` key the cache) and where it
     came from.
 
     Attributes:
+        loaded_by: how many other processes on the machine trained the model while it was
+            measured (`compile`'s ranks: the run's conditions, `runtime/profile_load.py`).
         cached: read from the cache file `cache_path` rather than measured in this run.
         cache_path: the cache file read or written; None when none was.
         measured_at: when the times were measured, ISO 8601 in UTC.
@@ -80,6 +82,7 @@ class ProfileSettings:
     warmup: int
     repeats: int
     torch_version: str
+    loaded_by: int = 0
     cached: bool = False
     cache_path: str | None = None
     measured_at: str | None = None
@@ -95,14 +98,17 @@ class ProfileSettings:
             >>> gm.meta["pdcompile.profile"].origin()
             'profile from cache /home/me/.cache/pdcompile/profile-3f2a.json, measured 3 h ago'
         """
+        loaded = f" while {self.loaded_by} other ranks trained" if self.loaded_by else ""
         if self.cached:
-            return f"profile from cache {self.cache_path}, measured {_age(self.measured_at, now)}"
+            age = _age(self.measured_at, now)
+            return f"profile from cache {self.cache_path}, measured {age}{loaded}"
         if self.unsettled:
             return (
-                f"profile measured in this run, {len(self.unsettled)} times unsettled, not cached"
+                f"profile measured in this run{loaded}, {len(self.unsettled)} times unsettled, "
+                "not cached"
             )
         where = f"cached in {self.cache_path}" if self.cache_path else "not cached"
-        return f"profile measured in this run, {where}"
+        return f"profile measured in this run{loaded}, {where}"
 
 
 def _age(measured_at: str | None, now: datetime | None) -> str:
@@ -132,8 +138,11 @@ def cache_key(
             [node.name, node.op, str(node.target), repr(module), str(node.meta.get(OUTPUTS))]
         )
     shapes = {k: [list(v.shape), str(v.dtype)] for k, v in inputs.items()}
-    # What decides the measurement only; `"cached": False` keeps the file names of old versions.
+    # What decides the measurement only; `"cached": False`, and no `loaded_by` for a profile
+    # taken alone, keep the file names of older versions.
     measured = {**{name: getattr(settings, name) for name in _KEYED}, "cached": False}
+    if not settings.loaded_by:
+        del measured["loaded_by"]
     fields = [gm.code, nodes, shapes, gm.training, measured]
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 

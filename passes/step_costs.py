@@ -155,6 +155,7 @@ def annotate_optimizer(
     warmup: int = 3,
     repeats: int = 10,
     cache: bool | str | Path = True,
+    loaded_by: int = 0,
 ) -> fx.GraphModule:
     """Write `pdcompile.optimizer_s` on every node and `gm.meta["pdcompile.optimizer_priced"]`.
 
@@ -166,14 +167,14 @@ def annotate_optimizer(
         device_model: the roofline for `profile=False`.
         num_threads, warmup, repeats: as the profile's.
         cache: True (the profile cache's directory), a directory, or False.
+        loaded_by: other processes training on this machine meanwhile (keys the cache).
     """
     info = describe_optimizer(optimizer)
     sizes = _owned_sizes(gm)
     call_s = 0.0
     if profile:
-        times, call_s = _timed_steps(
-            optimizer, info, sizes, device, num_threads, warmup, repeats, cache
-        )
+        where = (device, num_threads, warmup, repeats, loaded_by)
+        times, call_s = _timed_steps(optimizer, info, sizes, where, cache)
     else:
         state = {"sgd": 0, "momentum": 1, "adam": 2}[info.kind]
         times = {key: _modelled_step(key, state, device_model) for key in set(sizes.values())}
@@ -221,16 +222,14 @@ def _timed_steps(
     optimizer: str | OptimizerFactory,
     info: OptimizerInfo,
     sizes: dict[str, Sizes],
-    device: torch.device,
-    num_threads: int,
-    warmup: int,
-    repeats: int,
+    where: tuple[torch.device, int, int, int, int],
     cache: bool | str | Path,
 ) -> tuple[dict[Sizes, float], float]:
     """Seconds of one step over each distinct set of tensors, less the fixed cost per call;
-    and that cost."""
+    and that cost. `where`: device, threads, warmup, repeats, other processes training."""
     factory = optimizer_factory(optimizer)
-    path = _cache_path(cache, info.key, device, num_threads, warmup, repeats)
+    device, num_threads, warmup, repeats, _ = where
+    path = _cache_path(cache, info.key, where)
     cached = _read(path)
     wanted = sorted(set(sizes.values()))
     missing = [s for s in wanted if _key(s) not in cached["steps"]]
@@ -288,13 +287,14 @@ def _key(sizes: Sizes) -> str:
 
 
 def _cache_path(
-    cache: bool | str | Path, name: str, device: torch.device, threads: int, warmup: int,
-    repeats: int,
-) -> Path | None:  # fmt: skip
+    cache: bool | str | Path, name: str, where: tuple[torch.device, int, int, int, int]
+) -> Path | None:
     if not cache:
         return None
     directory = default_cache_dir() if cache is True else Path(cache)
+    device, threads, warmup, repeats, loaded_by = where
     fields = [name, str(device), threads, warmup, repeats, torch.__version__, _CACHE_FORMAT]
+    fields += [loaded_by] if loaded_by else []  # timed alone: older versions' file names
     key = hashlib.sha256(json.dumps(fields).encode()).hexdigest()
     return directory / f"optimizer-{key[:24]}.json"
 

@@ -91,6 +91,7 @@ def analyze(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     targets: Any = None,
     autocast: torch.dtype | None = None,
+    loaded_by: int = 0,
 ) -> CostGraph:
     """Run the cost passes on a captured graph and return its CostGraph.
 
@@ -121,6 +122,10 @@ def analyze(
             `loss_forward_s` and `loss_backward_s`. Without both the loss is not priced (0.0).
         autocast: the dtype `compile(autocast=)` runs forwards in: the activations are
             measured under `torch.autocast` (docs/memory.md); the weights stay fp32.
+        loaded_by: how many other processes train on this machine while it profiles
+            (`compile`'s other ranks do, as in the run: `runtime/profile_load.py`); recorded,
+            and part of the cache keys, so a profile taken alone is not reused for a loaded
+            one, nor the reverse.
 
     Returns:
         The CostGraph; its `meta` records the model, capture path, device, optimizer and source,
@@ -158,12 +163,13 @@ def analyze(
     if profile:
         passes.append(
             ("profile", lambda: annotate_profile(gm, inputs, num_threads=num_threads,
-                                                 cache=cache, progress=progress))
+                                                 cache=cache, progress=progress,
+                                                 loaded_by=loaded_by))
         )  # fmt: skip
     passes.append(
         ("optimizer", lambda: annotate_optimizer(gm, optimizer, target, profile=profile,
                                                  device_model=model, num_threads=num_threads,
-                                                 cache=cache))
+                                                 cache=cache, loaded_by=loaded_by))
     )  # fmt: skip
     passes.append(
         ("loss", lambda: annotate_loss(gm, inputs, loss_fn, targets, profile=profile,

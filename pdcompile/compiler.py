@@ -6,7 +6,8 @@ The lowering, top to bottom:
 3. check a fingerprint of the graph, the call, the options and a given plan against rank 0's (a
    rank started with another model, input, option or plan fails here, naming it; a rank that
    could not capture tells the others, which stop too);
-4. plan (rank 0: costs from `analyze`, then `plan`; or the given `plan=`), and broadcast it (or
+4. plan (rank 0: costs from `analyze`, profiled while the other ranks on its machine train as in
+   the run, `runtime/profile_load.py`; then `plan`; or the given `plan=`), and broadcast it (or
    rank 0's error, so no rank waits for a plan that will not come);
 5. generate the stage modules (`codegen`);
 6. build the executor: this process's rank over torch.distributed, or, without a process group,
@@ -20,6 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -157,6 +159,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
     from pdcompile.runtime.memory_probe import device_memory
+    from pdcompile.runtime.profile_load import ProfileLoad, example_step
     from pdcompile.runtime.validate import check_layout
     from pdcompile.schedules import check_nonfinite, get_schedule
     from pdcompile.search.schedule_choice import AUTO
@@ -210,15 +213,19 @@ def compile(  # noqa: A001 - the public name API.md gives it
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
     failure: Exception | None = None
+    load = None  # the other ranks train while rank 0 profiles, as in the run (profile_load)
+    if distributed and plan is None and profile and not any(p.is_meta for p in gm.parameters()):
+        load = ProfileLoad(rank, world_size)
     if plan is None and rank == 0:
         try:
             cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
-            if isinstance(costs, str):
-                costs = CostGraph.load(costs)
-            if costs is None:
-                costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile,
-                                optimizer=optimizer, loss_fn=loss_fn,
-                                targets=example_targets, autocast=autocast)  # fmt: skip
+            with load.profiling() if load else nullcontext(0) as loaded_by:
+                if isinstance(costs, str):
+                    costs = CostGraph.load(costs)
+                if costs is None:
+                    costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile,
+                                    optimizer=optimizer, loss_fn=loss_fn, loaded_by=loaded_by,
+                                    targets=example_targets, autocast=autocast)  # fmt: skip
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
                              num_microbatches=num_microbatches, allow_async=allow_async,
                              global_batch_size=global_batch_size, recompute=recompute,
@@ -228,6 +235,9 @@ def compile(  # noqa: A001 - the public name API.md gives it
             if not distributed:
                 raise
             failure = exc
+    elif load:
+        load.serve(example_step(model, inputs, example_kwargs, loss_fn, example_targets),
+                   startup_timeout)  # fmt: skip
     if distributed:
         plan = _share_plan(plan, failure, rank)
     if auto:  # what runs is the schedule the plan was made for
