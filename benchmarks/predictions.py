@@ -1,6 +1,6 @@
 """`compile()`'s prediction against the run: `explain()`'s predicted step time and the measured one.
 
-    python benchmarks/predictions.py [--steps 8] [--rounds 3] [--json out.json]
+    python benchmarks/predictions.py [--steps 8] [--rounds 3] [--json out.json] [--default-malloc]
 
 Three models on 2 spawned gloo ranks, one thread each: the MLP and the GPT-style decoder of
 benchmarks/cases.py, and a heavy-head token model (an embedding, 2 Linear(256) layers and a
@@ -13,7 +13,10 @@ The table gives per (model, schedule) the predicted step time (`pipe.plan.step_t
 re-scored at the rows run: what `explain()` prints), the median measured step time over rounds
 (each round's median over its steps after the first), the ratio predicted / measured, and the
 spread of the per-round ratios (min-max). This machine's two cores change speed under other jobs:
-the spread is part of the result.
+the spread is part of the result. The ranks run with glibc's malloc keeping freed memory
+(`cases.KEEP_FREED_MEMORY`, as benchmarks/simulator.py and runtime.py do; `--default-malloc`
+for glibc's defaults, under which a step's times depend on whether its tensors land on pages
+just given back to the system: docs/runtime.md).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from cases import CASES
+from cases import CASES, keep_freed_memory
 from rich.console import Console
 from rich.table import Table
 
@@ -118,7 +121,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="write the rounds and the summary here")
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="glibc's malloc defaults (its thresholds move with the heap)",
+    )
     args = parser.parse_args()
+    keep_freed_memory(args.default_malloc)
+    malloc = os.environ.get("GLIBC_TUNABLES", "default")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         start = time.perf_counter()
@@ -130,7 +140,8 @@ def main() -> None:
     rows = summarize(results)
     table = Table(
         title=f"compile() on 2 gloo ranks: predicted (explain) vs measured step, {args.rounds} "
-        f"rounds x {args.steps} steps, {MICROBATCHES} microbatches ({wall:.0f} s in all)"
+        f"rounds x {args.steps} steps, {MICROBATCHES} microbatches ({wall:.0f} s in all), "
+        f"malloc: {malloc}"
     )
     for column in ("model", "schedule", "stages", "predicted", "measured", "ratio", "range"):
         table.add_column(column)
@@ -141,7 +152,7 @@ def main() -> None:
     Console(width=140).print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": results, "summary": rows}, f, indent=1)
+            json.dump({"malloc": malloc, "rounds": results, "summary": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
