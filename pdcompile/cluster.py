@@ -110,7 +110,11 @@ class RuntimeCosts:
     on each message it receives (waiting, unpacking) and, unless `send_s` is given, sends
     (packing, posting).
     `collective_s`: fixed seconds of an all-reduce besides its latencies (the backend's
-    rounds of synchronisation: gloo's take ~0.4 ms on a 2-core host).
+    rounds of synchronisation: gloo's take ~0.4 ms on a 2-core host). `collective_bandwidth`
+    (None: no bound): the bytes per second an all-reduce moves between two ranks at most, by
+    its own work (gloo reduces and copies through buffers of its own: on loopback here 1-1.5
+    GB/s where a message moved 1-2.6 GB/s); an all-reduce runs at the smaller of it and the
+    link's bandwidth.
     The defaults cost nothing; docs/simulator.md has the formulas and how they are measured.
     """
 
@@ -120,9 +124,10 @@ class RuntimeCosts:
     cache_bandwidth: float | None = None
     collective_s: float = 0.0
     send_s: float | None = None
+    collective_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("memory_bandwidth", "cache_bandwidth"):
+        for name in ("memory_bandwidth", "cache_bandwidth", "collective_bandwidth"):
             bandwidth = getattr(self, name)
             if bandwidth is not None and not (_number(bandwidth) and bandwidth > 0):
                 raise PartitionError(

@@ -26,7 +26,8 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
                   keeps the first ones as they are: free); moving a copy's gradients to the live
                   weights costs the same when they hold some, else n * t
     all-reduce    2 (r - 1) alpha + c + 2 (r - 1) / r * G / bandwidth + 4 * F / B + n * t over
-                  r ranks (c = collective_s): tensors of up to COALESCE_MAX_BYTES are flattened
+                  r ranks (c = collective_s; bandwidth the link's, at most the runtime's
+                  collective_bandwidth): tensors of up to COALESCE_MAX_BYTES are flattened
                   into one buffer, reduced and copied back, larger ones reduced in place; F, the
                   bytes flattened, is taken as min(G, n * COALESCE_MAX_BYTES), its bound
     loss          every `train_step` ends with the last stage's ranks sending the loss to every
@@ -39,6 +40,7 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pdcompile.cluster import Cluster
@@ -111,7 +113,9 @@ def allreduce_s(nbytes: float, ranks: list[int] | tuple[int, ...], cluster: Clus
         return 0.0
     first, last = min(ranks), max(ranks)
     network = 2 * (r - 1) * cluster.latency(first, last) + cluster.runtime.collective_s
-    network += 2 * (r - 1) / r * nbytes / cluster.bandwidth(first, last)
+    bound = cluster.runtime.collective_bandwidth or math.inf
+    bandwidth = min(cluster.bandwidth(first, last), bound)
+    network += 2 * (r - 1) / r * nbytes / bandwidth
     flattened = min(nbytes, tensors * COALESCE_MAX_BYTES)  # at most: tensor sizes are not known
     return network + cluster.runtime.moved_s(4 * flattened, tensors)
 

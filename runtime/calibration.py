@@ -12,6 +12,9 @@ runtime's own `DistributedComm` and the same kind of tensors and optimizer the p
   the extra bytes at the cache bandwidth;
 - a collective's fixed cost: an all-reduce of two numbers over ranks 0 and 1 (the runtime's
   `all_reduce`), less its two latencies;
+- a collective's bandwidth: `PROBE_BYTES` over the time an all-reduce of that many bytes takes
+  beyond the fixed cost and latencies (what gloo's own reduction and copies allow, which can be
+  less than the link's);
 - memory bandwidth: bytes read and written per second by a clone of `PROBE_BYTES` right after
   the caches were overwritten (`passes.timing.cache_evictor`: they hold other data, as the
   weights after a step's compute);
@@ -58,12 +61,14 @@ class Calibration:
     cache_bandwidth: float
     tensor_s: float
     collective_s: float = 0.0
+    collective_bandwidth: float | None = None
 
     @property
     def runtime(self) -> RuntimeCosts:
         """The runtime's costs: a receive's `message_s`, a send's `send_s`."""
         return RuntimeCosts(self.memory_bandwidth, self.tensor_s, self.recv_s,
-                            self.cache_bandwidth, self.collective_s, self.send_s)  # fmt: skip
+                            self.cache_bandwidth, self.collective_s, self.send_s,
+                            self.collective_bandwidth)  # fmt: skip
 
     def cluster(self, num_devices: int) -> Cluster:
         return Cluster([(num_devices, self.bandwidth, self.latency)], runtime=self.runtime)
@@ -88,14 +93,20 @@ def calibrate(
     latency = max(one_way - idle_send - recv, 0.0)
     extra = large - one_way - 2 * (PROBE_BYTES - 4) / cache  # less packing the extra bytes
     bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large
-    collective = max(_all_reduce(comm, rank, pair, repeats) - 2 * latency, 0.0)
-    return Calibration(latency, bandwidth, send, recv, memory, cache, tensor_s, collective)
+    collective = max(_all_reduce(comm, rank, pair, repeats, 2) - 2 * latency, 0.0)
+    whole = _all_reduce(comm, rank, pair, repeats, PROBE_BYTES // 8)
+    moving = whole - collective - 2 * latency  # a noisy fixed cost may leave nothing: the whole
+    collective_bandwidth = PROBE_BYTES / (moving if moving > 0 else whole)
+    return Calibration(latency, bandwidth, send, recv, memory, cache, tensor_s, collective,
+                       collective_bandwidth)  # fmt: skip
 
 
-def _all_reduce(comm: DistributedComm, rank: int, pair: tuple[int, int], repeats: int) -> float:
-    """Median seconds of an all-reduce of two float64 over `pair`, started together; on every
-    rank."""
-    both = torch.zeros(2, dtype=torch.float64, device=comm.device)
+def _all_reduce(
+    comm: DistributedComm, rank: int, pair: tuple[int, int], repeats: int, numel: int
+) -> float:
+    """Median seconds of an all-reduce of `numel` float64 over `pair`, started together; on
+    every rank."""
+    both = torch.zeros(numel, dtype=torch.float64, device=comm.device)
     seconds = []
     for i in range(repeats + 2):
         dist.barrier()

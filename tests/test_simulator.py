@@ -340,6 +340,16 @@ def test_replica_allreduce_is_a_ring_with_latency_and_flattening():
     ring = 2 * alpha + fixed + 2 * (1 / 2) * grad / bandwidth + 4 * grad / 1000.0 + TENSORS * 0.01
     assert sorted(e.rank for e in reduce) == [0, 1]
     assert [e.end for e in reduce] == pytest.approx([max(e.start for e in reduce) + ring] * 2)
+    # the backend's own bound: the slower of it and the link moves the bytes
+    for bound, moved in ((100.0, 100.0), (5000.0, bandwidth)):
+        slowed = dataclasses.replace(runtime, collective_bandwidth=bound)
+        bounded = plan.with_(cluster=Cluster([(3, bandwidth, alpha)], runtime=slowed))
+        reduce = [e for e in simulate(bounded, num_microbatches=4).timeline
+                  if e.kind == "allreduce"]  # fmt: skip
+        expected = ring - grad / bandwidth + grad / moved
+        assert reduce[0].end - max(e.start for e in reduce) == pytest.approx(expected)
+    with pytest.raises(PartitionError, match="collective_bandwidth must be a positive number"):
+        RuntimeCosts(collective_bandwidth=0.0)
 
 
 def test_ties_add_an_allreduce_between_the_tied_stages():
@@ -473,6 +483,7 @@ def test_calibration_measures_the_link_and_the_runtime_on_two_ranks():
     assert (cluster.runtime.message_s, cluster.runtime.sent_s) == (first.recv_s, first.send_s)
     assert cluster.runtime.cache_bandwidth == first.cache_bandwidth > 0
     assert cluster.runtime.collective_s == first.collective_s >= 0
+    assert cluster.runtime.collective_bandwidth == first.collective_bandwidth > 0
 
 
 def test_what_the_compute_just_produced_moves_at_the_cache_bandwidth():
