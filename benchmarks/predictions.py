@@ -8,7 +8,9 @@ benchmarks/cases.py, and a heavy-head token model (an embedding, 2 Linear(256) l
 the ranks measure this machine's links and runtime costs (`runtime.calibration.calibrate`), then
 for `1f1b` and `gpipe` in turn (alternating from round to round) run `pdcompile.compile` with
 that cluster, the example microbatch and its targets (so the loss and the optimizer step are
-priced), 8 microbatches, profiling on rank 0 as compile does, and time `--steps` train steps.
+priced), 8 microbatches, profiling on rank 0 as compile does (while rank 1 trains the model,
+`runtime/profile_load.py`; once per model and round, into a cache of the round's own, so each
+round is predicted from a profile of its own), and time `--steps` train steps.
 The table gives per (model, schedule) the predicted step time (`pipe.plan.step_time`, the plan
 re-scored at the rows run: what `explain()` prints), the median measured step time over rounds
 (each round's median over its steps after the first), the ratio predicted / measured, and the
@@ -73,6 +75,9 @@ def _rank(rank: int, world: int, init_file: str, steps: int, rounds: int, out: s
     sgd = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
     results = []
     for round_ in range(rounds):
+        # a profile cache of the round's own: each round's prediction comes from a profile taken
+        # in it (this machine's speed drifts by tens of percent within minutes)
+        os.environ["PDCOMPILE_CACHE_DIR"] = os.path.join(os.path.dirname(init_file), str(round_))
         cluster = calibrate(rank, torch.device("cpu"), sgd).cluster(world)
         order = SCHEDULES if round_ % 2 == 0 else SCHEDULES[::-1]
         for name, make in MODELS.items():
