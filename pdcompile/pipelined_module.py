@@ -166,6 +166,18 @@ class PipelinedModule:
         """Complete the microbatches in flight (`pipedream`, `2bw`)."""
         self.pipeline.flush()
 
+    def close(self) -> None:
+        """Complete the microbatches in flight and release the process groups the pipeline
+        made (every rank calls it; also at the end of a `with` block). The parameters stay
+        readable (`state_dict`); training needs a new `compile`."""
+        self.pipeline.close()
+
+    def __enter__(self) -> PipelinedModule:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def version(self, stage: int, minibatch: int) -> int:
         """The number of updates of `stage` in the weights minibatch `minibatch` (counted from
         the last flush for `pipedream`, over the whole run otherwise) runs on."""

@@ -182,6 +182,7 @@ class DistributedComm:
         # the wait in progress (what, peer, since), which a watchdog thread reports every
         # `watchdog_s` while it lasts: a hang shows in the log long before the timeout
         self._waiting: tuple[str, Any, float] | None = None
+        self._closed = threading.Event()
         self.watchdog_s = min(60.0, max(1.0, timeout_s / 5))
         self._watchdog: threading.Thread | None = None
         # messages between two stages of this rank: handed over, never on the wire
@@ -396,7 +397,24 @@ class DistributedComm:
         """Wait until every message sent so far has been received (`timeout_s` per send)."""
         self.settle(lambda peer, key: True)
 
+    def close(self) -> None:
+        """Wait for the messages sent, then release the comm's process groups: their
+        connections and threads (14 threads and 20 descriptors per pipeline on gloo, which a
+        process compiling again and again ran out of). The comm is unusable afterwards."""
+        if self._closed.is_set():
+            return
+        self.flush()
+        for group in [*self._p2p, *self._groups.values()]:
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._closed.set()  # ends the watchdog
+
     def _start(self, op: Any, tensor: torch.Tensor, peer: Any, what: str, **kwargs: Any) -> Any:
+        if self._closed.is_set():
+            raise StageCommError(
+                f"rank {self.rank}: {what} after the pipeline was closed; compile the model "
+                "again to train on"
+            )
         try:
             return op(tensor, **kwargs)
         except RuntimeError as exc:
@@ -442,7 +460,7 @@ def _peers(peer: Any) -> str:
 
 def _watch(ref: weakref.ref[DistributedComm]) -> None:
     """The watchdog: while a wait of the comm lasts, log every `watchdog_s` which rank waits,
-    on what, with whom and for how long; ends with the comm."""
+    on what, with whom and for how long; ends with the comm, or when it is closed."""
     reported: tuple[tuple[str, Any, float] | None, float] = (None, 0.0)  # wait, seconds
     while (comm := ref()) is not None:
         tick, waiting = comm.watchdog_s, comm._waiting
@@ -456,5 +474,7 @@ def _watch(ref: weakref.ref[DistributedComm]) -> None:
                     comm.rank, waited, what, _peers(peer), comm.timeout_s,
                 )  # fmt: skip
                 reported = (waiting, waited)
+        closed = comm._closed
         del comm
-        time.sleep(tick / 4)
+        if closed.wait(tick / 4):
+            return

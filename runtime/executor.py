@@ -93,6 +93,13 @@ class DistributedPipeline(Pipeline):
         super().__init__(program, workers, schedule=schedule,
                          num_microbatches=num_microbatches)  # fmt: skip
 
+    def close(self) -> None:
+        """Complete the microbatches in flight, then release both comms' process groups.
+        Every rank calls it; the pipeline is unusable afterwards."""
+        super().close()
+        self.comm.close()
+        self.loss_comm.close()
+
     @property
     def worker(self) -> StageWorker:
         """This rank's worker, when it runs one stage."""

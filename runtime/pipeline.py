@@ -176,6 +176,11 @@ class Pipeline:
         for worker in self.workers.values():
             worker.versions.begin_stream()
 
+    def close(self) -> None:
+        """Complete the microbatches in flight and release what the pipeline holds besides its
+        workers (the distributed executor's process groups; nothing here)."""
+        self.flush()
+
     def restart(self) -> None:
         """After the weights changed from outside (a checkpoint loaded): weight versions start
         again from the live weights (`2bw`'s previous ones: `WeightVersions.restore_previous`)."""

@@ -99,9 +99,11 @@ class Replanner:
                 dist.broadcast_object_list(shared, src=0)
                 directory = shared[0]
             module.save(directory)
+            old = module.pipeline
             try:
                 module.pipeline = self.rebuild(plan)
                 module.load(directory)
+                old.close()  # its process groups: every rank moves
             except Exception as exc:
                 if module.rank == 0:
                     plan.save(f"{directory}.next-plan.json")
