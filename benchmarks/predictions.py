@@ -94,6 +94,7 @@ def _rank(rank: int, world: int, init_file: str, steps: int, rounds: int, out: s
                     start = time.perf_counter()
                     pipe.train_step(x, y)
                     times.append(time.perf_counter() - start)
+                pipe.close()  # its process groups: 48 pipelines' threads ran beside the last
                 results.append({
                     "round": round_, "model": name, "schedule": schedule,
                     "predicted_s": pipe.plan.step_time,
