@@ -19,7 +19,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from pdcompile.errors import PipelineTimeoutError, StageCommError
 from pdcompile.runtime import wire
 from pdcompile.runtime.action_costs import COALESCE_MAX_BYTES
 from pdcompile.runtime.comm import Key, LocalComm
+from pdcompile.runtime.watchdog import peers, start_watchdog
 
 __all__ = ["DistributedComm", "init_process_group", "message_tag"]
 
@@ -435,46 +435,17 @@ class DistributedComm:
 
     def _start_watchdog(self) -> None:
         if self._watchdog is None:
-            self._watchdog = threading.Thread(
-                target=_watch, args=(weakref.ref(self),), name="watchdog", daemon=True
-            )
-            self._watchdog.start()
+            self._watchdog = start_watchdog(self)
 
     def _failure(
         self, peer: Any, what: str, exc: BaseException, waited: float | None = None
     ) -> PipelineTimeoutError:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         after = "at once" if waited is None else f"after waiting {waited:.1f} s"
-        logger.error("rank %d: %s with %s failed %s: %s", self.rank, what, _peers(peer), after,
+        logger.error("rank %d: %s with %s failed %s: %s", self.rank, what, peers(peer), after,
                      reason)  # fmt: skip
         return PipelineTimeoutError(
-            f"rank {self.rank} gave up {what} with {_peers(peer)} {after} (timeout "
+            f"rank {self.rank} gave up {what} with {peers(peer)} {after} (timeout "
             f"{self.timeout_s:g} s): {reason}; the peer died, hangs, or runs another schedule: "
             "see its own log"
         )
-
-
-def _peers(peer: Any) -> str:
-    return f"ranks {list(peer)}" if isinstance(peer, tuple) else f"rank {peer}"
-
-
-def _watch(ref: weakref.ref[DistributedComm]) -> None:
-    """The watchdog: while a wait of the comm lasts, log every `watchdog_s` which rank waits,
-    on what, with whom and for how long; ends with the comm, or when it is closed."""
-    reported: tuple[tuple[str, Any, float] | None, float] = (None, 0.0)  # wait, seconds
-    while (comm := ref()) is not None:
-        tick, waiting = comm.watchdog_s, comm._waiting
-        if waiting is not None:
-            what, peer, since = waiting
-            waited = time.monotonic() - since
-            last = reported[1] if reported[0] is waiting else 0.0
-            if waited - last >= tick:
-                logger.warning(
-                    "rank %d has waited %.0f s %s with %s (it gives up after %g s)",
-                    comm.rank, waited, what, _peers(peer), comm.timeout_s,
-                )  # fmt: skip
-                reported = (waiting, waited)
-        closed = comm._closed
-        del comm
-        if closed.wait(tick / 4):
-            return
