@@ -21,7 +21,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -213,13 +212,13 @@ def compile(  # noqa: A001 - the public name API.md gives it
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
     failure: Exception | None = None
-    load = None  # the other ranks train while rank 0 profiles, as in the run (profile_load)
-    if distributed and plan is None and profile and not any(p.is_meta for p in gm.parameters()):
-        load = ProfileLoad(rank, world_size)
+    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
+    # while rank 0 profiles, the other ranks on its machine train, as in the run (profile_load)
+    load = ProfileLoad(rank, world_size, distributed and plan is None and profile and not on_meta)
     if plan is None and rank == 0:
         try:
             cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
-            with load.profiling() if load else nullcontext(0) as loaded_by:
+            with load.profiling() as loaded_by:
                 if isinstance(costs, str):
                     costs = CostGraph.load(costs)
                 if costs is None:
@@ -235,7 +234,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
             if not distributed:
                 raise
             failure = exc
-    elif load:
+    else:
         load.serve(example_step(model, inputs, example_kwargs, loss_fn, example_targets),
                    startup_timeout)  # fmt: skip
     if distributed:
@@ -250,7 +249,6 @@ def compile(  # noqa: A001 - the public name API.md gives it
         plan = simulated(plan.with_(**updates))  # the clip and check every update runs, priced
     if distributed:  # every rank, before its stages send anything
         check_layout(plan, world_size, world=True)
-    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     if on_meta and policy is not None:
         raise PartitionError("replan= with a model on the meta device is not supported yet")
 

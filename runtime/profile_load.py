@@ -6,10 +6,11 @@ more), so a profile taken on an otherwise idle machine prices a step short. On t
 docs/simulator.md (2 gloo ranks, one thread each), rank 0's profile taken alone predicted the
 zoo's GPT at 0.57-0.58 of its measured step, and taken while rank 1 trained, at 0.86-0.94.
 
-Every rank of a job that profiles calls `ProfileLoad(rank, world_size)` (a collective: the
-ranks exchange their host names); rank 0 profiles inside `load.profiling()`, which yields how
-many ranks load it and tells them to stop when it ends, even on an error; the others call
-`load.serve(step, timeout_s)`. The signal goes through the process group's store, so the
+Every rank calls `ProfileLoad(rank, world_size, active)`, with `active` the same on all (when
+it is, a collective: the ranks exchange their host names); rank 0 profiles inside
+`load.profiling()`, which yields how many ranks load it and tells them to stop when it ends,
+even on an error; the others call `load.serve(step, timeout_s)`. An inactive load has no
+loading ranks: both return at once. The signal goes through the process group's store, so the
 loading ranks never block in a collective rank 0 is not in.
 """
 
@@ -37,12 +38,13 @@ _PREFIX = "pdcompile/profiled"
 class ProfileLoad:
     """Which ranks load rank 0's machine while it profiles, and the signal that stops them."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        hosts: list[str | None] = [None] * world_size
-        dist.all_gather_object(hosts, socket.gethostname())
-        self.rank = rank
-        self.loaders = [r for r in range(1, world_size) if hosts[r] == hosts[0]]
-        self._key = f"{_PREFIX}/{next(_ROUNDS)}"
+    def __init__(self, rank: int, world_size: int, active: bool = True) -> None:
+        self.rank, self.loaders, self._key = rank, [], ""
+        if active:
+            hosts: list[str | None] = [None] * world_size
+            dist.all_gather_object(hosts, socket.gethostname())
+            self.loaders = [r for r in range(1, world_size) if hosts[r] == hosts[0]]
+            self._key = f"{_PREFIX}/{next(_ROUNDS)}"
 
     @contextmanager
     def profiling(self) -> Iterator[int]:
@@ -53,20 +55,22 @@ class ProfileLoad:
             if self.loaders:
                 dist.distributed_c10d._get_default_store().set(self._key, "done")
 
-    def serve(self, step: Callable[[], None], timeout_s: float) -> None:
-        """A loading rank's: run `step` until rank 0 is done profiling. The load is best
-        effort: after `timeout_s`, or when the store or `step` fails (logged), the rank goes on
-        to receive the plan, whose broadcast reports a rank 0 that never sends it. Ranks that
-        do not load return at once."""
+    def serve(self, step: Callable[[], None], timeout_s: float) -> bool:
+        """A loading rank's: run `step` until rank 0 is done profiling; whether its signal
+        ended the load. The load is best effort: after `timeout_s`, or when the store or `step`
+        fails (logged), the rank goes on to receive the plan, whose broadcast reports a rank 0
+        that never sends it. Ranks that do not load return False at once."""
         if self.rank not in self.loaders:
-            return
+            return False
         store = dist.distributed_c10d._get_default_store()
         deadline = time.monotonic() + timeout_s
         try:
-            while not store.check([self._key]) and time.monotonic() < deadline:
+            while not (done := store.check([self._key])) and time.monotonic() < deadline:
                 step()
+            return done
         except Exception as exc:  # a load that fails only ends the load
             logger.warning("rank %d stopped training while rank 0 profiles: %s", self.rank, exc)
+            return False
 
 
 def example_step(

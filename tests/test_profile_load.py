@@ -5,6 +5,7 @@ when rank 0 is done, failed or not; the profile cache keeps loaded and lone prof
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -53,7 +54,6 @@ def _ranks(rank: int, world_size: int, init_file: str, cache: str) -> dict:
 
     for failing in (False, True):
         load = ProfileLoad(rank, world_size)
-        start = time.monotonic()
         if rank == 0:
             try:
                 with load.profiling() as loaded_by:
@@ -64,8 +64,8 @@ def _ranks(rank: int, world_size: int, init_file: str, cache: str) -> dict:
             except ValueError:
                 out["raised"] = True
         else:
-            load.serve(step, timeout_s=50)
-            out[f"served {failing}"] = (calls[0], time.monotonic() - start)
+            signalled = load.serve(step, timeout_s=50)
+            out[f"served {failing}"] = (calls[0], signalled)
         dist.barrier()
     model, x, y = _model(), torch.randn(16, 8), torch.randint(0, 4, (16,))
     pipe = pdcompile.compile(model, (x[:4],), example_targets=y[:4], loss_fn=F.cross_entropy,
@@ -81,14 +81,17 @@ def _ranks(rank: int, world_size: int, init_file: str, cache: str) -> dict:
 def test_other_ranks_train_while_rank_0_profiles(tmp_path: Path) -> None:
     zero, one = run_ranks(_ranks, 2, str(tmp_path), timeout_s=120)
     assert zero["loaded_by"] == 1 and zero["raised"]
-    calls, seconds = one["served False"]
-    assert calls >= 5 and seconds < 10  # loaded for rank 0's 0.3 s, then stopped
-    calls_after, seconds = one["served True"]
-    assert calls_after > calls and seconds < 10  # rank 0's error stopped it too, at once
+    # rank 1 trained during rank 0's 0.3 s, and rank 0's signal (not the timeout) stopped it,
+    # also when rank 0's profile raised
+    before, signalled = one["served False"]
+    assert before >= 1 and signalled
+    after, signalled = one["served True"]
+    assert after > before and signalled
     profiles = [json.loads(p.read_text()) for p in tmp_path.glob("profile-*.json")]
     assert [p["settings"]["loaded_by"] for p in profiles] == [1]  # compile's: taken loaded
     optimizer = list(tmp_path.glob("optimizer-*.json"))
     assert len(optimizer) == 1
+    assert zero["loss"] == one["loss"] and math.isfinite(zero["loss"])  # the plan trains
 
 
 def test_a_loaded_profile_has_a_cache_key_of_its_own() -> None:
