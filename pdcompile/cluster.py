@@ -112,9 +112,9 @@ class RuntimeCosts:
     `collective_s`: fixed seconds of an all-reduce besides its latencies (the backend's
     rounds of synchronisation: gloo's take ~0.4 ms on a 2-core host). `collective_bandwidth`
     (None: no bound): the bytes per second an all-reduce moves between two ranks at most, by
-    its own work (gloo reduces and copies through buffers of its own: on loopback here 1-1.5
-    GB/s where a message moved 1-2.6 GB/s); an all-reduce runs at the smaller of it and the
-    link's bandwidth.
+    its own work (gloo reduces and copies through buffers of its own: on loopback here
+    0.80-1.12 GB/s where a message moved 1.09-2.37 GB/s, 10 calibrations); an all-reduce runs
+    at the smaller of it and the link's bandwidth.
     The defaults cost nothing; docs/simulator.md has the formulas and how they are measured.
     """
 
