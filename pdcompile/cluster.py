@@ -25,6 +25,8 @@ DEFAULT_BANDWIDTH = 1.25e10
 # The most devices a cluster may have (all levels multiplied): the largest accelerator clusters
 # built hold about 10^5; beyond, a typo ("99999999999") would exhaust memory listing ranks.
 MAX_DEVICES = 1 << 17
+# The cluster a job measures for itself (`compile(cluster="auto")`, runtime/cluster_measure.py)
+AUTO = "auto"
 # What every public function taking a cluster accepts (`Cluster.coerce`)
 SPELLINGS = (
     "a pdcompile.Cluster, its text such as '4' or '8@300GB/s,2@25Gbit/s+5us' "
@@ -156,6 +158,14 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _hosts_text(hosts: list[list[Any]]) -> str:
+    """`[[host, [ranks]], ...]` as "2 hosts: a (ranks 0-1), b (ranks 2-3)"."""
+    parts = [f"{name} (rank{'s' if len(ranks) > 1 else ''} "
+             f"{ranks[0] if len(ranks) == 1 else f'{ranks[0]}-{ranks[-1]}'})"
+             for name, ranks in hosts]  # fmt: skip
+    return f"{len(hosts)} host{'s' if len(hosts) > 1 else ''}: {', '.join(parts)}"
+
+
 def check_devices(count: int) -> int:
     """`count` devices, unless it is above `MAX_DEVICES` (`PartitionError`)."""
     if count > MAX_DEVICES:
@@ -178,6 +188,10 @@ class Cluster:
         speed: relative speed of every device (1.0 is the speed the costs were measured at), or
             None for all 1.0.
         runtime: what the runtime's copies, updates and messages cost per device (default: free).
+        measured: how a measured cluster was measured (`runtime/cluster_measure.py`: when, how
+            long, the hosts, the pairs and figures per level, the speed probe), JSON values; None
+            for a cluster written by hand. It travels with the cluster (`to_dict`) and
+            `describe_measurement()` prints it.
 
     Raises:
         PartitionError: a count below 1, more than `MAX_DEVICES` devices in all, a bandwidth
@@ -195,6 +209,7 @@ class Cluster:
         memory: float | None = None,
         speed: Sequence[float] | None = None,
         runtime: RuntimeCosts | None = None,
+        measured: dict[str, Any] | None = None,
     ) -> None:
         if not levels:
             raise PartitionError("a cluster needs at least one level, e.g. Cluster([(4, 1.25e10)])")
@@ -235,6 +250,9 @@ class Cluster:
         if runtime is not None and not isinstance(runtime, RuntimeCosts):
             raise PartitionError(f"runtime must be a RuntimeCosts or None, got {runtime!r}")
         self.runtime = runtime or RuntimeCosts()
+        if measured is not None and not isinstance(measured, dict):
+            raise PartitionError(f"measured must be a dict or None, got {measured!r}")
+        self.measured = json.loads(json.dumps(measured)) if measured is not None else None
         sizes, size = [], 1
         for level in self.levels:
             size *= level.count
@@ -260,6 +278,28 @@ class Cluster:
         """The speed of the slowest of `ranks` (replicas wait for each other)."""
         return min(self.speed[r] for r in ranks) if self.speed else 1.0
 
+    def describe_measurement(self) -> list[str]:
+        """How this cluster was measured, a line per fact (none for a cluster written by hand)."""
+        m = self.measured
+        if not m:
+            return []
+        source = f"from the cache {m['cache']}" if m.get("from_cache") else "measured by the job"
+        lines = [f"cluster {self} {source} at {m['at']} in {m['seconds']:.1f} s "
+                 f"({_hosts_text(m['hosts'])})"]  # fmt: skip
+        for level in m["levels"]:
+            pairs = ", ".join(f"{a}<->{b}" for a, b in level["pairs"])
+            reduce = level.get("allreduce_bandwidth")
+            lines.append(
+                f"  {level['name']}: {_format_rate(level['bandwidth'])} (slowest of ranks "
+                f"{pairs}, both directions), latency {_format_seconds(level['latency'])}"
+                + (f", all-reduce {reduce / 1e9:.3g} GB/s" if reduce else "")
+            )
+        if m.get("speed"):
+            lines.append(f"  speeds: {m['speed']}")
+        if m.get("memory"):
+            lines.append(f"  memory: {m['memory']}")
+        return [*lines, *(f"  note: {note}" for note in m.get("notes", ()))]
+
     @property
     def is_flat(self) -> bool:
         return len(self.levels) == 1
@@ -283,6 +323,12 @@ class Cluster:
         """
         if isinstance(cluster, Cluster):
             return cluster
+        if cluster == AUTO:
+            raise PartitionError(
+                f"{what}='auto' is measured by a running job of two or more ranks (compile "
+                "under torchrun measures it, and so does `torchrun ... pdcompile calibrate "
+                "--cluster`); here give the cluster: " + SPELLINGS
+            )
         if isinstance(cluster, str):
             try:
                 return cls.parse(cluster)
@@ -344,12 +390,15 @@ class Cluster:
         return isinstance(other, Cluster) and self.to_dict() == other.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "levels": [[lv.count, lv.bandwidth, lv.latency] for lv in self.levels],
             "memory": self.memory,
             "speed": list(self.speed) if self.speed else None,
             "runtime": asdict(self.runtime),
         }
+        if self.measured is not None:
+            data["measured"] = self.measured
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
@@ -357,7 +406,8 @@ class Cluster:
         try:
             runtime = RuntimeCosts(**data["runtime"]) if data.get("runtime") is not None else None
             levels = [tuple(lv) for lv in data["levels"]]
-            return cls(levels, data.get("memory"), data.get("speed"), runtime)
+            return cls(levels, data.get("memory"), data.get("speed"), runtime,
+                       data.get("measured"))  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             shown = repr(data) if len(repr(data)) <= 200 else repr(data)[:197] + "..."
             raise PartitionError(

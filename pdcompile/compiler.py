@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pdcompile.closed_loop.decision import Replan
+from pdcompile.cluster import AUTO as MEASURED
 from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import (
@@ -88,8 +89,10 @@ def compile(  # noqa: A001 - the public name API.md gives it
         optimizer: a factory `params -> torch.optim.Optimizer`, applied to each stage; the
             profile times its step per node and sizes its state.
         cluster: the devices (a `Cluster`, its text or a number of devices:
-            `Cluster.coerce`); None: the job's ranks on one level (one device in a single
-            process).
+            `Cluster.coerce`); None or "auto": in a job of two or more ranks, the job measures
+            its hosts, links, rank speeds and memory before planning
+            (`runtime/cluster_measure.py`, cached for a day; `explain()` says how), else one
+            device; a given `plan` keeps its own cluster.
         schedule: a name from `pdcompile.schedules()`: "1f1b" (default: synchronous, equal to
             single-process gradient accumulation), "gpipe", "pipedream" (asynchronous, weight
             stashing), "2bw", or one registered with `pdcompile.register_schedule`; "auto":
@@ -177,7 +180,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     if not auto:
         schedule = get_schedule(schedule).name
         check_nonfinite(schedule, nonfinite)
-    cluster = None if cluster is None else Cluster.coerce(cluster)  # every rank, before joining
+    measure = cluster is None or (isinstance(cluster, str) and cluster == MEASURED)
+    cluster = None if measure else Cluster.coerce(cluster)  # every rank, before joining
     distributed = dist.is_initialized() or {"RANK", "WORLD_SIZE"} <= set(os.environ)
     rank, world_size, device = 0, 1, _local_device(model)
     if distributed:
@@ -211,6 +215,14 @@ def compile(  # noqa: A001 - the public name API.md gives it
                    recompute=recompute)  # fmt: skip
     if distributed:
         _check_fingerprints(_fingerprint(gm, options), rank, world_size)
+    if measure and distributed and world_size > 1 and plan is None:  # before any load
+        from pdcompile.runtime.cluster_measure import measure_cluster
+
+        def measured() -> None:
+            nonlocal cluster
+            cluster = measure_cluster(rank, world_size, device, timeout_s=startup_timeout)
+
+        _collective(rank, "measuring the cluster", measured)
     failure: Exception | None = None
     on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     # while rank 0 profiles, the other ranks on its machine train, as in the run (profile_load)

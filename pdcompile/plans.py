@@ -230,7 +230,7 @@ class Plan:
                 f"{s.time_s / bottleneck:.0%}" if bottleneck else "-",
             ))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [header] + [
+        lines = [header, *self.cluster.describe_measurement()] + [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         ]
         speedup = f"{self.speedup_over_data_parallel:.2f}x" if self.data_parallel_time else "-"

@@ -1,7 +1,8 @@
 """Measure what the simulator needs to know of a cluster that a profile does not say: the link's
-latency and bandwidth and the runtime's own costs (`RuntimeCosts`), on ranks 0 and 1.
+latency and bandwidth and the runtime's own costs (`RuntimeCosts`), on a pair of ranks (0 and
+1 by default; `runtime/cluster_measure.py` picks pairs per level of a measured cluster).
 
-Every rank of an initialised process group calls `calibrate`; ranks 0 and 1 measure, with the
+Every rank of an initialised process group calls `calibrate`; the pair measures, with the
 runtime's own `DistributedComm` and the same kind of tensors and optimizer the pipeline uses:
 
 - a message's host costs: how long `send` (packing, posting) takes right after 2 ms of compute
@@ -24,7 +25,7 @@ runtime's own `DistributedComm` and the same kind of tensors and optimizer the p
   `TENSORS` tiny parameters: the optimizer's step, a weight copy, a call on the copy
   (`WeightSlots`, less the plain call).
 
-Results are medians over `repeats`; every rank gets rank 0's.
+Results are medians over `repeats`; every rank gets the pair's first rank's.
 """
 
 from __future__ import annotations
@@ -81,20 +82,37 @@ def calibrate(
     *,
     repeats: int = 20,
     timeout_s: float = 60.0,
+    pair: tuple[int, int] = (0, 1),
 ) -> Calibration:
-    """Measure on ranks 0 and 1 (every rank calls it); returns rank 0's figures on every rank."""
-    pair = (0, 1)
+    """Measure on the ranks of `pair` (every rank calls it); returns the figures of the pair's
+    first rank on every rank. Large messages are timed over `max(3, repeats // 4)` repeats (a
+    4 MiB message takes 67 ms at 0.5 Gbit/s)."""
     comm = DistributedComm(rank, [pair], timeout_s=timeout_s, device=device)
+    try:
+        return _calibrate(comm, rank, device, optimizer, repeats, pair)
+    finally:
+        comm.close()
+
+
+def _calibrate(
+    comm: DistributedComm,
+    rank: int,
+    device: torch.device,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    repeats: int,
+    pair: tuple[int, int],
+) -> Calibration:
     host = torch.tensor(_host(device, optimizer, repeats), dtype=torch.float64, device=device)
-    dist.broadcast(host, 0)
+    dist.broadcast(host, pair[0])
     memory, cache, tensor_s = host.tolist()
-    one_way, idle_send, send, recv = _message(comm, rank, 1, repeats)
-    large, _, _, _ = _message(comm, rank, PROBE_BYTES // 4, repeats)
+    one_way, idle_send, send, recv = _message(comm, rank, pair, 1, repeats)
+    few = max(3, repeats // 4)
+    large, _, _, _ = _message(comm, rank, pair, PROBE_BYTES // 4, few)
     latency = max(one_way - idle_send - recv, 0.0)
     extra = large - one_way - 2 * (PROBE_BYTES - 4) / cache  # less packing the extra bytes
     bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large
     collective = max(_all_reduce(comm, rank, pair, repeats, 2) - 2 * latency, 0.0)
-    whole = _all_reduce(comm, rank, pair, repeats, PROBE_BYTES // 8)
+    whole = _all_reduce(comm, rank, pair, few, PROBE_BYTES // 8)
     moving = whole - collective - 2 * latency  # a noisy fixed cost may leave nothing: the whole
     collective_bandwidth = PROBE_BYTES / (moving if moving > 0 else whole)
     return Calibration(latency, bandwidth, send, recv, memory, cache, tensor_s, collective,
@@ -102,10 +120,10 @@ def calibrate(
 
 
 def _all_reduce(
-    comm: DistributedComm, rank: int, pair: tuple[int, int], repeats: int, numel: int
+    comm: DistributedComm, rank: int, pair: tuple[int, ...], repeats: int, numel: int
 ) -> float:
-    """Median seconds of an all-reduce of `numel` float64 over `pair`, started together; on
-    every rank."""
+    """Median seconds of an all-reduce of `numel` float64 over the ranks of `pair`, started
+    together; on every rank (as its first rank measured it)."""
     both = torch.zeros(numel, dtype=torch.float64, device=comm.device)
     seconds = []
     for i in range(repeats + 2):
@@ -116,56 +134,60 @@ def _all_reduce(
         seconds.append(time.perf_counter() - start)
     median = torch.tensor([statistics.median(seconds[2:])], dtype=torch.float64,
                           device=comm.device)  # fmt: skip
-    dist.broadcast(median, 0)
+    dist.broadcast(median, pair[0])
     return float(median[0])
 
 
-def _message(comm: DistributedComm, rank: int, rows: int, repeats: int) -> tuple[float, ...]:
+def _message(
+    comm: DistributedComm, rank: int, pair: tuple[int, int], rows: int, repeats: int
+) -> tuple[float, ...]:
     """(one-way seconds, the sender's time in `send` idle and right after compute, the
     receiver's in `recv` once the message is there) of a message of `rows` float32 values from
-    rank 0 to rank 1 (and back), on every rank."""
-    active, peer = rank in (0, 1), 1 - rank
+    the pair's first rank to its second (and back), on every rank."""
+    first, second = pair
+    active = rank in pair
+    peer = second if rank == first else first
     payload = [torch.zeros(rows, device=comm.device)]
     trips, sends, busy_sends, recvs = [], [], [], []
     for i in range(repeats + 2):  # two untimed rounds first
         ping, pong, waited = ("act", i, 0, 1), ("grad", i, 0, 1), ("wait", i, 0, 1)
         if active:
-            comm.expect(peer, pong if rank == 0 else ping, [_PROBE], rows)
+            comm.expect(peer, pong if rank == first else ping, [_PROBE], rows)
         dist.barrier()
         start = time.perf_counter()
-        if rank == 0:
+        if rank == first:
             comm.send(peer, ping, payload, [_PROBE], rows)
             sends.append(time.perf_counter() - start)
             comm.recv(peer, pong, [_PROBE], rows)
             trips.append(time.perf_counter() - start)
-        elif rank == 1:
+        elif rank == second:
             comm.recv(peer, ping, [_PROBE], rows)
             comm.send(peer, pong, payload, [_PROBE], rows)
-        # a receive that finds its message there (rank 1 waits until it surely arrived)
-        if rank == 1:
+        # a receive that finds its message there (the second rank waits until it surely arrived)
+        if rank == second:
             comm.expect(peer, waited, [_PROBE], rows)
         dist.barrier()
-        if rank == 0:
+        if rank == first:
             comm.send(peer, waited, payload, [_PROBE], rows)
             comm.flush()
         dist.barrier()
-        if rank == 1:
+        if rank == second:
             time.sleep(0.002)
             start = time.perf_counter()
             comm.recv(peer, waited, [_PROBE], rows)
             recvs.append(time.perf_counter() - start)
         comm.flush()
         busy = ("busy", i, 0, 1)  # a send right after compute, as in a pipeline
-        if rank == 1:
+        if rank == second:
             comm.expect(peer, busy, [_PROBE], rows)
         dist.barrier()
         if active:
             _compute(comm.device, 0.002)
-        if rank == 0:
+        if rank == first:
             start = time.perf_counter()
             comm.send(peer, busy, payload, [_PROBE], rows)
             busy_sends.append(time.perf_counter() - start)
-        elif rank == 1:
+        elif rank == second:
             comm.recv(peer, busy, [_PROBE], rows)
         comm.flush()
     figures = [statistics.median(trips[2:]) / 2 if trips else 0.0,
