@@ -43,6 +43,8 @@ from pdcompile import Cluster, Plan
 pytestmark = pytest.mark.multihost
 
 WORKER = str(Path(__file__).resolve().parent / "multihost_worker.py")
+CLUSTER_WORKER = str(Path(__file__).resolve().parent / "cluster_worker.py")
+MEASURED_LINK = 31.25e6  # bytes/s: 250 Mbit/s, the link the measuring test shapes
 CLUSTER = "2@10GB/s,2@100Mbit/s"  # ranks 0-1 on host A, 2-3 on host B
 LINK = 12.5e6  # bytes/s: the cluster's outer level, what the veth pair is shaped to
 TIMEOUT = 6  # compile(timeout=): seconds any wait of a step may last (a loaded VM needs slack)
@@ -254,6 +256,26 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.timeout(240)
+def test_the_job_measures_two_levels_with_the_shaped_link_outside(hosts, tmp_path) -> None:
+    """`compile`'s measured cluster (`cluster="auto"`) on two hosts of two ranks each, the link
+    shaped to `MEASURED_LINK`: hosts A and B are the outer level, at the link's rate."""
+    hosts.shape(MEASURED_LINK)
+    agents = [hosts.torchrun(h, CLUSTER_WORKER, ["--out", str(tmp_path)], log=tmp_path / f"{h}.log")
+              for h in "ab"]  # fmt: skip
+    wait(lambda: len(list(tmp_path.glob("cluster-rank*.json"))) == 4, 150, tmp_path,
+         "every rank's measured cluster", agents)  # fmt: skip
+    texts = {p.read_text() for p in tmp_path.glob("cluster-rank*.json")}
+    assert len(texts) == 1, "the ranks measured different clusters"
+    cluster = Cluster.from_json(texts.pop())
+    within, between = cluster.levels
+    assert (within.count, between.count) == (2, 2), str(cluster)
+    assert [len(ranks) for _, ranks in cluster.measured["hosts"]] == [2, 2]
+    # tbf holds the rate within a few percent; TCP/IP headers take ~4.5% of it
+    assert 0.6 * MEASURED_LINK <= between.bandwidth <= 1.1 * MEASURED_LINK, str(cluster)
+    assert within.bandwidth > 3 * between.bandwidth, str(cluster)
 
 
 def test_the_harness_leaves_nothing_behind_even_on_failure(tmp_path) -> None:
