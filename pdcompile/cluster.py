@@ -291,7 +291,9 @@ class Cluster:
             reduce = level.get("allreduce_bandwidth")
             lines.append(
                 f"  {level['name']}: {_format_rate(level['bandwidth'])} (slowest of ranks "
-                f"{pairs}, both directions), latency {_format_seconds(level['latency'])}"
+                f"{pairs}, both directions), "
+                + (f"latency {_format_seconds(level['latency'])}" if level["latency"]
+                   else "latency within the send and receive costs")  # fmt: skip
                 + (f", all-reduce {reduce / 1e9:.3g} GB/s" if reduce else "")
             )
         if m.get("speed"):

@@ -11,8 +11,9 @@ Every rank of an initialised process group calls `measure_cluster`; it returns t
    directory, `$PDCOMPILE_CACHE_DIR`); a stale one is measured again; a file that cannot be
    read is a `PartitionError` naming it;
 3. speeds: every rank at once (as in the run) multiplies 256x256 matrices (2048 on CUDA) for
-   `SPEED_PROBE_S`, `SPEED_ROUNDS` times; a rank's speed is its median rate over rank 0's (the
-   rank that profiles). Speeds within `SPEED_SPREAD` of each other are taken as equal (the
+   `SPEED_PROBE_S`, `SPEED_ROUNDS` times; a rank's speed is its fastest round's rate over rank
+   0's (the rank that profiles): a passing load slows some rounds, a CPU quota or another job
+   on the rank's core every one. Speeds within `SPEED_SPREAD` of each other are taken as equal (the
    probe's own spread on an idle 2-core machine was below 5%), the others kept to 2 digits;
 4. the runtime's costs and the first level's link: `runtime.calibration.calibrate` on a pair
    of ranks sharing a host (a pair across hosts when every host has one rank);
@@ -293,7 +294,8 @@ def _speeds(
             _seconds(device, lambda: a @ a)
             count += 1
         rates.append(count / (time.perf_counter() - start))
-    mine = torch.tensor([statistics.median(rates), (max(rates) - min(rates)) / max(rates)],
+    # the fastest round: a passing load slows some rounds, a quota or a lasting job every one
+    mine = torch.tensor([max(rates), (max(rates) - min(rates)) / max(rates)],
                         dtype=torch.float64, device=device)  # fmt: skip
     everyone = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine)

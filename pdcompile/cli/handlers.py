@@ -4,6 +4,7 @@ pdcompile graph INPUT [--format txt|json|dot|svg|png] [--out FILE] [--leaf NAME 
 pdcompile profile SPEC [--device cpu|cuda] [--analytic] [--device-model NAME] [--coarsen N]
                        [--calibration on|off] [--out costs.json]
 pdcompile calibrate [--device cpu|cuda] [--threads N] [--repeats R] [--no-cache] [--json FILE]
+                    [--cluster]  (under torchrun: the job's measured cluster)
 pdcompile codegen SPEC (--plan plan.json | --cluster SPEC [--solver NAME] [--chunks N]) --out DIR
 pdcompile simulate INPUT [--cluster SPEC] [--solver NAME] [--schedule NAME] [--microbatches M]
                          [--chunks N] [--png FILE | --svg FILE] [--trace FILE] [--measured TRACE]
@@ -26,7 +27,7 @@ from rich.table import Table
 
 from pdcompile.cli.parser import RECOMPUTE, build_parser
 from pdcompile.cli.progress import progress
-from pdcompile.errors import PdcompileError, SpecError
+from pdcompile.errors import PartitionError, PdcompileError, SpecError
 
 
 def _leaf_modules(model: Any, names: Sequence[str]) -> list[Any]:
@@ -166,6 +167,8 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return _measure_cluster(args)
     from pdcompile.cli.cost_report import calibration_table
     from pdcompile.passes.framework_cost import calibrate
 
@@ -195,6 +198,34 @@ def _cluster(args: argparse.Namespace) -> Any:
     from pdcompile.cluster import Cluster
 
     return Cluster.parse(args.cluster, memory=args.memory)
+
+
+def _measure_cluster(args: argparse.Namespace) -> int:
+    """`pdcompile calibrate --cluster` on every rank of a torchrun job."""
+    import torch
+
+    from pdcompile.runtime.cluster_measure import measure_cluster
+    from pdcompile.runtime.distributed import init_process_group
+
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        raise PartitionError(
+            "pdcompile calibrate --cluster measures a job's cluster: run it on every host under "
+            "torchrun with two or more ranks, e.g. torchrun --nnodes 2 --nproc-per-node 1 ... "
+            "$(which pdcompile) calibrate --cluster"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(args.threads)
+    device = init_process_group(rank, world_size, timeout_s=300.0)
+    if args.device:
+        device = torch.device(args.device)
+    # max_age_s=0: whatever is cached is measured again (and replaced)
+    cluster = measure_cluster(rank, world_size, device, cache=not args.no_cache, max_age_s=0.0)
+    if rank == 0:
+        print("\n".join(cluster.describe_measurement()))
+        if args.json:
+            _write(cluster.to_json() + "\n", args.json)
+            print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--repeats", type=int, default=30, help="timed runs of every chain")
     calibrate.add_argument("--no-cache", action="store_true", help="measure without saving")
     calibrate.add_argument("--json", metavar="FILE", help="write the calibration as JSON here")
+    calibrate.add_argument(
+        "--cluster", action="store_true",
+        help="measure the job's cluster instead (under torchrun, 2 or more ranks): hosts, links "
+        "per level, rank speeds, memory, as compile(cluster='auto') does; rank 0 prints it and "
+        "caches it for compile (--no-cache: not saved)",
+    )  # fmt: skip
 
     plan = commands.add_parser(
         "plan",
