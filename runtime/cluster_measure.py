@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import socket
-import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
