@@ -12,8 +12,10 @@ from __future__ import annotations
 import heapq
 import math
 
+from pdcompile.cost_attrs import TIME_ATTRS
 from pdcompile.cost_graph import FLOAT_ATTRS, INT_ATTRS, CostGraph
 from pdcompile.errors import CostError
+from pdcompile.row_curves import node_points
 
 __all__ = ["coarsen"]
 
@@ -154,6 +156,19 @@ def _weighted_spread(data: list[dict], spread: str, time: str) -> float:
     return math.fsum(d[spread] * d[time] for d in data) / total
 
 
+def _summed_points(cost_graph: CostGraph, data: list[dict]) -> tuple | None:
+    """A layer's times at each of the graph's row counts: its members' summed (a member without
+    them counted linearly, as `scaled` counts it); None when no member has them."""
+    if not any(d["row_s"] is not None for d in data):
+        return None
+    rows, batch = cost_graph.rows, cost_graph.batch_size
+    members = [node_points(rows, batch, d["row_s"], [d[t] for t in TIME_ATTRS]) for d in data]
+    return tuple(
+        tuple(math.fsum(m[i][k] for m in members) for k in range(len(TIME_ATTRS)))
+        for i in range(len(rows))
+    )
+
+
 def _build(cost_graph: CostGraph, groups: list[list[str]]) -> CostGraph:
     g = cost_graph.graph
     width = max(3, len(str(len(groups) - 1)))
@@ -169,6 +184,7 @@ def _build(cost_graph: CostGraph, groups: list[list[str]]) -> CostGraph:
         for spread, time in (("forward_spread", "forward_s"), ("backward_spread", "backward_s")):
             attrs[spread] = _weighted_spread(data, spread, time)
         del attrs["memory_bytes"]
+        attrs["row_s"] = _summed_points(cost_graph, data)
         if len(group) == 1:
             keep = ("kind", "description", "scope", "members", "activation_sizes")
             out.add_node(ids[k], **attrs, **{name: data[0][name] for name in keep})

@@ -12,6 +12,7 @@ dtypes too).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -41,23 +42,43 @@ from pdcompile.ir import (
 _KIND = {"placeholder": "input", "output": "output"}
 
 
+Times = tuple[float, float, float, float]  # forward, backward, backward_input, backward_weight
+
+
+def node_times(gm: fx.GraphModule, *, measured: bool) -> dict[str, Times]:
+    """Every node's four times as the CostGraph takes them: folded (`pdcompile.folded_s`)
+    where the framework cost was, else profiled when `measured`, else analytic."""
+    times, split = (MEASURED_S, MEASURED_SPLIT_S) if measured else (ANALYTIC_S, ANALYTIC_SPLIT_S)
+    out = {}
+    for node in gm.graph.nodes:
+        if FOLDED_S in node.meta:  # the calibrated framework cost folded in (framework_fold)
+            out[node.name] = tuple(float(t) for t in node.meta[FOLDED_S])
+        else:
+            out[node.name] = tuple(float(t) for t in (*node.meta[times], *node.meta[split]))
+    return out
+
+
 def to_cost_graph(
-    gm: fx.GraphModule, batch_size: int, meta: dict[str, Any], *, measured: bool
+    gm: fx.GraphModule,
+    batch_size: int,
+    meta: dict[str, Any],
+    *,
+    measured: bool,
+    rows: Sequence[int] = (),
+    row_s: Mapping[str, Any] | None = None,
 ) -> CostGraph:
     """One CostGraph node per graph node (same names, same order), one edge per data dependency.
 
     Times (with the split backward's parts) are the profiled ones when `measured`, else the
-    analytic ones. `meta` gains
+    analytic ones (`node_times`); `rows` and `row_s` (node -> its times at each of `rows`) are
+    the graph's and nodes' times at several row counts (`analyze`). `meta` gains
     `param_tensors` (node -> parameter tensors it owns, as `param_bytes` counts them) and `ties`
     (per parameter with gradients that several nodes use: `{"nodes": [...], "grad_bytes": n}`).
     """
-    graph = CostGraph(batch_size=batch_size, meta={**meta, **parameter_layout(gm)})
-    times, split = (MEASURED_S, MEASURED_SPLIT_S) if measured else (ANALYTIC_S, ANALYTIC_SPLIT_S)
+    graph = CostGraph(batch_size=batch_size, meta={**meta, **parameter_layout(gm)}, rows=rows)
+    times = node_times(gm, measured=measured)
     for node in gm.graph.nodes:
-        forward_s, backward_s = node.meta[times]
-        backward_input_s, backward_weight_s = node.meta[split]
-        if FOLDED_S in node.meta:  # the calibrated framework cost folded in (framework_fold)
-            forward_s, backward_s, backward_input_s, backward_weight_s = node.meta[FOLDED_S]
+        forward_s, backward_s, backward_input_s, backward_weight_s = times[node.name]
         forward_spread, backward_spread = node.meta.get(MEASURED_SPREAD, (0.0, 0.0))
         flops_forward, flops_backward = node.meta[FLOPS]
         graph.add_node(
@@ -80,6 +101,7 @@ def to_cost_graph(
             flops_backward=float(flops_backward),
             description=f"{node.op}: {target_name(node)}",
             scope=module_path(node),
+            row_s=(row_s or {}).get(node.name),
         )
     flows = gradient_flow(gm)
     for node in gm.graph.nodes:

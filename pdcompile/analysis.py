@@ -1,15 +1,23 @@
-"""`pdcompile.analyze`: label every node with what it costs and derive the CostGraph."""
+"""`pdcompile.analyze`: label every node with what it costs and derive the CostGraph.
+
+The times are had at several row counts (`profiled_rows`: the example's rows, 1, and what the
+caller will run), so that a microbatch of any size is priced from what was measured near it
+(`pdcompile.row_curves`), not scaled linearly from one profile.
+"""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
@@ -24,22 +32,36 @@ from pdcompile.ir import (
     OPTIMIZER,
     OPTIMIZER_CALL_S,
     OPTIMIZER_PRICED,
+    OUTPUT_BYTES,
+    OUTPUTS,
     PROFILE,
 )
 from pdcompile.passes.analytic import annotate_analytic
 from pdcompile.passes.coarsening import coarsen as coarsen_layers
-from pdcompile.passes.cost_view import to_cost_graph
+from pdcompile.passes.cost_view import node_times, to_cost_graph
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.framework_cost import FrameworkCost, framework_cost
 from pdcompile.passes.framework_fold import annotate_framework
 from pdcompile.passes.memory import annotate_memory
 from pdcompile.passes.profile import annotate_profile
+from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.step_costs import (
     OptimizerFactory,
     annotate_loss,
     annotate_optimizer,
     describe_optimizer,
 )
+from pdcompile.row_curves import monotone
+
+# The largest row count profiled by default (unless the example has more): beyond it a
+# microbatch's times follow the line through the two largest counts, where the work grows with
+# the rows; profiling grows with the rows too.
+ROW_CAP = 64
+# A gap between two row counts profiled wider than this factor gets its geometric midpoint.
+ROW_GAP = 16
+# Warm-up and timed repeats at the row counts other than the example's (which keeps the
+# profile's own): cheaper, as they only shape the curves between the example's times.
+EXTRA_WARMUP, EXTRA_REPEATS = 2, 5
 
 
 def graph_inputs(
@@ -64,6 +86,46 @@ def graph_inputs(
             "pdcompile.trace (positional tensors in order, keyword tensors by name)"
         )
     return {n: found[n] for n in names}
+
+
+def profiled_rows(
+    batch: int, rows: Sequence[int] | None = None, max_rows: int | None = None
+) -> tuple[int, ...]:
+    """The row counts `analyze` times: `rows` when given (the example's `batch` always among
+    them), else 1, `batch` and the largest microbatch the caller will run (`max_rows`, capped at
+    `ROW_CAP` unless `batch` is larger), with the geometric midpoint of every gap wider than
+    `ROW_GAP` times.
+
+    Raises:
+        CostError: `rows` holds something other than integers >= 1.
+
+    >>> profiled_rows(4), profiled_rows(32), profiled_rows(4, max_rows=128)
+    ((1, 4), (1, 6, 32), (1, 4, 16, 64))
+    """
+    if rows is not None:
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rows):
+            raise CostError(f"rows must be row counts (integers >= 1), got {rows!r}")
+        return tuple(sorted({*rows, batch}))
+    top = max(batch, min(max_rows or batch, ROW_CAP))
+    points = sorted({1, batch, top})
+    gaps = [round(math.sqrt(a * b)) for a, b in zip(points, points[1:], strict=False)
+            if b > ROW_GAP * a]  # fmt: skip
+    return tuple(sorted({*points, *gaps}))
+
+
+def with_rows(value: Any, rows: int) -> Any:
+    """`value` (a tensor, or a structure of them) with `rows` rows: every tensor with a batch
+    dimension cut along dim 0, as the runtime cuts a batch into microbatches
+    (`runtime.microbatches.split_batch`), its rows repeated in turn where `rows` exceeds its
+    own; other values as they are."""
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        have = t.shape[0]
+        return t[:rows] if rows <= have else torch.cat([t] * -(-rows // have))[:rows]
+
+    return pytree.tree_map(cut, value)
 
 
 def default_device_model(device: torch.device) -> DeviceModel:
@@ -92,6 +154,8 @@ def analyze(
     targets: Any = None,
     autocast: torch.dtype | None = None,
     loaded_by: int = 0,
+    rows: Sequence[int] | None = None,
+    max_rows: int | None = None,
 ) -> CostGraph:
     """Run the cost passes on a captured graph and return its CostGraph.
 
@@ -126,6 +190,13 @@ def analyze(
             (`compile`'s other ranks do, as in the run: `runtime/profile_load.py`); recorded,
             and part of the cache keys, so a profile taken alone is not reused for a loaded
             one, nor the reverse.
+        rows, max_rows: the row counts the times are had at (`profiled_rows`): `rows` as given
+            (with the example's), else 1, the example's and `max_rows` (the largest
+            microbatch the caller will run: `compile` passes its `global_batch_size`), capped
+            at `ROW_CAP`. The CostGraph keeps each node's times at each (`row_s`), and
+            `scaled` reads them at any row count. `rows=()` times the example's rows alone
+            (then times scale linearly). A row count the model cannot run at (a BatchNorm1d
+            on 1 row) is left out, with a warning.
 
     Returns:
         The CostGraph; its `meta` records the model, capture path, device, optimizer and source,
@@ -137,8 +208,8 @@ def analyze(
     Example:
         >>> model, inputs = pdcompile.zoo.mlp()
         >>> costs = pdcompile.analyze(pdcompile.trace(model, inputs), inputs)
-        >>> costs.batch_size, len(costs.nodes)
-        (4, 12)
+        >>> costs.batch_size, len(costs.nodes), costs.rows
+        (4, 12, (1, 4))
     """
     inputs = graph_inputs(gm, example_inputs, example_kwargs)
     on_meta = any(p.device.type == "meta" for p in gm.parameters())
@@ -156,42 +227,48 @@ def analyze(
     cost = framework_cost(calibration, target, num_threads, cache, measure=profile)
 
     kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
-    passes: list[tuple[str, Callable[[], Any]]] = [
-        ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets, autocast)),
-        ("analytic", lambda: annotate_analytic(gm, inputs, model)),
-    ]
-    if profile:
+
+    def timing(at: Mapping[str, torch.Tensor], at_targets: Any, warmup: int, repeats: int
+               ) -> list[tuple[str, Callable[[], Any]]]:  # fmt: skip
+        """The passes whose times depend on the rows, on inputs `at`."""
+        passes: list[tuple[str, Callable[[], Any]]] = [
+            ("analytic", lambda: annotate_analytic(gm, at, model))
+        ]
+        if profile:
+            passes.append(
+                ("profile", lambda: annotate_profile(gm, at, num_threads=num_threads,
+                                                     warmup=warmup, repeats=repeats,
+                                                     cache=cache, progress=progress,
+                                                     loaded_by=loaded_by))
+            )  # fmt: skip
         passes.append(
-            ("profile", lambda: annotate_profile(gm, inputs, num_threads=num_threads,
-                                                 cache=cache, progress=progress,
-                                                 loaded_by=loaded_by))
+            ("loss", lambda: annotate_loss(gm, at, loss_fn, at_targets, profile=profile,
+                                           device_model=model, num_threads=num_threads,
+                                           warmup=warmup, repeats=repeats))
         )  # fmt: skip
-    passes.append(
-        ("optimizer", lambda: annotate_optimizer(gm, optimizer, target, profile=profile,
-                                                 device_model=model, num_threads=num_threads,
-                                                 cache=cache, loaded_by=loaded_by))
-    )  # fmt: skip
-    passes.append(
-        ("loss", lambda: annotate_loss(gm, inputs, loss_fn, targets, profile=profile,
-                                       device_model=model, num_threads=num_threads))
-    )  # fmt: skip
-    if cost is not None:
-        passes.append(("framework", lambda: annotate_framework(gm, inputs, cost, measured=profile)))
-    else:  # no times folded: what an earlier call folded must not reach this CostGraph
+        if cost is not None:
+            passes.append(("framework", lambda: annotate_framework(gm, at, cost,
+                                                                   measured=profile)))  # fmt: skip
+        return passes
+
+    if cost is None:  # no times folded: what an earlier call folded must not reach this CostGraph
         for node in gm.graph.nodes:
             for key in (FOLDED_S, FRAMEWORK_S, FRAMEWORK_OPS):
                 node.meta.pop(key, None)
         gm.meta.pop(FRAMEWORK, None)
-    for name, run in passes:
-        try:
-            run()
-        except PdcompileError:
-            raise
-        except Exception as e:
-            raise CostError(_pass_failure(name, gm, e)) from e
-        gm.graph.lint()
-
     batch = next(iter(inputs.values()))
+    size = batch.shape[0] if batch.dim() else 1
+    counts = profiled_rows(size, rows, max_rows) if batch.dim() else (size,)
+    # the other row counts first: the example's passes run last, so `gm`'s meta is theirs
+    curves = {n: _at_rows(gm, n, inputs, targets, timing, profile) for n in counts if n != size}
+    _run(gm, [
+        ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets, autocast)),
+        ("optimizer", lambda: annotate_optimizer(gm, optimizer, target, profile=profile,
+                                                 device_model=model, num_threads=num_threads,
+                                                 cache=cache, loaded_by=loaded_by)),
+        *timing(inputs, targets, 3, 10),
+    ])  # fmt: skip
+    curves[size] = (node_times(gm, measured=profile), gm.meta[LOSS_S] or (0.0, 0.0), None)
     meta = {
         "model": type(gm).__name__,
         "capture": gm.meta.get(CAPTURE),
@@ -205,12 +282,72 @@ def analyze(
         "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
         # the per-operation framework cost folded into the times, and how (framework_fold)
         "framework": gm.meta[FRAMEWORK].to_dict() if cost is not None else None,
+        # the other row counts: how each was had, or why it was left out
+        "row_costs": {str(n): c[2] for n, c in sorted(curves.items()) if n != size},
     }
-    graph = to_cost_graph(gm, batch.shape[0] if batch.dim() else 1, meta, measured=profile)
-    graph.loss_forward_s, graph.loss_backward_s = gm.meta[LOSS_S] or (0.0, 0.0)
+    measured = sorted(n for n, c in curves.items() if c[0] is not None)
+    keep = measured.index(size)
+    row_s = None
+    if len(measured) > 1:  # each time made non-decreasing in the rows, the example's kept
+        row_s = {
+            node: tuple(zip(*(monotone([curves[n][0][node][k] for n in measured], keep)
+                              for k in range(4)), strict=True))
+            for node in curves[size][0]
+        }  # fmt: skip
+    graph = to_cost_graph(gm, size, meta, measured=profile, rows=tuple(measured), row_s=row_s)
+    graph.loss_forward_s, graph.loss_backward_s = curves[size][1]
+    if row_s is not None and loss_fn is not None and targets is not None:
+        graph.loss_row_s = tuple(zip(*(monotone([curves[n][1][k] for n in measured], keep)
+                                       for k in range(2)), strict=True))  # fmt: skip
     graph.optimizer = gm.meta[OPTIMIZER_PRICED]
     graph.meta = {**graph.meta, "optimizer_call_s": gm.meta[OPTIMIZER_CALL_S]}
     return coarsen_layers(graph, coarsen) if coarsen else graph
+
+
+def _run(gm: fx.GraphModule, passes: list[tuple[str, Callable[[], Any]]]) -> None:
+    """Run `passes` in order, linting the graph after each; a failure is a CostError naming the
+    pass (and the node, where known)."""
+    for name, run in passes:
+        try:
+            run()
+        except PdcompileError:
+            raise
+        except Exception as e:
+            raise CostError(_pass_failure(name, gm, e)) from e
+        gm.graph.lint()
+
+
+def _at_rows(
+    gm: fx.GraphModule,
+    rows: int,
+    inputs: Mapping[str, torch.Tensor],
+    targets: Any,
+    timing: Callable[..., list[tuple[str, Callable[[], Any]]]],
+    profile: bool,
+) -> tuple[dict[str, tuple[float, ...]] | None, tuple[float, float], str]:
+    """The node times and the loss's at `rows` rows (the example's rows cut or repeated, as the
+    runtime cuts a batch), and how they were had; (None, ..., why) when the model cannot run
+    there. The graph's output shapes are the example's again afterwards."""
+    at, at_targets = with_rows(dict(inputs), rows), with_rows(targets, rows)
+    shapes = {n: (n.meta[OUTPUTS], n.meta[OUTPUT_BYTES]) for n in gm.graph.nodes}
+    try:
+        annotate_shapes(gm, at)
+        _run(gm, timing(at, at_targets, EXTRA_WARMUP, EXTRA_REPEATS))
+        times = node_times(gm, measured=profile)
+        loss = gm.meta[LOSS_S] or (0.0, 0.0)
+    except Exception as e:  # the other counts still give the curves
+        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        warnings.warn(
+            f"costs at {rows} rows per microbatch were not measured ({why}); they follow the "
+            "other row counts (analyze(rows=...) chooses them)",
+            stacklevel=3,
+        )
+        return None, (0.0, 0.0), f"left out: {why}"
+    finally:
+        for node, (outputs, nbytes) in shapes.items():
+            node.meta[OUTPUTS], node.meta[OUTPUT_BYTES] = outputs, nbytes
+    how = gm.meta[PROFILE].origin() if profile else "priced on the device model"
+    return times, loss, how
 
 
 def _pass_failure(name: str, gm: fx.GraphModule, error: Exception) -> str:

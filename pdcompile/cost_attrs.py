@@ -10,6 +10,7 @@ import numbers
 from typing import Any
 
 from pdcompile.errors import CostError
+from pdcompile.row_curves import PARTS, check_points
 
 KINDS = ("input", "compute", "output")
 # `backward_s` is the fused backward; `backward_input_s` (I: the gradients of the node's inputs)
@@ -40,6 +41,9 @@ MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_byte
 SPLIT_ATTRS = ("backward_input_s", "backward_weight_s", "weight_grad_activation_bytes")
 # Added in version 3 (default 0.0 in older files: the optimizer step unpriced, spread unknown).
 STEP_COST_ATTRS = (*STEP_ATTRS, *SPREAD_ATTRS)
+# Added in version 4: the node's TIME_ATTRS at each of the graph's `rows` (None in older files
+# and for one profile: the times scale linearly). docs/cost_graph.md, pdcompile/row_curves.py.
+ROW_ATTRS = ("row_s",)
 NODE_ATTRS = (
     "kind",
     *TIME_ATTRS,
@@ -51,6 +55,7 @@ NODE_ATTRS = (
     "scope",
     "members",
     "activation_sizes",
+    *ROW_ATTRS,
 )
 SETTABLE = tuple(a for a in NODE_ATTRS if a != "memory_bytes")
 
@@ -86,6 +91,8 @@ def check_attr(node: str, name: str, value: Any) -> Any:
         if not all(isinstance(m, str) and m for m in value):
             raise bad("a tuple of non-empty strings")
         return tuple(value)
+    if name == "row_s":
+        return check_points(f"node {node!r}: row_s", value, None, len(PARTS))
     if name == "activation_sizes":
         if value is None:
             return None

@@ -4,8 +4,11 @@ A CostGraph wraps a networkx DiGraph whose node insertion order is a topological
 node carries all of `NODE_ATTRS` (seconds and bytes for one batch of `batch_size` rows; its
 optimizer step per step), every edge carries `bytes`; the graph carries the loss function's
 seconds per batch (`loss_forward_s`, `loss_backward_s`) and the optimizer that priced the
-nodes' `optimizer_s`. This module imports only the standard library and networkx, so solvers and
-the CLI can plan on a machine without torch. See docs/cost_graph.md.
+nodes' `optimizer_s`. A graph profiled at several row counts (`rows`) also carries every node's
+times (`row_s`) and the loss's (`loss_row_s`) at each of them, which `scaled` reads at any row
+count (`pdcompile.row_curves`); a graph of one profile scales linearly. This module imports only
+the standard library and networkx, so solvers and the CLI can plan on a machine without torch.
+See docs/cost_graph.md.
 """
 
 from __future__ import annotations
@@ -40,15 +43,17 @@ from pdcompile.cost_attrs import (
     split_defaults,
 )
 from pdcompile.errors import CostError
+from pdcompile.row_curves import LOSS_PARTS, anchored, check_points, check_rows, curve_at, describe
 from pdcompile.text import human_bytes, human_seconds
 
 __all__ = ["FLOAT_ATTRS", "INT_ATTRS", "KINDS", "NODE_ATTRS", "CostGraph"]
 
 FORMAT = "pdcompile.costgraph"
 # 2 added the split backward (`cost_attrs.SPLIT_ATTRS`), 3 the loss, the optimizer step and the
-# profile's spread (`cost_attrs.STEP_COST_ATTRS`); versions 1 and 2 still read
-VERSION = 3
-READS = (1, 2, 3)
+# profile's spread (`cost_attrs.STEP_COST_ATTRS`), 4 the times at several row counts (`rows`,
+# `loss_row_s`, `cost_attrs.ROW_ATTRS`); versions 1 to 3 still read
+VERSION = 4
+READS = (1, 2, 3, 4)
 
 
 class CostGraph:
@@ -64,9 +69,14 @@ class CostGraph:
             to the stage holding `loss_node`.
         optimizer: the optimizer whose step the nodes' `optimizer_s` time ("sgd", "adam", a
             factory's description); "" when they are not priced.
+        rows: the row counts the times were measured (or priced) at, increasing: then each
+            node's `row_s` (or None) holds its four times at each, and `loss_row_s` the loss's
+            two (`scaled` reads them at any row count). () (one profile): times scale linearly.
+        loss_row_s: `(loss_forward_s, loss_backward_s)` at each of `rows`, or None.
 
     Raises:
-        CostError: an attribute is unknown or ill-typed, or the order is not topological.
+        CostError: an attribute is unknown or ill-typed, the order is not topological, or times
+            per row count do not match `rows`.
 
     Example:
         >>> g = CostGraph(batch_size=8)
@@ -86,6 +96,8 @@ class CostGraph:
         loss_forward_s: float = 0.0,
         loss_backward_s: float = 0.0,
         optimizer: str = "",
+        rows: tuple[int, ...] = (),
+        loss_row_s: tuple[tuple[float, float], ...] | None = None,
     ) -> None:
         self.graph = nx.DiGraph()
         self.batch_size = check_batch_size(batch_size)
@@ -93,6 +105,12 @@ class CostGraph:
         self.loss_forward_s = check_seconds("loss_forward_s", loss_forward_s)
         self.loss_backward_s = check_seconds("loss_backward_s", loss_backward_s)
         self.optimizer = check_optimizer_name(optimizer)
+        self.rows = check_rows(rows)
+        if self.rows and self.batch_size is None:
+            raise CostError(
+                f"rows={list(self.rows)} need a batch_size (the rows the times are for)"
+            )
+        self.loss_row_s = check_points("loss_row_s", loss_row_s, len(self.rows), len(LOSS_PARTS))
         self._index: dict[str, int] = {}
         if graph is None:
             return
@@ -128,11 +146,13 @@ class CostGraph:
                 ((node_id,)), `activation_sizes` (None); the split backward's
                 `backward_input_s` and `backward_weight_s` (neither given: half of
                 `backward_s` each; one given: the other is the rest of `backward_s`) and
-                `weight_grad_activation_bytes` (`activation_bytes`). `memory_bytes` is derived.
+                `weight_grad_activation_bytes` (`activation_bytes`), `row_s` (None: the times
+                at each of the graph's `rows`). `memory_bytes` is derived.
 
         Raises:
-            CostError: duplicate id, unknown attribute, `memory_bytes` given, a bad value, or
-                `weight_grad_activation_bytes` above `activation_bytes`.
+            CostError: duplicate id, unknown attribute, `memory_bytes` given, a bad value,
+                `weight_grad_activation_bytes` above `activation_bytes`, or `row_s` not one
+                entry per row count.
         """
         if not isinstance(node_id, str) or not node_id:
             raise CostError(f"node ids must be non-empty strings, got {node_id!r}")
@@ -147,9 +167,10 @@ class CostGraph:
         data.update(dict.fromkeys((*STEP_ATTRS, *SPREAD_ATTRS), 0.0))
         data.update(dict.fromkeys(INT_ATTRS, 0))
         data.update(flops_forward=0.0, flops_backward=0.0, description="", scope="")
-        data.update(members=(node_id,), activation_sizes=None)
+        data.update(members=(node_id,), activation_sizes=None, row_s=None)
         for name, value in attrs.items():
             data[name] = check_attr(node_id, name, value)
+        self._check_row_s(node_id, data["row_s"])
         split_defaults(node_id, data, set(attrs))
         data["memory_bytes"] = sum(data[k] for k in MEMORY_PARTS)
         self.graph.add_node(node_id, **{name: data[name] for name in NODE_ATTRS})
@@ -179,17 +200,26 @@ class CostGraph:
             raise CostError(f"edge {u!r} -> {v!r}: 'grad' must be true or false, got {grad!r}")
         self.graph.add_edge(u, v, bytes=check_edge_bytes(u, v, bytes), grad=grad)
 
+    def _check_row_s(self, node: str, row_s: tuple | None) -> None:
+        if row_s is not None and len(row_s) != len(self.rows):
+            raise CostError(
+                f"node {node!r}: row_s has {len(row_s)} entries, the graph's rows are "
+                f"{list(self.rows)}: give one (forward, backward, I, W) per row count"
+            )
+
     def copy(self) -> CostGraph:
         """An equal, independent CostGraph."""
         return CostGraph(self.graph, self.batch_size, self.meta, **self.step_costs())
 
     def step_costs(self) -> dict[str, Any]:
         """The graph-level costs as keyword arguments of `CostGraph(...)`: `loss_forward_s`,
-        `loss_backward_s`, `optimizer` (a derived graph passes them on)."""
+        `loss_backward_s`, `optimizer`, `rows`, `loss_row_s` (a derived graph passes them on)."""
         return {
             "loss_forward_s": self.loss_forward_s,
             "loss_backward_s": self.loss_backward_s,
             "optimizer": self.optimizer,
+            "rows": self.rows,
+            "loss_row_s": self.loss_row_s,
         }
 
     # -- reading ---------------------------------------------------------------------------
@@ -198,6 +228,13 @@ class CostGraph:
     def nodes(self) -> list[str]:
         """Node ids in the (topological) order."""
         return list(self.graph.nodes)
+
+    @property
+    def row_scaling(self) -> str:
+        """How the times depend on a microbatch's rows: "measured at rows 1, 4, 32" (or
+        "priced at", analytic costs), or "assumed linear (one profile)"."""
+        how = "priced" if self.meta.get("source") == "analytic" else "measured"
+        return describe(self.rows, how)
 
     @property
     def loss_s(self) -> float:
@@ -258,6 +295,12 @@ class CostGraph:
                 )
         check_batch_size(self.batch_size)
         check_meta(self.meta)
+        if check_rows(self.rows) != self.rows or (self.rows and self.batch_size is None):
+            raise CostError(f"rows must be an increasing tuple of row counts with a batch_size, "
+                            f"got {self.rows!r}")  # fmt: skip
+        check_points("loss_row_s", self.loss_row_s, len(self.rows), len(LOSS_PARTS))
+        for node, row_s in self.graph.nodes(data="row_s"):
+            self._check_row_s(node, row_s)
         for name in ("loss_forward_s", "loss_backward_s"):
             if type(getattr(self, name)) is not float:
                 raise CostError(f"{name} must be a float, got {getattr(self, name)!r}")
@@ -265,13 +308,17 @@ class CostGraph:
         check_optimizer_name(self.optimizer)
 
     def scaled(self, batch_size: int) -> CostGraph:
-        """The costs for another batch size, assuming they grow linearly with the batch.
+        """The costs for another batch size (rows per microbatch).
 
-        Times (the split backward's parts and the loss too), flops, activation bytes (and the
-        part of them W keeps), output bytes, `activation_sizes` and edge bytes scale by
-        `batch_size / self.batch_size` (integers rounded half up); parameter, gradient and
-        optimizer bytes, `optimizer_s` (per step) and the spreads (relative) do not;
-        `memory_bytes` is re-derived.
+        Times (the split backward's parts and the loss too) are read off their curves where
+        the graph has `rows` (`pdcompile.row_curves`: the points themselves at a profiled count,
+        linear between two, the line through the last two beyond them), each anchored at this
+        graph's times, so a time edited in place scales its curve alike; the points are kept,
+        so `g.scaled(a).scaled(b)` has the times of `g.scaled(b)`. Without rows (one profile)
+        they scale by `batch_size / self.batch_size`. Flops, activation bytes (and the part of
+        them W keeps), output bytes, `activation_sizes` and edge bytes scale by that factor
+        (integers rounded half up); parameter, gradient and optimizer bytes, `optimizer_s`
+        (per step) and the spreads (relative) do not; `memory_bytes` is re-derived.
 
         Raises:
             CostError: this graph has no batch size, or `batch_size` is not an integer >= 1.
@@ -289,14 +336,25 @@ class CostGraph:
         def whole(x: int) -> int:
             return (2 * x * new + old) // (2 * old)
 
+        loss = (self.loss_forward_s, self.loss_backward_s)
+        loss_points = self.loss_row_s
+        if loss_points is None:
+            loss = tuple(x * factor for x in loss)
+        else:
+            loss_points = anchored(self.rows, loss_points, old, loss)
+            loss = curve_at(self.rows, loss_points, new)
         out = CostGraph(
-            batch_size=new, meta=self.meta, loss_forward_s=self.loss_forward_s * factor,
-            loss_backward_s=self.loss_backward_s * factor, optimizer=self.optimizer,
+            batch_size=new, meta=self.meta, loss_forward_s=loss[0], loss_backward_s=loss[1],
+            optimizer=self.optimizer, rows=self.rows, loss_row_s=loss_points,
         )  # fmt: skip
         for node, data in self.graph.nodes(data=True):
             attrs = {name: data[name] for name in SETTABLE}
             for name in SCALED_FLOAT_ATTRS:
                 attrs[name] = data[name] * factor
+            if data["row_s"] is not None:
+                points = anchored(self.rows, data["row_s"], old, [data[t] for t in TIME_ATTRS])
+                attrs.update(zip(TIME_ATTRS, curve_at(self.rows, points, new), strict=True))
+                attrs["row_s"] = points
             for name in ("activation_bytes", "weight_grad_activation_bytes", "output_bytes"):
                 attrs[name] = whole(data[name])
             if data["activation_sizes"] is not None:
@@ -346,6 +404,7 @@ class CostGraph:
                 f"  flops: forward {_flops(t['flops_forward'])}, "
                 f"backward {_flops(t['flops_backward'])}",
                 *self._step_lines(t["optimizer_s"]),
+                f"  times against rows: {self.row_scaling}",
             ]
         )
 

@@ -1,13 +1,15 @@
 """The CostGraph JSON format (`CostGraph.to_json`, `from_json`, `save`, `load`).
 
-`{"format": "pdcompile.costgraph", "version": 3, "batch_size", "loss_forward_s",
-"loss_backward_s", "optimizer", "meta", "nodes", "edges"}`, one node (`{"id", **NODE_ATTRS}`)
-or edge (`{"src", "dst", "bytes"}`) per line, so that diffs of two profiles read line by line.
-Reading checks every field and names the node or edge at fault.
-Version 2 files (before the loss and the optimizer step) read too: the graph has no loss (0.0),
-no optimizer named, and its nodes lack `STEP_COST_ATTRS` (0.0: the step unpriced, the spread
-unknown). Version 1 files (before the split backward) also lack `SPLIT_ATTRS`, which take
-`CostGraph.add_node`'s defaults (half of `backward_s` each; W keeps every activation).
+`{"format": "pdcompile.costgraph", "version": 4, "batch_size", "loss_forward_s",
+"loss_backward_s", "optimizer", "rows", "loss_row_s", "meta", "nodes", "edges"}`, one node
+(`{"id", **NODE_ATTRS}`) or edge (`{"src", "dst", "bytes"}`) per line, so that diffs of two
+profiles read line by line. Reading checks every field and names the node or edge at fault.
+Version 3 files (one profile) read too: no `rows`, `loss_row_s` nor nodes' `row_s` (the times
+scale linearly, `CostGraph.row_scaling` says so). Version 2 files (before the loss and the
+optimizer step) read too: the graph has no loss (0.0), no optimizer named, and its nodes lack
+`STEP_COST_ATTRS` (0.0: the step unpriced, the spread unknown). Version 1 files (before the
+split backward) also lack `SPLIT_ATTRS`, which take `CostGraph.add_node`'s defaults (half of
+`backward_s` each; W keeps every activation).
 Both formats (this one and the PipeDream profile's) refuse to read or write a node or edge above
 `MAX_SECONDS`, `MAX_BYTES` or `MAX_FLOPS` (`check_magnitudes`).
 """
@@ -21,6 +23,7 @@ from pdcompile.cost_attrs import (
     FLOP_ATTRS,
     INT_ATTRS,
     NODE_ATTRS,
+    ROW_ATTRS,
     SETTABLE,
     SPLIT_ATTRS,
     STEP_ATTRS,
@@ -60,14 +63,14 @@ def format_json(graph: CostGraph) -> str:
 
     nodes = []
     for node, data in graph.graph.nodes(data=True):
-        record = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+        record = {k: _listed(v) for k, v in data.items()}
         nodes.append(dump({"id": node, **record}))
     edges = [
         dump({"src": u, "dst": v, "bytes": d["bytes"], **({} if d["grad"] else {"grad": False})})
         for u, v, d in graph.graph.edges(data=True)
     ]  # `grad` written only where no gradient flows back
     head = {"format": FORMAT, "version": VERSION, "batch_size": graph.batch_size}
-    head.update(graph.step_costs())
+    head.update({k: _listed(v) for k, v in graph.step_costs().items()})
     return (
         f"{dump(head)[:-1]},\n"
         f' "meta": {dump(graph.meta)},\n'
@@ -106,6 +109,8 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
     fields = {"format", "version", "batch_size", "meta", "nodes", "edges"}
     if version >= 3:
         fields |= {"loss_forward_s", "loss_backward_s", "optimizer"}
+    if version >= 4:
+        fields |= {"rows", "loss_row_s"}
     if set(doc) != fields:
         raise CostError(
             f"{source}: top-level fields must be {sorted(fields)}; missing "
@@ -114,7 +119,8 @@ def read_json(text: str, source: str = "<string>") -> CostGraph:
     if not isinstance(doc["nodes"], list) or not isinstance(doc["edges"], list):
         raise CostError(f"{source}: 'nodes' and 'edges' must be lists")
     try:
-        step = {k: doc[k] for k in ("loss_forward_s", "loss_backward_s", "optimizer") if k in doc}
+        names = ("loss_forward_s", "loss_backward_s", "optimizer", "rows", "loss_row_s")
+        step = {k: doc[k] for k in names if k in doc}
         graph = CostGraph(batch_size=doc["batch_size"], meta=doc["meta"], **step)
         for i, record in enumerate(doc["nodes"]):
             _add_json_node(graph, i, record, version)
@@ -146,13 +152,17 @@ def check_magnitudes(graph: CostGraph, source: str) -> None:
     }
     figures["activation_sizes"] = ([max(d["activation_sizes"] or (0,)) for d in data], None)
     figures["loss"] = ([graph.loss_forward_s, graph.loss_backward_s], "forward_s")
+    figures["row_s"] = ([max((max(p) for p in d["row_s"] or ()), default=0.0) for d in data],
+                        "forward_s")  # fmt: skip
+    loss_points = [x for p in graph.loss_row_s or () for x in p]
+    figures["loss_row_s"] = (loss_points, "forward_s")
     figures["bytes"] = ([b for _, _, b in edges], "output_bytes")
     for name, (values, like) in figures.items():
         unit, cap, constant = _CAPS[like or name]
         if values and max(values) > cap:
             i = next(i for i, v in enumerate(values) if v > cap)
             where = (
-                "the graph" if name == "loss"
+                "the graph" if name in ("loss", "loss_row_s")
                 else f"edge {edges[i][0]!r} -> {edges[i][1]!r}" if name == "bytes"
                 else f"node {names[i]!r}"
             )  # fmt: skip
@@ -167,7 +177,11 @@ def _add_json_node(graph: CostGraph, index: int, record: Any, version: int) -> N
     if not isinstance(record, dict) or not isinstance(record.get("id"), str):
         raise CostError(f"node #{index} must be an object with a string 'id', got {record!r}")
     node = record["id"]
-    absent = (*(SPLIT_ATTRS if version < 2 else ()), *(STEP_COST_ATTRS if version < 3 else ()))
+    absent = (
+        *(SPLIT_ATTRS if version < 2 else ()),
+        *(STEP_COST_ATTRS if version < 3 else ()),
+        *(ROW_ATTRS if version < 4 else ()),
+    )
     fields = [a for a in NODE_ATTRS if a not in absent]
     missing = [a for a in fields if a not in record]
     unknown = sorted(set(record) - {"id", *fields})
@@ -183,3 +197,8 @@ def _add_json_node(graph: CostGraph, index: int, record: Any, version: int) -> N
             f"node #{index} {node!r}: field 'memory_bytes' is {memory} but param + grad + "
             f"optimizer + activation bytes is {graph.graph.nodes[node]['memory_bytes']}"
         )
+
+
+def _listed(value: Any) -> Any:
+    """Tuples (nested too) as JSON lists."""
+    return [_listed(v) for v in value] if isinstance(value, tuple) else value

@@ -22,6 +22,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.plans import Plan, Stage
+from pdcompile.row_curves import curve_at
 from pdcompile.schedules import get_schedule
 from pdcompile.stage_sums import (
     cut_bytes,
@@ -31,8 +32,12 @@ from pdcompile.stage_sums import (
     optimizer_call_s,
     pair_bytes,
     parameter_layout,
+    row_sums,
     tie_copies,
 )
+
+ROW_COSTS = "row_costs"  # plan.options key: the stages' times at each profiled row count
+ROW_SCALING = "row_scaling"  # plan.options key: CostGraph.row_scaling of the costs priced
 
 
 def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str, int]:
@@ -210,7 +215,21 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0, data_parallel_time=dp_time, ties=ties,
         step_time=0.0, rank_memory=(), rank_idle=(), unpriced=unpriced(cost_graph),
+        options=row_options(plan, cost_graph),
     )  # fmt: skip
+
+
+def row_options(plan: Plan, cost_graph: CostGraph) -> dict:
+    """`plan.options` with how its costs depend on the rows: `row_scaling` (the CostGraph's),
+    and where the graph has rows, `row_costs`: `{"rows": [...], "stages": [per stage, per row
+    count, node_sums' forward, backward, I, W, loss forward, loss backward]}` (`rescore`
+    reads a stage's times at another row count off them)."""
+    options = {k: v for k, v in plan.options.items() if k not in (ROW_COSTS, ROW_SCALING)}
+    options[ROW_SCALING] = cost_graph.row_scaling
+    if cost_graph.rows:
+        stages = [row_sums(cost_graph, s.nodes) for s in plan.stages]
+        options[ROW_COSTS] = {"rows": list(cost_graph.rows), "stages": stages}
+    return options
 
 
 def unpriced(cost_graph: CostGraph) -> tuple[str, ...]:
@@ -264,8 +283,10 @@ def rescore(
     cost_model: str | CostModel | None = None,
 ) -> Plan:
     """The same partition at another microbatch size or count, without its CostGraph: costs
-    that scale with the rows (compute, activations, messages) scale linearly from the plan's
-    `microbatch_size`, as `CostGraph.scaled` scales them; then the schedule is simulated again.
+    that depend on the rows change as `CostGraph.scaled` changes them, from the plan's
+    `microbatch_size`: the stages' times on their curves where the plan has them
+    (`options["row_costs"]`, from a CostGraph profiled at several row counts), else linearly;
+    activations and messages linearly. Then the schedule is simulated again.
 
     Raises:
         PartitionError: the plan has no microbatch size to scale from, or the schedule cannot
@@ -277,9 +298,12 @@ def rescore(
     factor = rows / plan.microbatch_size if plan.microbatch_size else 1.0
     prices = get_cost_model(cost_model or plan.options.get("cost_model", "pdcompile"))
     count = num_microbatches or plan.num_microbatches
+    ratios = _time_ratios(plan, rows, factor)
     stages = []
-    for s in plan.stages:
-        forward, backward, comm = s.forward_s * factor, s.backward_s * factor, s.comm_s * factor
+    for s, (f, b, i, w, loss, _) in zip(plan.stages, ratios, strict=True):
+        again = s.recompute_s * f  # the forward a recomputing stage runs again in its backward
+        forward, comm = s.forward_s * f, s.comm_s * factor
+        backward = (s.backward_s - s.recompute_s) * b + again
         # one all-reduce per update: its share per microbatch follows the microbatches per update
         before = prices.updates_every(plan.schedule, s.replicas, plan.num_microbatches)
         after = prices.updates_every(plan.schedule, s.replicas, count)
@@ -288,19 +312,41 @@ def rescore(
         update = prices.update_s(s.optimizer_s, after)
         stages.append(replace(
             s, forward_s=forward, backward_s=backward, comm_s=comm, allreduce_s=allreduce,
-            backward_input_s=s.backward_input_s * factor,
-            backward_weight_s=s.backward_weight_s * factor, loss_s=s.loss_s * factor,
+            backward_input_s=(s.backward_input_s - s.recompute_s) * i + again,
+            backward_weight_s=s.backward_weight_s * w, loss_s=s.loss_s * loss,
             time_s=prices.stage_time(forward + backward, s.replicas, comm, allreduce, update),
             activation_bytes=round(s.activation_bytes * factor),
             weight_grad_activation_bytes=round(s.weight_grad_activation_bytes * factor),
-            recompute_bytes=round(s.recompute_bytes * factor), recompute_s=s.recompute_s * factor,
-            recv_bytes=tuple((src, round(b * factor)) for src, b in s.recv_bytes),
+            recompute_bytes=round(s.recompute_bytes * factor), recompute_s=again,
+            recv_bytes=tuple((src, round(n * factor)) for src, n in s.recv_bytes),
         ))  # fmt: skip
     predicted = bottleneck(stages)
-    bound = plan.lower_bound * factor
+    bound = plan.lower_bound * ratios[-1][-1] if ratios else 0.0
     scaled = plan.with_(
         stages=tuple(stages), microbatch_size=rows, num_microbatches=count,
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0,
     )  # fmt: skip
     return simulated(scaled)
+
+
+def _time_ratios(plan: Plan, rows: int, factor: float) -> list[tuple[float, ...]]:
+    """Per stage, by how much its forward, backward, I and W (each with the loss's part as
+    `price` adds it), its loss, and the whole graph's compute (for the lower bound) grow from
+    the plan's rows to `rows`: read off `options["row_costs"]`, else `factor` (linear)."""
+    curves = plan.options.get(ROW_COSTS)
+    if not curves or not plan.microbatch_size or rows == plan.microbatch_size:
+        return [(factor,) * 6 for _ in plan.stages]
+
+    def grow(old: float, new: float) -> float:
+        return new / old if old > 0 else factor
+
+    parts = []  # per stage (forward, backward, I, W, loss) before and after
+    for stage in curves["stages"]:
+        ends = []
+        for n in (plan.microbatch_size, rows):
+            f, b, i, w, lf, lb = curve_at(curves["rows"], stage, n)
+            ends.append((f + lf, b + lb, i + lb, w, lf + lb))
+        parts.append(ends)
+    whole = grow(*(math.fsum(p[e][0] + p[e][1] for p in parts) for e in (0, 1)))
+    return [(*(grow(x, y) for x, y in zip(old, new, strict=True)), whole) for old, new in parts]

@@ -241,6 +241,9 @@ class Plan:
             + ("" if self.fits_memory else "; DOES NOT FIT device memory")
         )
         lines += self._step_cost_lines()
+        scaling = self.options.get("row_scaling")  # evaluation.price: how times follow the rows
+        if scaling and self.microbatch_size:
+            lines.append(f"times at {self.microbatch_size} rows per microbatch: {scaling}")
         stages_of_rank: dict[int, list[str]] = {}
         for s in self.stages:
             for rank in s.ranks:

@@ -1,4 +1,5 @@
-"""What a stage's nodes add up to in a CostGraph: times and bytes (`node_sums`), the bytes that
+"""What a stage's nodes add up to in a CostGraph: times and bytes (`node_sums`; the times at each
+profiled row count, `row_sums`), the bytes that
 cross its boundaries (`cut_bytes`, `pair_bytes`, `no_grad_pairs`), its parameter tensors and
 the tied copies it holds (`parameter_layout`, `tie_copies`), the optimizer's per-call cost, and
 what it keeps of its activations (`kept_activations`: with recomputation, and from a split
@@ -16,8 +17,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdcompile.cost_attrs import TIME_ATTRS
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
+from pdcompile.row_curves import node_points
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,33 @@ def node_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> NodeSums:
         loss_backward_s=loss_backward,
         optimizer_s=math.fsum(a["optimizer_s"] for a in attrs),
     )
+
+
+def row_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> list[list[float]] | None:
+    """At each of the graph's `rows`, what `node_sums` gives of `nodes`' times: `[forward,
+    backward, backward_input, backward_weight, loss_forward, loss_backward]` (the loss where
+    the nodes hold the `loss_node`), their nodes' curves summed (a node without one counted
+    linearly); None for a graph without rows. A sum of such curves is the curve of the sums,
+    so a stage's times at any row count read off these points (`evaluation.rescore`)."""
+    rows, batch = cost_graph.rows, cost_graph.batch_size
+    if not rows or batch is None:
+        return None
+    g = cost_graph.graph
+    points = [
+        node_points(rows, batch, g.nodes[n]["row_s"], [g.nodes[n][t] for t in TIME_ATTRS])
+        for n in nodes
+        if g.nodes[n]["kind"] != "input"
+    ]
+    loss = cost_graph.loss_node in nodes and cost_graph.loss_s > 0
+    loss_points = (
+        node_points(rows, batch, cost_graph.loss_row_s,
+                    (cost_graph.loss_forward_s, cost_graph.loss_backward_s))
+        if loss else ((0.0, 0.0),) * len(rows)
+    )  # fmt: skip
+    return [
+        [*(math.fsum(p[i][k] for p in points) for k in range(len(TIME_ATTRS))), *loss_points[i]]
+        for i in range(len(rows))
+    ]
 
 
 def kept_for_weights(cost_graph: CostGraph, nodes: Sequence[str]) -> int:

@@ -244,7 +244,7 @@ def test_json_round_trip_is_exact(g: CostGraph) -> None:
 def test_json_layout_and_file_round_trip(tmp_path: Path) -> None:
     g = small()
     doc = json.loads(g.to_json())
-    assert (doc["format"], doc["version"], doc["batch_size"]) == ("pdcompile.costgraph", 3, 4)
+    assert (doc["format"], doc["version"], doc["batch_size"]) == ("pdcompile.costgraph", 4, 4)
     assert doc["nodes"][0]["id"] == "x" and doc["nodes"][0]["members"] == ["x"]
     assert doc["edges"][1] == {"src": "fc", "dst": "loss", "bytes": 32}
     assert len(g.to_json().splitlines()) == 12  # 3 nodes + 2 edges, one line each, + 7
@@ -300,8 +300,8 @@ def test_json_errors_name_the_node_edge_and_field() -> None:
     doc["format"] = "other"
     assert "not a CostGraph file" in _error(doc)
     doc = _doc()
-    doc["version"] = 4
-    assert "format version 4; this pdcompile reads versions 1, 2 and 3" in _error(doc)
+    doc["version"] = 5
+    assert "format version 5; this pdcompile reads versions 1, 2, 3 and 4" in _error(doc)
     doc = _doc()
     del doc["meta"]
     assert "missing ['meta']" in _error(doc)

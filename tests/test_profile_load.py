@@ -88,7 +88,8 @@ def test_other_ranks_train_while_rank_0_profiles(tmp_path: Path) -> None:
     after, signalled = one["served True"]
     assert after > before and signalled
     profiles = [json.loads(p.read_text()) for p in tmp_path.glob("profile-*.json")]
-    assert [p["settings"]["loaded_by"] for p in profiles] == [1]  # compile's: taken loaded
+    # compile's, at every row count: taken loaded
+    assert profiles and {p["settings"]["loaded_by"] for p in profiles} == {1}
     optimizer = list(tmp_path.glob("optimizer-*.json"))
     assert len(optimizer) == 1
     assert zero["loss"] == one["loss"] and math.isfinite(zero["loss"])  # the plan trains

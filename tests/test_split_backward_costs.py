@@ -198,12 +198,13 @@ def test_json_round_trip_and_version_1_files() -> None:
     assert CostGraph.from_json(text) == g
     old = json.loads(text)
     old["version"] = 1
-    for name in ("loss_forward_s", "loss_backward_s", "optimizer"):  # added in version 3
+    for name in ("loss_forward_s", "loss_backward_s", "optimizer",  # added in version 3
+                 "rows", "loss_row_s"):  # and 4  # fmt: skip
         del old[name]
     for record in old["nodes"]:
         for name in ("backward_input_s", "backward_weight_s", "weight_grad_activation_bytes"):
             del record[name]
-        for name in ("optimizer_s", "forward_spread", "backward_spread"):  # version 3
+        for name in ("optimizer_s", "forward_spread", "backward_spread", "row_s"):  # 3 and 4
             del record[name]
     back = CostGraph.from_json(json.dumps(old))
     for node in g.nodes:

@@ -118,17 +118,17 @@ def test_json_round_trip_and_older_files_load_with_zeros() -> None:
     g = chain(loss_s=3.0, optimizer_s=0.5)
     text = g.to_json()
     doc = json.loads(text)
-    assert doc["version"] == 3 and doc["optimizer"] == "sgd"
+    assert doc["version"] == 4 and doc["optimizer"] == "sgd"
     assert (doc["loss_forward_s"], doc["loss_backward_s"]) == (1.0, 2.0)
     assert doc["nodes"][1]["optimizer_s"] == 0.5 and doc["nodes"][2]["forward_spread"] == 0.1
     back = CostGraph.from_json(text)
     assert back == g and back.to_json() == text
     old = json.loads(text)
     old["version"] = 2
-    for name in ("loss_forward_s", "loss_backward_s", "optimizer"):
+    for name in ("loss_forward_s", "loss_backward_s", "optimizer", "rows", "loss_row_s"):
         del old[name]
     for record in old["nodes"]:
-        for name in ("optimizer_s", "forward_spread", "backward_spread"):
+        for name in ("optimizer_s", "forward_spread", "backward_spread", "row_s"):
             del record[name]
     back = CostGraph.from_json(json.dumps(old))
     assert (back.loss_s, back.optimizer) == (0.0, "")

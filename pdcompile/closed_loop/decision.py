@@ -5,8 +5,9 @@ TRACE`) take the same three steps:
 1. `measured_stage_times`: per stage, the median seconds of a microbatch's forward and of its
    backward (B, or I + W of the same microbatch) over the recorded actions;
 2. `rescaled`: the CostGraph with every node of a stage scaled so that the stage's forward and
-   backward, priced as the plan priced them, equal the measured ones (what the plan priced
-   besides the nodes, e.g. the loss, stays);
+   backward, priced as the plan priced them (at its rows per microbatch), equal the measured
+   ones (what the plan priced besides the nodes, e.g. the loss, stays); a node's times at
+   every profiled row count (`row_s`) scale by the same factors;
 3. `decide`: the plan made anew on those costs (same solver, schedule, microbatches, cluster)
    against the running plan re-scored on them (same partition): move when the new one is
    predicted at least `threshold` faster per step.
@@ -146,16 +147,17 @@ def rescaled(cost_graph: CostGraph, plan: Plan, measured: Mapping[int, StageTime
     Raises:
         PartitionError: `plan` is not a plan of this graph, or a stage it names is missing.
     """
-    rows = plan.microbatch_size or cost_graph.batch_size or 1
-    scale = rows / (cost_graph.batch_size or rows)
+    rows = plan.microbatch_size or cost_graph.batch_size
+    # the nodes as the plan priced them: at its rows, on their curves (CostGraph.scaled)
+    priced = cost_graph.scaled(rows) if rows and rows != cost_graph.batch_size else cost_graph
     factors: dict[str, tuple[float, float]] = {}
     for s, seen in measured.items():
         if s >= plan.num_stages:
             raise PartitionError(f"measured stage {s}, but the plan has {plan.num_stages} stages")
         stage = plan.stages[s]
         speed = plan.cluster.device_speed(stage.ranks)
-        sums = node_sums(cost_graph, stage.nodes)
-        nodes_f, nodes_b = sums.forward_s * scale / speed, sums.backward_s * scale / speed
+        sums = node_sums(priced, stage.nodes)
+        nodes_f, nodes_b = sums.forward_s / speed, sums.backward_s / speed
         # what the plan priced besides the nodes (e.g. the loss) is not the nodes' to absorb
         f = _factor(seen.forward_s - (stage.forward_s - nodes_f), nodes_f)
         b = _factor(seen.backward_s - (stage.backward_s - nodes_b), nodes_b)
@@ -166,6 +168,8 @@ def rescaled(cost_graph: CostGraph, plan: Plan, measured: Mapping[int, StageTime
         data["forward_s"] *= f
         for name in ("backward_s", "backward_input_s", "backward_weight_s"):
             data[name] *= b
+        if data["row_s"] is not None:  # the curve scaled alike: its shape is the profile's
+            data["row_s"] = tuple((p[0] * f, p[1] * b, p[2] * b, p[3] * b) for p in data["row_s"])
     out.meta = {**out.meta, "rescaled": "node times scaled to measured stage times"}
     return out
 

@@ -143,7 +143,11 @@ def recompute_view(cost_graph: CostGraph) -> CostGraph:
         data["backward_input_s"] += data["forward_s"]
         data["memory_bytes"] -= data["activation_bytes"]
         data["activation_bytes"] = data["weight_grad_activation_bytes"] = 0
+        if data["row_s"] is not None:  # at every profiled row count alike
+            data["row_s"] = tuple((f, b + f, i + f, w) for f, b, i, w in data["row_s"])
     view.loss_backward_s += view.loss_forward_s
+    if view.loss_row_s is not None:
+        view.loss_row_s = tuple((f, b + f) for f, b in view.loss_row_s)
     return view
 
 
