@@ -236,7 +236,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
                 if costs is None:
                     costs = analyze(gm, inputs, example_kwargs=example_kwargs, profile=profile,
                                     optimizer=optimizer, loss_fn=loss_fn, loaded_by=loaded_by,
-                                    targets=example_targets, autocast=autocast)  # fmt: skip
+                                    targets=example_targets, autocast=autocast,
+                                    max_rows=global_batch_size)  # fmt: skip
             plan = make_plan(costs, cluster, solver=solver, schedule=schedule,
                              num_microbatches=num_microbatches, allow_async=allow_async,
                              global_batch_size=global_batch_size, recompute=recompute,
