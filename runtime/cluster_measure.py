@@ -8,8 +8,9 @@ Every rank of an initialised process group calls `measure_cluster`; it returns t
    `GROUP_RANK`, so two agents on one machine are two hosts); ranks are grouped by host;
 2. the cache: a cluster measured for the same hosts, ranks, torch version and device type less
    than `MAX_AGE_S` ago is used as it is (`measured-cluster-<key>.json` in the profile cache
-   directory, `$PDCOMPILE_CACHE_DIR`); a stale one is measured again; a file that cannot be
-   read is a `PartitionError` naming it;
+   directory, `$PDCOMPILE_CACHE_DIR`) once its slowest link, timed again over a few round
+   trips, still runs within `LINK_CHANGE` of its cached bandwidth; a stale one, or one whose
+   link changed, is measured again; a file that cannot be read is a `PartitionError` naming it;
 3. speeds: every rank at once (as in the run) multiplies 256x256 matrices (2048 on CUDA) for
    `SPEED_PROBE_S`, `SPEED_ROUNDS` times; a rank's speed is its fastest round's rate over rank
    0's (the rank that profiles): a passing load slows some rounds, a CPU quota or another job
@@ -69,6 +70,7 @@ SPEED_PROBE_S = 0.3  # several scheduler periods (100 ms), so a CPU quota shows 
 SPEED_ROUNDS = 3
 SPEED_SPREAD = 0.15
 PAIRS_PER_LEVEL = 2
+LINK_CHANGE = 1.5  # a cached link measured again this much faster or slower is re-measured
 REPEATS = 10
 
 
@@ -108,6 +110,7 @@ def measure_cluster(
     cache: bool | str | os.PathLike = True,
     max_age_s: float = MAX_AGE_S,
     timeout_s: float = 60.0,
+    recheck: bool = True,
 ) -> Cluster:
     """The cluster this job runs on, the same on every rank (see the module).
 
@@ -117,6 +120,7 @@ def measure_cluster(
         cache: True (the profile cache directory), a directory, or False (always measure).
         max_age_s: how old a cached measurement may be.
         timeout_s: the longest any wait of the measurement may last.
+        recheck: time the cached cluster's slowest link again before using it.
 
     Raises:
         PartitionError: the cached measurement for these hosts cannot be read (naming the file).
@@ -140,7 +144,7 @@ def measure_cluster(
         kind, value = shared[0]
         if kind == "error":
             raise PartitionError(value)
-        if value is not None:
+        if value is not None and (not recheck or _still_holds(rank, device, value, timeout_s)):
             return Cluster.from_dict(value)
     cluster = _measure(rank, world_size, device, groups, [m for _, m in everyone], timeout_s)
     measured = {**cluster.measured, "seconds": round(time.monotonic() - start, 2)}
@@ -204,6 +208,28 @@ def _measure(
     return Cluster(shape, min(known) if known else None, speeds, calibration.runtime, measured)
 
 
+def _still_holds(rank: int, device: torch.device, cached: dict[str, Any], timeout_s: float) -> bool:
+    """Whether the cached cluster's slowest link still runs at its bandwidth (within
+    `LINK_CHANGE`): one pair, one way, a few round trips. A link shaped, upgraded or rerouted
+    since is measured again."""
+    cluster = Cluster.from_dict(cached)
+    level = min(cluster.measured["levels"], key=lambda lv: lv["bandwidth"])
+    src, dst = level["pairs"][0]
+    comm = DistributedComm(rank, [(src, dst)], timeout_s=timeout_s, device=device)
+    try:
+        runtime = cluster.runtime
+        _, now = _link(
+            comm, rank, src, dst, runtime.cache_bandwidth, runtime.sent_s + runtime.message_s, 3
+        )
+    finally:
+        comm.close()
+    holds = 1 / LINK_CHANGE <= now / level["bandwidth"] <= LINK_CHANGE
+    if not holds:
+        log.info("the cached cluster's link %d->%d ran at %.3g B/s, cached %.3g B/s: measuring "
+                 "again", src, dst, now, level["bandwidth"])  # fmt: skip
+    return holds
+
+
 def _level(
     comm: DistributedComm,
     rank: int,
@@ -213,7 +239,9 @@ def _level(
     """A level's figures: the slowest pair and direction, and its all-reduce."""
     name, _, pairs, group = spec
     directions = [(src, dst) for a, b in pairs for src, dst in ((a, b), (b, a))]
-    links = [_link(comm, rank, src, dst, calibration) for src, dst in directions]
+    host_s = calibration.send_s + calibration.recv_s
+    links = [_link(comm, rank, src, dst, calibration.cache_bandwidth, host_s, REPEATS)
+             for src, dst in directions]  # fmt: skip
     small = _all_reduce(comm, rank, group, REPEATS, 2)
     large = _all_reduce(comm, rank, group, max(3, REPEATS // 4), PROBE_BYTES // 8)
     n = len(group)  # a ring all-reduce moves 2 (n - 1) / n of the bytes each way
@@ -231,16 +259,23 @@ def _level(
 
 
 def _link(
-    comm: DistributedComm, rank: int, src: int, dst: int, calibration: Calibration
+    comm: DistributedComm,
+    rank: int,
+    src: int,
+    dst: int,
+    cache_bandwidth: float | None,
+    host_s: float,
+    repeats: int,
 ) -> tuple[float, float]:
-    """(latency, bandwidth) from `src` to `dst`, as every rank learns it from `src`."""
-    tiny = _round_trip(comm, rank, src, dst, 1, REPEATS)
-    large = _round_trip(comm, rank, src, dst, PROBE_BYTES // 4, max(3, REPEATS // 2))
+    """(latency, bandwidth) from `src` to `dst`, as every rank learns it from `src`; packing
+    runs at `cache_bandwidth`, a send and a receive cost `host_s` on the hosts."""
+    tiny = _round_trip(comm, rank, src, dst, 1, repeats)
+    large = _round_trip(comm, rank, src, dst, PROBE_BYTES // 4, max(3, repeats // 2))
     extra = PROBE_BYTES - 4
-    moving = large - tiny - 2 * extra / calibration.cache_bandwidth  # less packing, unpacking
+    packing = 2 * extra / cache_bandwidth if cache_bandwidth else 0.0  # and unpacking
+    moving = large - tiny - packing
     bandwidth = extra / moving if moving > 0 else PROBE_BYTES / large
-    latency = max(tiny / 2 - calibration.send_s - calibration.recv_s, 0.0)
-    return latency, bandwidth
+    return max(tiny / 2 - host_s, 0.0), bandwidth
 
 
 def _digits(value: float) -> float:
