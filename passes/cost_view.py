@@ -1,6 +1,7 @@
 """Derive the torch-free CostGraph from an annotated graph (one way: never written back).
 
 Reads `pdcompile.scope`, `pdcompile.output_bytes`, the memory keys, `pdcompile.optimizer_s`,
+`pdcompile.accumulate_s`,
 `pdcompile.flops`,
 `pdcompile.analytic_s` and `pdcompile.measured_s` (the node times come from one or the other;
 the split backward's from `pdcompile.analytic_split_s` or `pdcompile.measured_split_s`; all four
@@ -19,6 +20,7 @@ import torch.fx as fx
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.ir import (
+    ACCUMULATE_S,
     ACTIVATION_BYTES,
     ANALYTIC_S,
     ANALYTIC_SPLIT_S,
@@ -89,6 +91,7 @@ def to_cost_graph(
             backward_input_s=float(backward_input_s),
             backward_weight_s=float(backward_weight_s),
             optimizer_s=float(node.meta.get(OPTIMIZER_S, 0.0)),
+            accumulate_s=float(node.meta.get(ACCUMULATE_S, 0.0)),
             forward_spread=float(forward_spread) if measured else 0.0,
             backward_spread=float(backward_spread) if measured else 0.0,
             param_bytes=node.meta[PARAM_BYTES],

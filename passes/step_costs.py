@@ -18,15 +18,22 @@ optimizer's fixed cost per `step()` call (`call_s`: fitted over steps of 1 to 16
 tensors) is taken off each node, so that a stage's sum of its nodes counts the tensors' work
 and not one call per node; the stage's one call is priced once, from the CostGraph's
 `meta["optimizer_call_s"]` (`evaluation.price`).
+**The gradients' accumulation.** Every microbatch of an update after its first adds each
+parameter's gradient to the one it holds (autograd's `AccumulateGrad`: `grad += new`), a cost
+per microbatch whatever its rows, which a profile (its gradients set to None before each
+backward) does not hold: per node, the median of those adds over fresh tensors of its
+parameters' sizes, warm (the new gradient was just computed); without profiling, three times
+their bytes over the memory bandwidth plus the per-operation overhead per tensor.
 Nodes with the same tensor sizes are timed once, and the times are cached per optimizer,
 device, thread count and torch version (`optimizer-<key>.json` beside the profile cache), so a
 second analysis prices the step the same. Without profiling: the bytes the update reads and
 writes (weights, gradients and state read; weights and state written) over the device model's
 memory bandwidth, plus its per-operation overhead per tensor.
 
-Reads `gm.meta["pdcompile.param_table"]`. Writes `pdcompile.optimizer_s` (float seconds) on
-every node, and `gm.meta["pdcompile.loss_s"]` (`(forward, backward)` seconds per batch, or None
-when no loss was given), `gm.meta["pdcompile.optimizer_priced"]` (the optimizer's name) and
+Reads `gm.meta["pdcompile.param_table"]`. Writes `pdcompile.optimizer_s` and
+`pdcompile.accumulate_s` (float seconds) on every node, and `gm.meta["pdcompile.loss_s"]`
+(`(forward, backward)` seconds per batch, or None when no loss was given),
+`gm.meta["pdcompile.optimizer_priced"]` (the optimizer's name) and
 `gm.meta["pdcompile.optimizer_call_s"]` (its fixed seconds per `step()` call; 0.0 modelled).
 """
 
@@ -48,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdcompile.errors import CostError
 from pdcompile.ir import (
+    ACCUMULATE_S,
     LOSS_S,
     OPTIMIZER_CALL_S,
     OPTIMIZER_PRICED,
@@ -71,7 +79,7 @@ KINDS: dict[str, OptimizerFactory] = {
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
 }
 _STATE_KINDS = ("sgd", "momentum", "adam")  # by state tensors per parameter: 0, 1, 2 or more
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3  # 3: the gradients' accumulation too
 
 
 def optimizer_factory(optimizer: str | OptimizerFactory) -> OptimizerFactory:
@@ -157,7 +165,8 @@ def annotate_optimizer(
     cache: bool | str | Path = True,
     loaded_by: int = 0,
 ) -> fx.GraphModule:
-    """Write `pdcompile.optimizer_s` on every node and `gm.meta["pdcompile.optimizer_priced"]`.
+    """Write `pdcompile.optimizer_s` and `pdcompile.accumulate_s` on every node and
+    `gm.meta["pdcompile.optimizer_priced"]`.
 
     Args:
         gm: a captured graph with its parameter table.
@@ -174,13 +183,15 @@ def annotate_optimizer(
     call_s = 0.0
     if profile:
         where = (device, num_threads, warmup, repeats, loaded_by)
-        times, call_s = _timed_steps(optimizer, info, sizes, where, cache)
+        times, adds, call_s = _timed_steps(optimizer, info, sizes, where, cache)
     else:
         state = {"sgd": 0, "momentum": 1, "adam": 2}[info.kind]
         times = {key: _modelled_step(key, state, device_model) for key in set(sizes.values())}
+        adds = {key: _modelled_accumulate(key, device_model) for key in set(sizes.values())}
     for node in gm.graph.nodes:
         key = sizes.get(node.name)
         node.meta[OPTIMIZER_S] = float(times[key]) if key else 0.0
+        node.meta[ACCUMULATE_S] = float(adds[key]) if key else 0.0
     gm.meta[OPTIMIZER_PRICED] = info.name
     gm.meta[OPTIMIZER_CALL_S] = float(call_s) if sizes else 0.0
     return gm
@@ -211,6 +222,16 @@ def _modelled_step(sizes: Sizes, state: int, model: DeviceModel) -> float:
     return total
 
 
+def _modelled_accumulate(sizes: Sizes, model: DeviceModel) -> float:
+    """Roofline of adding gradients to those held: two read and one written per tensor, and the
+    device model's per-operation overhead."""
+    total = 0.0
+    for shape, dtype in sizes:
+        nbytes = _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        total += model.overhead_s + 3 * nbytes / model.memory_bandwidth
+    return total
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -224,15 +245,17 @@ def _timed_steps(
     sizes: dict[str, Sizes],
     where: tuple[torch.device, int, int, int, int],
     cache: bool | str | Path,
-) -> tuple[dict[Sizes, float], float]:
+) -> tuple[dict[Sizes, float], dict[Sizes, float], float]:
     """Seconds of one step over each distinct set of tensors, less the fixed cost per call;
-    and that cost. `where`: device, threads, warmup, repeats, other processes training."""
+    of their gradients' accumulation; and that cost. `where`: device, threads, warmup,
+    repeats, other processes training."""
     factory = optimizer_factory(optimizer)
     device, num_threads, warmup, repeats, _ = where
     path = _cache_path(cache, info.key, where)
     cached = _read(path)
     wanted = sorted(set(sizes.values()))
     missing = [s for s in wanted if _key(s) not in cached["steps"]]
+    missing += [s for s in wanted if _key(s) not in cached["adds"] and s not in missing]
     if missing or "call_s" not in cached:
         threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
@@ -242,10 +265,12 @@ def _timed_steps(
             for s in missing:
                 seconds = _step_time(factory, s, device, warmup, repeats)
                 cached["steps"][_key(s)] = max(seconds - cached["call_s"], 0.0)
+                cached["adds"][_key(s)] = _accumulate_time(s, device, warmup, repeats)
         finally:
             torch.set_num_threads(threads)
         _write(path, cached)
-    return {s: cached["steps"][_key(s)] for s in wanted}, cached["call_s"]
+    steps = {s: cached["steps"][_key(s)] for s in wanted}
+    return steps, {s: cached["adds"][_key(s)] for s in wanted}, cached["call_s"]
 
 
 def _step_time(
@@ -268,6 +293,20 @@ def _step_time(
         evict()
         times.append(timer(lambda: (built.step(), built.zero_grad(set_to_none=True))))
     return statistics.median(times[warmup:])
+
+
+def _accumulate_time(sizes: Sizes, device: torch.device, warmup: int, repeats: int) -> float:
+    """The median seconds of adding a gradient to the one held, for tensors of `sizes`, warm
+    (what `AccumulateGrad` runs when a parameter holds a gradient)."""
+    held = [torch.randn(shape, device=device).to(getattr(torch, dtype)) for shape, dtype in sizes]
+    fresh = [torch.randn_like(t) for t in held]
+    timer = device_timer(device)
+
+    def add() -> None:
+        for h, f in zip(held, fresh, strict=True):
+            h.add_(f)
+
+    return statistics.median([timer(add) for _ in range(warmup + repeats)][warmup:])
 
 
 def _call_s(factory: OptimizerFactory, device: torch.device, warmup: int, repeats: int) -> float:
@@ -300,7 +339,7 @@ def _cache_path(
 
 
 def _read(path: Path | None) -> dict[str, Any]:
-    empty: dict[str, Any] = {"steps": {}}
+    empty: dict[str, Any] = {"steps": {}, "adds": {}}
     if path is None:
         return empty
     try:
@@ -308,7 +347,8 @@ def _read(path: Path | None) -> dict[str, Any]:
         if doc.get("format") != _CACHE_FORMAT:
             return empty
         steps = {str(k): float(v) for k, v in doc["steps"].items()}
-        return {"steps": steps, "call_s": float(doc["call_s"])}
+        adds = {str(k): float(v) for k, v in doc["adds"].items()}
+        return {"steps": steps, "adds": adds, "call_s": float(doc["call_s"])}
     except FileNotFoundError:
         return empty
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

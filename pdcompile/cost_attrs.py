@@ -20,12 +20,15 @@ TIME_ATTRS = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s"
 FLOP_ATTRS = ("flops_forward", "flops_backward")
 # Seconds of one optimizer step over the node's parameters: per step, so not scaled by batch.
 STEP_ATTRS = ("optimizer_s",)
+# Seconds a backward takes to add the gradients of the node's parameters to those they hold
+# (every microbatch of an update but its first): per microbatch, whatever its rows.
+ACCUMULATE_ATTRS = ("accumulate_s",)
 # Relative dispersion of the profiled repeats of forward_s and backward_s ((p75 - p25) / median,
 # unitless): not scaled by batch, not summed.
 SPREAD_ATTRS = ("forward_spread", "backward_spread")
 # The per-batch numbers: what `CostGraph.scaled` multiplies.
 SCALED_FLOAT_ATTRS = (*TIME_ATTRS, *FLOP_ATTRS)
-FLOAT_ATTRS = (*TIME_ATTRS, *STEP_ATTRS, *SPREAD_ATTRS, *FLOP_ATTRS)
+FLOAT_ATTRS = (*TIME_ATTRS, *STEP_ATTRS, *ACCUMULATE_ATTRS, *SPREAD_ATTRS, *FLOP_ATTRS)
 INT_ATTRS = (
     "param_bytes",
     "grad_bytes",
@@ -42,12 +45,14 @@ SPLIT_ATTRS = ("backward_input_s", "backward_weight_s", "weight_grad_activation_
 # Added in version 3 (default 0.0 in older files: the optimizer step unpriced, spread unknown).
 STEP_COST_ATTRS = (*STEP_ATTRS, *SPREAD_ATTRS)
 # Added in version 4: the node's TIME_ATTRS at each of the graph's `rows` (None in older files
-# and for one profile: the times scale linearly). docs/cost_graph.md, pdcompile/row_curves.py.
-ROW_ATTRS = ("row_s",)
+# and for one profile: the times scale linearly; docs/cost_graph.md, pdcompile/row_curves.py),
+# and its gradients' accumulation (0.0 in older files: unpriced).
+ROW_ATTRS = ("row_s", *ACCUMULATE_ATTRS)
 NODE_ATTRS = (
     "kind",
     *TIME_ATTRS,
     *STEP_ATTRS,
+    *ACCUMULATE_ATTRS,
     *SPREAD_ATTRS,
     *INT_ATTRS,
     *FLOP_ATTRS,

@@ -21,6 +21,7 @@ from typing import Any
 import networkx as nx
 
 from pdcompile.cost_attrs import (
+    ACCUMULATE_ATTRS,
     FLOAT_ATTRS,
     FLOP_ATTRS,
     INT_ATTRS,
@@ -164,7 +165,7 @@ class CostGraph:
                 "activation bytes); set those instead"
             )
         data: dict[str, Any] = {"kind": "compute", "forward_s": 0.0, "backward_s": 0.0}
-        data.update(dict.fromkeys((*STEP_ATTRS, *SPREAD_ATTRS), 0.0))
+        data.update(dict.fromkeys((*STEP_ATTRS, *ACCUMULATE_ATTRS, *SPREAD_ATTRS), 0.0))
         data.update(dict.fromkeys(INT_ATTRS, 0))
         data.update(flops_forward=0.0, flops_backward=0.0, description="", scope="")
         data.update(members=(node_id,), activation_sizes=None, row_s=None)
@@ -269,7 +270,7 @@ class CostGraph:
         """Sums over all nodes (`math.fsum`) of every time (`optimizer_s` too), byte and flop
         attribute (not the spreads)."""
         data = [d for _, d in self.graph.nodes(data=True)]
-        names = (*TIME_ATTRS, *STEP_ATTRS, *INT_ATTRS, *FLOP_ATTRS)
+        names = (*TIME_ATTRS, *STEP_ATTRS, *ACCUMULATE_ATTRS, *INT_ATTRS, *FLOP_ATTRS)
         return {name: math.fsum(d[name] for d in data) for name in names}
 
     def validate(self) -> None:

@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from pdcompile.cost_attrs import (
+    ACCUMULATE_ATTRS,
     FLOP_ATTRS,
     INT_ATTRS,
     NODE_ATTRS,
@@ -41,7 +42,9 @@ MAX_SECONDS = 1e12  # about 32,000 years
 MAX_BYTES = 2**53  # 8 PiB: byte counts up to here are exact as floats
 MAX_FLOPS = 1e30
 _CAPS = {
-    **dict.fromkeys((*TIME_ATTRS, *STEP_ATTRS), ("seconds", MAX_SECONDS, "MAX_SECONDS")),
+    **dict.fromkeys(
+        (*TIME_ATTRS, *STEP_ATTRS, *ACCUMULATE_ATTRS), ("seconds", MAX_SECONDS, "MAX_SECONDS")
+    ),
     **dict.fromkeys(  # memory_bytes: the sum of four parts under the cap
         (*(a for a in INT_ATTRS if a != "memory_bytes"), "activation_sizes"),
         ("bytes", MAX_BYTES, "MAX_BYTES"),

@@ -198,6 +198,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
                 param_tensors=tensors[s.index],
                 no_grad_from=tuple(sorted(a for a, d in silent if d == s.index)),
                 loss_s=sums.loss_s / speed, optimizer_s=optimizer,
+                accumulate_s=sums.accumulate_s / speed,
             )
         )  # fmt: skip
     predicted = bottleneck(stages)

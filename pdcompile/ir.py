@@ -26,6 +26,8 @@ PARAM_BYTES = "pdcompile.param_bytes"  # int: parameters the node owns (a tied o
 GRAD_BYTES = "pdcompile.grad_bytes"  # int: gradients of the trainable parameters it owns
 OPTIMIZER_BYTES = "pdcompile.optimizer_bytes"  # int: optimizer state of those parameters
 OPTIMIZER_S = "pdcompile.optimizer_s"  # float: one optimizer step over those parameters
+# float: a backward adding those parameters' gradients to the ones they hold (per microbatch)
+ACCUMULATE_S = "pdcompile.accumulate_s"
 BUFFER_BYTES = "pdcompile.buffer_bytes"  # int: buffers the node owns
 ACTIVATION_BYTES = "pdcompile.activation_bytes"  # int: tensors autograd keeps for its backward
 # int: of ACTIVATION_BYTES, the storages some node's weight gradient reads (kept until W)

@@ -60,7 +60,9 @@ class Stage:
     `optimizer_s`: seconds of one optimizer step over the stage's parameters, once per update
     (`time_s` carries its share per minibatch, optimizer_s / the schedule's microbatches per
     update, like `allreduce_s`); 0 where it was not priced, and the simulator then charges the
-    step the runtime's memory-traffic estimate (docs/simulator.md).
+    step the runtime's memory-traffic estimate (docs/simulator.md). `accumulate_s`: seconds a
+    backward adds to the stage's held gradients (every microbatch of an update but its first),
+    the sum of its nodes'; 0 where not priced (the runtime's estimate, likewise).
     """
 
     index: int
@@ -85,6 +87,7 @@ class Stage:
     no_grad_from: tuple[int, ...] = ()
     loss_s: float = 0.0
     optimizer_s: float = 0.0
+    accumulate_s: float = 0.0
     recompute: bool | tuple[str, ...] = False
     recompute_bytes: int = 0
     recompute_s: float = 0.0

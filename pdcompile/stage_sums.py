@@ -39,6 +39,7 @@ class NodeSums:
     loss_forward_s: float = 0.0  # the loss function, where the nodes hold the loss node
     loss_backward_s: float = 0.0  # (not in forward_s and backward_s: those are the nodes')
     optimizer_s: float = 0.0  # one optimizer step over the nodes' parameters
+    accumulate_s: float = 0.0  # their gradients added to those held, per microbatch
 
     @property
     def compute_s(self) -> float:
@@ -72,6 +73,7 @@ def node_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> NodeSums:
         loss_forward_s=loss_forward,
         loss_backward_s=loss_backward,
         optimizer_s=math.fsum(a["optimizer_s"] for a in attrs),
+        accumulate_s=math.fsum(a["accumulate_s"] for a in attrs),
     )
 
 

@@ -22,9 +22,11 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
     copy          `pipedream`, `2bw`)
     F after a B   + P / B: the backward's gradients pushed the weights out of the caches, so the
                   forward reads them from memory again (1F1B's forwards, not GPipe's)
-    gradients     a backward adds 3 * G / C + n * t to the gradients its weights hold (autograd
-                  keeps the first ones as they are: free); moving a copy's gradients to the live
-                  weights costs the same when they hold some, else n * t
+    gradients     a backward adds the stage's measured `accumulate_s` (its gradients added to
+                  those held, timed per node: `analyze`) where the plan has it, else
+                  3 * G / C + n * t, to the gradients its weights hold (autograd keeps the first
+                  ones as they are: free); moving a copy's gradients to the live weights costs
+                  the same when they hold some, else n * t
     all-reduce    2 (r - 1) alpha + c + 2 (r - 1) / r * G / bandwidth + 4 * F / B + n * t over
                   r ranks (c = collective_s; bandwidth the link's, at most the runtime's
                   collective_bandwidth): tensors of up to COALESCE_MAX_BYTES are flattened
@@ -82,11 +84,14 @@ def stage_costs(plan: Plan, cluster: Cluster) -> dict[int, StageCosts]:
         # the measured step replaces the estimate of its memory traffic (it is that traffic)
         step = s.optimizer_s * scale if s.optimizer_s > 0 else runtime.moved_s(
             (2 * s.weight_bytes - s.grad_bytes) * scale, n)  # fmt: skip
+        # likewise the measured accumulation of the gradients (analyze times it per node)
+        add = s.accumulate_s * scale if s.accumulate_s > 0 else runtime.moved_s(
+            3 * grads, n, cached=True)  # fmt: skip
         costs[s.index] = StageCosts(
             copy_s=copy,
             step_s=step,
             swap_s=runtime.moved_s(0, n),
-            accumulate_s=runtime.moved_s(3 * grads, n, cached=True),
+            accumulate_s=add,
             collect_s=runtime.moved_s(0, n),
             allreduce_s=allreduce_s(s.grad_bytes, s.ranks, cluster, n),
             reload_s=runtime.moved_s(s.param_bytes),
