@@ -12,9 +12,10 @@ loss priced). The costs are `analyze`'s on the example of 4 rows with `max_rows=
 cache of the round's own and passed to every `compile` of the round (`costs=`). Per row count:
 the predicted step (`pipe.plan.step_time`, what `explain()` prints), the prediction the same
 profile gave before issue 29 (`before`: the 4 rows' times scaled linearly, the gradients'
-accumulation unpriced), and the measured step (median of `--steps` after one warm-up). Then
-the microbatch-count search (`global_batch_size=32`, no count) on the same costs: its choice,
-measured, against the default count of 4.
+accumulation unpriced), and the measured step (median of `--steps`). Then the microbatch-count
+search (`global_batch_size=32`, no count) on the same costs: its choice, measured, against the
+default count of 4. A round's pipelines are measured taking turns, in `BLOCKS` blocks of steps
+after an untimed one each, so that a load that comes and goes falls on all of them alike.
 
 **search** (2 gloo ranks, one thread each, the case of issue 29): the MLP, 128 rows per step,
 `cluster="2@1.25Gbit/s"` (the declared link; the ranks talk over loopback), `schedule="1f1b"`.
@@ -56,6 +57,7 @@ from pdcompile.runtime.distributed import init_process_group
 ROWS = (1, 8, 32)  # rows per microbatch of the accuracy part
 BATCH = 32  # rows per train_step of the accuracy part
 EXAMPLE = 4  # the example's rows, as a user would give it
+BLOCKS = 2  # turns the pipelines measured together take (timed_steps)
 DEFAULT_COUNT = 4  # compile's count when none is given and nothing is searched
 SEARCH_BATCH = 128  # rows per train_step of the search part (issue 29's case)
 SEARCH_CLUSTER = "2@1.25Gbit/s"
@@ -90,14 +92,19 @@ def linear(costs: CostGraph) -> CostGraph:
     return CostGraph(graph, costs.batch_size, costs.meta, **step)
 
 
-def timed_steps(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
-    """The median seconds of `steps` train steps after one warm-up."""
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        pipe.train_step(x, y)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def timed_steps(pipes: list[Any], x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+    """Each pipeline's median seconds over `steps` train steps, the pipelines taking turns in
+    `BLOCKS` blocks (a load that comes and goes falls on all alike), each block after one
+    untimed step (the caches the other pipelines' steps left: a step's own)."""
+    times: list[list[float]] = [[] for _ in pipes]
+    for block in range(BLOCKS):
+        for pipe, mine in zip(pipes, times, strict=True):
+            pipe.train_step(x, y)
+            for _ in range(steps // BLOCKS + (block < steps % BLOCKS)):
+                start = time.perf_counter()
+                pipe.train_step(x, y)
+                mine.append(time.perf_counter() - start)
+    return [statistics.median(mine) for mine in times]
 
 
 def accuracy_round(name: str, steps: int) -> dict:
@@ -110,31 +117,30 @@ def accuracy_round(name: str, steps: int) -> dict:
     out: dict[str, Any] = {"model": name, "analyze_s": time.perf_counter() - start,
                            "rows_profiled": list(costs.rows), "by_rows": {}}  # fmt: skip
     flat = linear(costs)
-
-    def run(count: int | None) -> tuple[Any, float]:
+    pipes = []
+    for count in (*(BATCH // rows for rows in ROWS), None):  # None: the count searched
         model, x, y, loss_fn = case(name, BATCH)
-        pipe = pdcompile.compile(
+        pipes.append(pdcompile.compile(
             model, (x[:EXAMPLE],), example_targets=y[:EXAMPLE], cluster=1, schedule="1f1b",
             global_batch_size=BATCH, num_microbatches=count, costs=costs, **example,
-        )  # fmt: skip
-        measured = timed_steps(pipe, x, y, steps)
+        ))  # fmt: skip
+    measured = timed_steps(pipes, x, y, steps)
+    for pipe in pipes:
         pipe.close()
-        return pipe, measured
-
-    for rows in ROWS:
+    for rows, pipe, seconds in zip(ROWS, pipes, measured, strict=False):
         count = BATCH // rows
-        pipe, measured = run(count)
         before = pdcompile.plan(flat, 1, schedule="1f1b", num_microbatches=count,
                                 microbatch_size=rows)  # fmt: skip
         out["by_rows"][str(rows)] = {
             "num_microbatches": count, "predicted_s": pipe.plan.step_time,
-            "linear_s": before.step_time, "measured_s": measured,
+            "linear_s": before.step_time, "measured_s": seconds,
         }  # fmt: skip
-    pipe, measured = run(None)
-    out["search"] = {"num_microbatches": pipe.plan.num_microbatches,
-                     "predicted_s": pipe.plan.step_time, "measured_s": measured}  # fmt: skip
+    searched = pipes[-1].plan
+    out["search"] = {"num_microbatches": searched.num_microbatches,
+                     "predicted_s": searched.step_time, "measured_s": measured[-1]}  # fmt: skip
     default = out["by_rows"][str(BATCH // DEFAULT_COUNT)]
     out["default"] = {"num_microbatches": DEFAULT_COUNT, "measured_s": default["measured_s"]}
+    out["load"] = os.getloadavg()[0]
     return out
 
 
@@ -161,14 +167,13 @@ def _search(rank: int, world: int, cache: str, rounds: int, steps: int, out: str
         settings = dict(example_targets=y[:EXAMPLE], cluster=SEARCH_CLUSTER, schedule="1f1b",
                         loss_fn=loss_fn, optimizer=sgd, global_batch_size=SEARCH_BATCH)  # fmt: skip
         found: dict[str, Any] = {"round": round_}
-        for what, count in (("search", None), ("default", DEFAULT_COUNT)):
-            model, x, y, _ = case("mlp", SEARCH_BATCH)
-            pipe = pdcompile.compile(model, (x[:EXAMPLE],), num_microbatches=count, **settings)
-            found[what] = {"num_microbatches": pipe.plan.num_microbatches,
-                           "predicted_s": pipe.plan.step_time,
-                           "measured_s": timed_steps(pipe, x, y, steps)}  # fmt: skip
-            pipe.close()
-        # what the search chose from the same profile scaled linearly (before issue 29)
+
+        def build(count: int | None, settings: dict = settings) -> Any:
+            model, x, _, _ = case("mlp", SEARCH_BATCH)
+            return pdcompile.compile(model, (x[:EXAMPLE],), num_microbatches=count, **settings)
+
+        pipes = [build(None)]  # profiles as compile does (rank 1 training meanwhile)
+        # what the search chose from the same profile as before issue 29 (rank 0 plans)
         chosen = [0]
         if rank == 0:
             gm = pdcompile.trace(model, (x[:EXAMPLE],))
@@ -179,11 +184,13 @@ def _search(rank: int, world: int, cache: str, rounds: int, steps: int, out: str
                                   global_batch_size=SEARCH_BATCH)  # fmt: skip
             chosen = [flat.num_microbatches]
         dist.broadcast_object_list(chosen, src=0)
-        model, x, y, _ = case("mlp", SEARCH_BATCH)
-        pipe = pdcompile.compile(model, (x[:EXAMPLE],), num_microbatches=chosen[0], **settings)
-        found["linear"] = {"num_microbatches": chosen[0], "predicted_s": pipe.plan.step_time,
-                           "measured_s": timed_steps(pipe, x, y, max(2, steps // 3))}  # fmt: skip
-        pipe.close()
+        runs = (("search", None), ("default", DEFAULT_COUNT), ("linear", chosen[0]))
+        pipes += [build(count) for _, count in runs[1:]]
+        measured = timed_steps(pipes, x, y, steps)
+        for (what, _), pipe, seconds in zip(runs, pipes, measured, strict=True):
+            found[what] = {"num_microbatches": pipe.plan.num_microbatches,
+                           "predicted_s": pipe.plan.step_time, "measured_s": seconds}  # fmt: skip
+            pipe.close()
         results.append(found)
     if rank == 0:
         with open(out, "w") as f:

@@ -23,6 +23,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
 from pdcompile.ir import (
     CAPTURE,
+    DEVICE_MODEL,
     FOLDED_S,
     FRAMEWORK,
     FRAMEWORK_OPS,
@@ -283,7 +284,7 @@ def analyze(
         # the per-operation framework cost folded into the times, and how (framework_fold)
         "framework": gm.meta[FRAMEWORK].to_dict() if cost is not None else None,
         # the other row counts: how each was had, or why it was left out
-        "row_costs": {str(n): c[2] for n, c in sorted(curves.items()) if n != size},
+        "row_profiles": {str(n): c[2] for n, c in sorted(curves.items()) if n != size},
     }
     measured = sorted(n for n, c in curves.items() if c[0] is not None)
     keep = measured.index(size)
@@ -324,7 +325,7 @@ def _at_rows(
     targets: Any,
     timing: Callable[..., list[tuple[str, Callable[[], Any]]]],
     profile: bool,
-) -> tuple[dict[str, tuple[float, ...]] | None, tuple[float, float], str]:
+) -> tuple[dict[str, tuple[float, ...]] | None, tuple[float, float], dict[str, Any]]:
     """The node times and the loss's at `rows` rows (the example's rows cut or repeated, as the
     runtime cuts a batch), and how they were had; (None, ..., why) when the model cannot run
     there. The graph's output shapes are the example's again afterwards."""
@@ -342,12 +343,16 @@ def _at_rows(
             "other row counts (analyze(rows=...) chooses them)",
             stacklevel=3,
         )
-        return None, (0.0, 0.0), f"left out: {why}"
+        return None, (0.0, 0.0), {"left_out": why}
     finally:
         for node, (outputs, nbytes) in shapes.items():
             node.meta[OUTPUTS], node.meta[OUTPUT_BYTES] = outputs, nbytes
-    how = gm.meta[PROFILE].origin() if profile else "priced on the device model"
-    return times, loss, how
+    if not profile:
+        return times, loss, {"priced": gm.meta[DEVICE_MODEL].name}
+    settings = gm.meta[PROFILE]
+    return times, loss, {"repeats": settings.repeats, "cached": settings.cached,
+                         "measured_at": settings.measured_at,
+                         "unsettled": len(settings.unsettled)}  # fmt: skip
 
 
 def _pass_failure(name: str, gm: fx.GraphModule, error: Exception) -> str:

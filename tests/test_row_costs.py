@@ -237,3 +237,12 @@ def test_profiled_costs_at_rows_never_profiled_match_a_profile_there() -> None:
         within = _spread(costs, time, spread) + _spread(at_8, time, spread) + 0.25
         assert abs(predicted[time] / measured[time] - 1) <= within, (time, predicted, measured)
     assert costs.graph.nodes["net_2"]["accumulate_s"] > 0  # a 1 MiB weight's gradient added
+
+
+def test_a_row_count_the_model_cannot_run_is_left_out_with_a_warning() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).train()  # not on 1 row in training
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="costs at 1 rows per microbatch were not measured"):
+        costs = pdcompile.analyze(pdcompile.trace(model, (x,)), (x,), profile=False,
+                                  rows=(1, 2, 4), calibration=False)  # fmt: skip
+    assert costs.rows == (2, 4) and "left_out" in costs.meta["row_profiles"]["1"]
