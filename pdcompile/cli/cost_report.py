@@ -60,8 +60,8 @@ def cost_table(graph: CostGraph, title: str, top: int | None = None) -> Table:
     source = graph.meta.get("source", "?")
     memory = human_bytes(t["memory_bytes"])
     table.caption = (
-        f"costs from {source}, batch size {graph.batch_size}; memory total {memory}; "
-        + _step_caption(graph)
+        f"costs from {source}, batch size {graph.batch_size} (times against rows: "
+        f"{graph.row_scaling}); memory total {memory}; " + _step_caption(graph)
     )
     return table
 
