@@ -270,6 +270,13 @@ def analyze(
         *timing(inputs, targets, 3, 10),
     ])  # fmt: skip
     curves[size] = (node_times(gm, measured=profile), gm.meta[LOSS_S] or (0.0, 0.0), None)
+    for n, (_, _, how) in sorted(curves.items()):  # the example's rows ran: the others' faults
+        if how and "left_out" in how:
+            warnings.warn(
+                f"costs at {n} rows per microbatch were not measured ({how['left_out']}); they "
+                "follow the other row counts (analyze(rows=...) chooses them)",
+                stacklevel=2,
+            )
     meta = {
         "model": type(gm).__name__,
         "capture": gm.meta.get(CAPTURE),
@@ -327,8 +334,8 @@ def _at_rows(
     profile: bool,
 ) -> tuple[dict[str, tuple[float, ...]] | None, tuple[float, float], dict[str, Any]]:
     """The node times and the loss's at `rows` rows (the example's rows cut or repeated, as the
-    runtime cuts a batch), and how they were had; (None, ..., why) when the model cannot run
-    there. The graph's output shapes are the example's again afterwards."""
+    runtime cuts a batch), and how they were had; (None, ..., {"left_out": why}) when the model
+    cannot run there. The graph's output shapes are the example's again afterwards."""
     at, at_targets = with_rows(dict(inputs), rows), with_rows(targets, rows)
     shapes = {n: (n.meta[OUTPUTS], n.meta[OUTPUT_BYTES]) for n in gm.graph.nodes}
     try:
@@ -336,13 +343,8 @@ def _at_rows(
         _run(gm, timing(at, at_targets, EXTRA_WARMUP, EXTRA_REPEATS))
         times = node_times(gm, measured=profile)
         loss = gm.meta[LOSS_S] or (0.0, 0.0)
-    except Exception as e:  # the other counts still give the curves
+    except Exception as e:  # the other counts still give the curves (analyze warns)
         why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        warnings.warn(
-            f"costs at {rows} rows per microbatch were not measured ({why}); they follow the "
-            "other row counts (analyze(rows=...) chooses them)",
-            stacklevel=3,
-        )
         return None, (0.0, 0.0), {"left_out": why}
     finally:
         for node, (outputs, nbytes) in shapes.items():
