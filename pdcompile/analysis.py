@@ -58,7 +58,7 @@ from pdcompile.row_curves import monotone
 # microbatch's times follow the line through the two largest counts, where the work grows with
 # the rows; profiling grows with the rows too.
 ROW_CAP = 64
-# A gap between two row counts profiled wider than this factor gets its geometric midpoint.
+# A gap between two row counts profiled of this factor or more gets its geometric midpoint.
 ROW_GAP = 16
 # Warm-up and timed repeats at the row counts other than the example's (which keeps the
 # profile's own): cheaper, as they only shape the curves between the example's times.
@@ -94,8 +94,8 @@ def profiled_rows(
 ) -> tuple[int, ...]:
     """The row counts `analyze` times: `rows` when given (the example's `batch` always among
     them), else 1, `batch` and the largest microbatch the caller will run (`max_rows`, capped at
-    `ROW_CAP` unless `batch` is larger), with the geometric midpoint of every gap wider than
-    `ROW_GAP` times.
+    `ROW_CAP` unless `batch` is larger), with the geometric midpoint of every gap of `ROW_GAP`
+    times or more.
 
     Raises:
         CostError: `rows` holds something other than integers >= 1.
@@ -110,7 +110,7 @@ def profiled_rows(
     top = max(batch, min(max_rows or batch, ROW_CAP))
     points = sorted({1, batch, top})
     gaps = [round(math.sqrt(a * b)) for a, b in zip(points, points[1:], strict=False)
-            if b > ROW_GAP * a]  # fmt: skip
+            if b >= ROW_GAP * a]  # fmt: skip
     return tuple(sorted({*points, *gaps}))
 
 
