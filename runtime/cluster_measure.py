@@ -366,10 +366,15 @@ def _read_cache(path: Path, max_age_s: float) -> dict[str, Any] | None:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+            found = f"format {doc.get('format')!r} version {doc.get('version')!r}"
+            raise PartitionError(bad.format(f"{found}, not {FORMAT!r} version {VERSION}"))
         cluster = Cluster.from_dict(doc["cluster"])
         at = datetime.fromisoformat(cluster.measured["at"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, PartitionError) as exc:
+    except PartitionError as exc:
+        if str(path) in str(exc):
+            raise
+        raise PartitionError(bad.format(str(exc))) from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PartitionError(bad.format(f"{type(exc).__name__}: {exc}")) from None
     age = (datetime.now(timezone.utc) - at).total_seconds()
     if age > max_age_s:
