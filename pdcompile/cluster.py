@@ -160,9 +160,14 @@ def _number(value: Any) -> bool:
 
 def _hosts_text(hosts: list[list[Any]]) -> str:
     """`[[host, [ranks]], ...]` as "2 hosts: a (ranks 0-1), b (ranks 2-3)"."""
-    parts = [f"{name} (rank{'s' if len(ranks) > 1 else ''} "
-             f"{ranks[0] if len(ranks) == 1 else f'{ranks[0]}-{ranks[-1]}'})"
-             for name, ranks in hosts]  # fmt: skip
+
+    def spans(ranks: list[int]) -> str:
+        consecutive = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+        if len(ranks) > 1 and consecutive:
+            return f"ranks {ranks[0]}-{ranks[-1]}"
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+    parts = [f"{name} ({spans(ranks)})" for name, ranks in hosts]
     return f"{len(hosts)} host{'s' if len(hosts) > 1 else ''}: {', '.join(parts)}"
 
 
@@ -292,8 +297,11 @@ class Cluster:
             lines.append(
                 f"  {level['name']}: {_format_rate(level['bandwidth'])} (slowest of ranks "
                 f"{pairs}, both directions), "
-                + (f"latency {_format_seconds(level['latency'])}" if level["latency"]
-                   else "latency within the send and receive costs")  # fmt: skip
+                + (
+                    f"latency {_format_seconds(level['latency'])}"
+                    if level["latency"]
+                    else "latency within the send and receive costs"
+                )  # fmt: skip
                 + (f", all-reduce {reduce / 1e9:.3g} GB/s" if reduce else "")
             )
         if m.get("speed"):

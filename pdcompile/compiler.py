@@ -218,11 +218,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     if measure and distributed and world_size > 1 and plan is None:  # before any load
         from pdcompile.runtime.cluster_measure import measure_cluster
 
-        def measured() -> None:
-            nonlocal cluster
-            cluster = measure_cluster(rank, world_size, device, timeout_s=startup_timeout)
-
-        _collective(rank, "measuring the cluster", measured)
+        cluster = _collective(rank, "measuring the cluster", lambda: measure_cluster(
+            rank, world_size, device, timeout_s=startup_timeout))  # fmt: skip
     failure: Exception | None = None
     on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     # while rank 0 profiles, the other ranks on its machine train, as in the run (profile_load)
@@ -410,11 +407,12 @@ def _fingerprint(gm: torch.fx.GraphModule, options: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _collective(rank: int, what: str, run: Callable[[], None]) -> None:
-    """Run a start-up collective; a timeout or a dead rank becomes `PipelineTimeoutError`."""
+def _collective(rank: int, what: str, run: Callable[[], Any]) -> Any:
+    """Run a start-up collective and return what it returns; a timeout or a dead rank becomes
+    `PipelineTimeoutError`."""
     start = time.monotonic()
     try:
-        run()
+        return run()
     except RuntimeError as exc:  # DistBackendError and the like
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise PipelineTimeoutError(

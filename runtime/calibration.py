@@ -46,7 +46,7 @@ from pdcompile.runtime.weight_slots import WeightSlots
 
 PROBE_BYTES = 4 * 2**20
 TENSORS = 64
-_PROBE = Channel(0, 1, "probe", shape=("batch",), dtype="float32")
+PROBE = Channel(0, 1, "probe", shape=("batch",), dtype="float32")
 
 
 @dataclass(frozen=True)
@@ -111,15 +111,15 @@ def _calibrate(
     latency = max(one_way - idle_send - recv, 0.0)
     extra = large - one_way - 2 * (PROBE_BYTES - 4) / cache  # less packing the extra bytes
     bandwidth = (PROBE_BYTES - 4) / extra if extra > 0 else PROBE_BYTES / large
-    collective = max(_all_reduce(comm, rank, pair, repeats, 2) - 2 * latency, 0.0)
-    whole = _all_reduce(comm, rank, pair, few, PROBE_BYTES // 8)
+    collective = max(all_reduce_seconds(comm, rank, pair, repeats, 2) - 2 * latency, 0.0)
+    whole = all_reduce_seconds(comm, rank, pair, few, PROBE_BYTES // 8)
     moving = whole - collective - 2 * latency  # a noisy fixed cost may leave nothing: the whole
     collective_bandwidth = PROBE_BYTES / (moving if moving > 0 else whole)
     return Calibration(latency, bandwidth, send, recv, memory, cache, tensor_s, collective,
                        collective_bandwidth)  # fmt: skip
 
 
-def _all_reduce(
+def all_reduce_seconds(
     comm: DistributedComm, rank: int, pair: tuple[int, ...], repeats: int, numel: int
 ) -> float:
     """Median seconds of an all-reduce of `numel` float64 over the ranks of `pair`, started
@@ -152,43 +152,43 @@ def _message(
     for i in range(repeats + 2):  # two untimed rounds first
         ping, pong, waited = ("act", i, 0, 1), ("grad", i, 0, 1), ("wait", i, 0, 1)
         if active:
-            comm.expect(peer, pong if rank == first else ping, [_PROBE], rows)
+            comm.expect(peer, pong if rank == first else ping, [PROBE], rows)
         dist.barrier()
         start = time.perf_counter()
         if rank == first:
-            comm.send(peer, ping, payload, [_PROBE], rows)
+            comm.send(peer, ping, payload, [PROBE], rows)
             sends.append(time.perf_counter() - start)
-            comm.recv(peer, pong, [_PROBE], rows)
+            comm.recv(peer, pong, [PROBE], rows)
             trips.append(time.perf_counter() - start)
         elif rank == second:
-            comm.recv(peer, ping, [_PROBE], rows)
-            comm.send(peer, pong, payload, [_PROBE], rows)
+            comm.recv(peer, ping, [PROBE], rows)
+            comm.send(peer, pong, payload, [PROBE], rows)
         # a receive that finds its message there (the second rank waits until it surely arrived)
         if rank == second:
-            comm.expect(peer, waited, [_PROBE], rows)
+            comm.expect(peer, waited, [PROBE], rows)
         dist.barrier()
         if rank == first:
-            comm.send(peer, waited, payload, [_PROBE], rows)
+            comm.send(peer, waited, payload, [PROBE], rows)
             comm.flush()
         dist.barrier()
         if rank == second:
             time.sleep(0.002)
             start = time.perf_counter()
-            comm.recv(peer, waited, [_PROBE], rows)
+            comm.recv(peer, waited, [PROBE], rows)
             recvs.append(time.perf_counter() - start)
         comm.flush()
         busy = ("busy", i, 0, 1)  # a send right after compute, as in a pipeline
         if rank == second:
-            comm.expect(peer, busy, [_PROBE], rows)
+            comm.expect(peer, busy, [PROBE], rows)
         dist.barrier()
         if active:
             _compute(comm.device, 0.002)
         if rank == first:
             start = time.perf_counter()
-            comm.send(peer, busy, payload, [_PROBE], rows)
+            comm.send(peer, busy, payload, [PROBE], rows)
             busy_sends.append(time.perf_counter() - start)
         elif rank == second:
-            comm.recv(peer, busy, [_PROBE], rows)
+            comm.recv(peer, busy, [PROBE], rows)
         comm.flush()
     figures = [statistics.median(trips[2:]) / 2 if trips else 0.0,
                statistics.median(sends[2:]) if sends else 0.0,
@@ -210,8 +210,8 @@ def _host(
     cold, hot = [], []
     for _ in range(repeats + 2):
         evict()
-        cold.append(_seconds(device, data.clone))
-        hot.append(_seconds(device, data.clone))
+        cold.append(timed(device, data.clone))
+        hot.append(timed(device, data.clone))
     del evict
     modules = torch.nn.Sequential(*(torch.nn.Linear(1, 1, bias=False) for _ in range(TENSORS)))
     modules.to(device)
@@ -238,15 +238,15 @@ def _compute(device: torch.device, seconds: float) -> None:
     a = torch.ones(256, 256, device=device)
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        _seconds(device, lambda: a @ a)
+        timed(device, lambda: a @ a)
 
 
 def _median(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of `fn` over `repeats` runs, after two untimed ones."""
-    return statistics.median([_seconds(device, fn) for _ in range(repeats + 2)][2:])
+    return statistics.median([timed(device, fn) for _ in range(repeats + 2)][2:])
 
 
-def _seconds(device: torch.device, fn: Callable[[], object]) -> float:
+def timed(device: torch.device, fn: Callable[[], object]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()

@@ -51,12 +51,12 @@ import torch.distributed as dist
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError
 from pdcompile.runtime.calibration import (
-    _PROBE,
+    PROBE,
     PROBE_BYTES,
     Calibration,
-    _all_reduce,
-    _seconds,
+    all_reduce_seconds,
     calibrate,
+    timed,
 )
 from pdcompile.runtime.distributed import DistributedComm
 
@@ -242,8 +242,8 @@ def _level(
     host_s = calibration.send_s + calibration.recv_s
     links = [_link(comm, rank, src, dst, calibration.cache_bandwidth, host_s, REPEATS)
              for src, dst in directions]  # fmt: skip
-    small = _all_reduce(comm, rank, group, REPEATS, 2)
-    large = _all_reduce(comm, rank, group, max(3, REPEATS // 4), PROBE_BYTES // 8)
+    small = all_reduce_seconds(comm, rank, group, REPEATS, 2)
+    large = all_reduce_seconds(comm, rank, group, max(3, REPEATS // 4), PROBE_BYTES // 8)
     n = len(group)  # a ring all-reduce moves 2 (n - 1) / n of the bytes each way
     moved = 2 * (n - 1) / n * PROBE_BYTES
     return {
@@ -294,18 +294,18 @@ def _round_trip(
     for i in range(repeats + 1):  # one untimed round first
         out, back = ("act", i, src, dst), ("grad", i, dst, src)
         if rank == src:
-            comm.expect(dst, back, [_PROBE], 1)
+            comm.expect(dst, back, [PROBE], 1)
         elif rank == dst:
-            comm.expect(src, out, [_PROBE], rows)
+            comm.expect(src, out, [PROBE], rows)
         dist.barrier()
         start = time.perf_counter()
         if rank == src:
-            comm.send(dst, out, payload, [_PROBE], rows)
-            comm.recv(dst, back, [_PROBE], 1)
+            comm.send(dst, out, payload, [PROBE], rows)
+            comm.recv(dst, back, [PROBE], 1)
             trips.append(time.perf_counter() - start)
         elif rank == dst:
-            comm.recv(src, out, [_PROBE], rows)
-            comm.send(src, back, answer, [_PROBE], 1)
+            comm.recv(src, out, [PROBE], rows)
+            comm.send(src, back, answer, [PROBE], 1)
         comm.flush()
     fastest = torch.tensor([min(trips[1:]) if trips else 0.0],
                            dtype=torch.float64, device=comm.device)  # fmt: skip
@@ -325,7 +325,7 @@ def _speeds(
         dist.barrier()
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < SPEED_PROBE_S:
-            _seconds(device, lambda: a @ a)
+            timed(device, lambda: a @ a)
             count += 1
         rates.append(count / (time.perf_counter() - start))
     # the fastest round: a passing load slows some rounds, a quota or a lasting job every one

@@ -121,6 +121,10 @@ def test_a_measured_cluster_round_trips_and_prints_how_it_was_measured():
     assert Cluster.parse(str(cluster)).levels == cluster.levels  # its text is a written cluster
     text = "\n".join(cluster.describe_measurement())
     assert "2 hosts: a (ranks 0-1), b (ranks 2-3)" in text and "156MB/s" in text
+    interleaved = Cluster(
+        [(4, 1e9)], measured={**measured, "hosts": [["a", [0, 2]], ["b", [1, 3]]]}
+    )
+    assert "a (ranks 0, 2), b (ranks 1, 3)" in "\n".join(interleaved.describe_measurement())
 
 
 def _speeds(rank, world_size, init_file, throttle):
