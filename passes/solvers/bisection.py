@@ -254,6 +254,8 @@ def _narrow(p, n: int, geo: _Geometry, lo: float, hi: float, tolerance: float) -
     estimated time per factor of bracket shrink. Each round logs how far the bracket is from
     `tolerance` (`progress`, 0 to 1: the share of the way in log scale; the CLI draws it).
     """
+    if lo <= 0 and _fewest(p, n, geo, np.array([0.0]))[0][0] <= geo.total:
+        return 0.0  # nothing to balance (no compute: data sources only); halving hi underflows
     start = max((hi - lo) / hi, tolerance)
     while hi - lo > tolerance * hi:
         ks = np.arange(1, n + 1)
