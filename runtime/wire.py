@@ -6,8 +6,11 @@ batch, so both know them). So the receiver posts its receive early, into a buffe
 message's size, and a message is one point-to-point operation.
 
 Layout: a preamble of 4 int64 (magic, checksum of the key, status, length of an error text),
-then each channel's bytes at an 8-aligned offset: a tensor of the channel's shape at those rows
-and its dtype, or a slot of `VALUE_SLOT` bytes for metadata (an int64 length, then UTF-8 JSON
+then each channel's bytes at an 8-aligned offset (16 for complex128, so that the receiver views
+them in place): a tensor of the channel's shape at those rows and its dtype, made contiguous on
+the way (a strided slice, a transpose, an expanded or conjugated view travels as its values;
+bool and complex as their bytes, which gloo carries like any other), or a slot of `VALUE_SLOT`
+bytes for metadata (an int64 length, then UTF-8 JSON
 with type tags: `{"size": [2, 3]}` is `torch.Size([2, 3])`, so no one unpickles what a peer
 sent). The sender checks every value against its channel first; on a mismatch it sends the
 message with status 1 and the error's text instead, and raises: both ranks raise the same
@@ -61,6 +64,8 @@ def layout(channels: tuple[Channel, ...], rows: int) -> Layout:
         if c.kind == "tensor":
             dtype, shape = getattr(torch, c.dtype), c.shape_for(rows)
             nbytes = torch.Size(shape).numel() * dtype.itemsize
+            align = max(8, dtype.itemsize)  # a view of the buffer as `dtype` needs it
+            offset = -(-offset // align) * align
         else:
             dtype, shape, nbytes = None, (), VALUE_SLOT
         slots.append(Slot(c, offset, nbytes, dtype, shape))
@@ -88,9 +93,15 @@ def pack(
             buffer[slot.offset : slot.offset + 8] = _bytes(len(data).to_bytes(8, "little"), device)
             buffer[slot.offset + 8 : slot.offset + 8 + len(data)] = _bytes(data, device)
         elif slot.nbytes:
-            flat = value.detach().reshape(-1).view(torch.uint8)
-            buffer[slot.offset : slot.offset + slot.nbytes] = flat
+            buffer[slot.offset : slot.offset + slot.nbytes] = as_bytes(value)
     return buffer, None
+
+
+def as_bytes(value: torch.Tensor) -> torch.Tensor:
+    """The bytes of `value`'s elements in row-major order, whatever its strides (a slice
+    `y[..., ::2]`, a transpose, an `expand`), conjugate or negative bit: a flat uint8 tensor."""
+    dense = value.detach().resolve_conj().resolve_neg().contiguous()
+    return dense.reshape(-1).view(torch.uint8)
 
 
 def error_message(
@@ -166,6 +177,11 @@ def _mismatch(values: Sequence[Any], lay: Layout, src: int, dst: int) -> StageCo
                 f"{where}: rank {src} sent {sent} to rank {dst}, which expects "
                 f"{c.describe()} = {expected} for this microbatch; the sender's stage computes "
                 "another shape than the one captured (a different sequence length or dtype?)"
+            )
+        if value.layout != torch.strided:
+            return StageCommError(
+                f"{where}: rank {src} sent a {value.layout} tensor to rank {dst}; only dense "
+                "tensors travel between stages: return value.to_dense() from the stage"
             )
     return None
 
