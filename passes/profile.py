@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from rich.console import Console
-from rich.progress import Progress
 
 from pdcompile.errors import UnsettledProfileWarning
 from pdcompile.ir import MEASURED_S, MEASURED_SPLIT_S, MEASURED_SPREAD, PROFILE
@@ -63,6 +62,7 @@ from pdcompile.passes.profile_cache import (
 )
 from pdcompile.passes.state import preserved_state
 from pdcompile.passes.timing import device_timer, grad_call_overhead
+from pdcompile.progress import phase
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +312,8 @@ def _measure(
     for p in params:  # autograd would accumulate into the user's gradients in place
         p.grad = None
     what = f"profiling {len(nodes)} nodes" if backward_nodes is None else "profiling again"
-    with Progress(transient=True, disable=not progress) as bar, preserved_state(gm):
-        task = bar.add_task(what, total=warmup + repeats + len(alone))
+    total = warmup + repeats + len(alone)  # whole passes, then backwards alone
+    with phase(what, total=total, enabled=progress) as bar, preserved_state(gm):
         for i in range(warmup + repeats):
             interpreter = _TimedInterpreter(gm, timer)
             with torch.enable_grad():
@@ -326,7 +326,7 @@ def _measure(
                 samples.whole[1].append(backward_s)
                 for name, seconds in interpreter.times.items():
                     samples.forward[name].append(seconds)
-            bar.advance(task)
+            bar.advance()
         values = record_values(gm, inputs)
         overhead = grad_call_overhead(device, timer, warmup + repeats)
         weights = weight_nodes(gm)
@@ -334,7 +334,7 @@ def _measure(
             timed = _isolated_backward(gm, values, node, timer, warmup, repeats, weights, overhead)
             if timed is not None:
                 samples.backward[node.name] = timed
-            bar.advance(task)
+            bar.advance()
     for p, grad in zip(params, saved_grads, strict=True):
         p.grad = grad
     return samples
@@ -414,7 +414,8 @@ def annotate_profile(
         num_threads: CPU threads during profiling (restored afterwards).
         warmup, repeats: untimed and timed runs of each forward and backward.
         cache: True for the default cache directory, a directory, or False for no cache.
-        progress: show a progress bar, and a line saying so when the times come from the cache.
+        progress: show progress (`pdcompile.progress`: a bar on a terminal, lines in a log),
+            and a line saying so when the times come from the cache.
         loaded_by: other processes training on this machine meanwhile (keys the cache; a
             loaded profile is not judged unsettled: its slow repeats are the load).
 

@@ -52,6 +52,7 @@ from pdcompile.passes.step_costs import (
     annotate_optimizer,
     describe_optimizer,
 )
+from pdcompile.progress import in_phase
 from pdcompile.row_curves import monotone
 
 # The largest row count profiled by default (unless the example has more): beyond it a
@@ -137,6 +138,12 @@ def default_device_model(device: torch.device) -> DeviceModel:
     return DeviceModel.get("cpu")
 
 
+def _analyzing(gm: fx.GraphModule, *_: Any, progress: bool = True, **__: Any) -> str | None:
+    """What progress says while `analyze` runs (nothing with `progress=False`)."""
+    return f"analyzing {len(gm.graph.nodes)} nodes" if progress else None
+
+
+@in_phase(_analyzing)
 def analyze(
     gm: fx.GraphModule,
     example_inputs: Any,
@@ -175,7 +182,7 @@ def analyze(
         coarsen: group nodes into at most this many layers.
         cache: profile cache: True (default directory), a directory, or False.
         num_threads: CPU threads while profiling.
-        progress: show a progress bar while profiling.
+        progress: show progress (`pdcompile.progress`: a bar on a terminal, lines in a log).
         calibration: the per-operation framework cost folded into the node times
             (`pdcompile.calibrate`, docs/costs.md): True uses the one cached for this machine,
             device and thread count (profiling measures it when none is, in about a second;

@@ -21,6 +21,7 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
 from pdcompile.plans import Plan, Stage, consecutive_ranks
+from pdcompile.progress import in_phase
 from pdcompile.registry import Registry
 from pdcompile.runtime.validate import check_num_microbatches
 from pdcompile.schedules import PipelineSchedule, get_schedule
@@ -128,6 +129,13 @@ def settled_microbatches(
     return even_m if even_m < limit else m
 
 
+def _planning(cost_graph: CostGraph, cluster: Cluster | str | int, **_: Any) -> str:
+    """What progress says while `plan` runs (the searches' own `plan()` calls add nothing)."""
+    devices = Cluster.coerce(cluster).num_devices
+    return f"planning {cost_graph.graph.number_of_nodes()} nodes on {devices} devices"
+
+
+@in_phase(_planning)
 def plan(
     cost_graph: CostGraph,
     cluster: Cluster | str | int,

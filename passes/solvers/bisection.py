@@ -28,6 +28,7 @@ import numpy as np
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_model import CostModel
+from pdcompile.progress import note
 from pdcompile.schedules import PipelineSchedule
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,8 @@ def _narrow(p, n: int, geo: _Geometry, lo: float, hi: float, tolerance: float) -
     bracket between the largest that fails and the smallest that fits. More probes per round
     mean fewer rounds (fewer numpy calls) but more work per call; the count minimises the
     estimated time per factor of bracket shrink. Each round logs how far the bracket is from
-    `tolerance` (`progress`, 0 to 1: the share of the way in log scale; the CLI draws it).
+    `tolerance` (`progress`, 0 to 1: the share of the way in log scale; `pdcompile.progress`
+    shows it).
     """
     if lo <= 0 and _fewest(p, n, geo, np.array([0.0]))[0][0] <= geo.total:
         return 0.0  # nothing to balance (no compute: data sources only); halving hi underflows
@@ -274,6 +276,7 @@ def _narrow(p, n: int, geo: _Geometry, lo: float, hi: float, tolerance: float) -
         done = math.log(start / width) / math.log(start / tolerance) if start > tolerance else 1
         log.info("bottleneck within %.0e, goal %.0e", width, tolerance,
                  extra={"progress": min(done, 1.0)})  # fmt: skip
+        note(f"bottleneck within {width:.0e}, goal {tolerance:.0e}", min(done, 1.0))
     return hi
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,9 @@ from pdcompile.capture.outputs import model_output
 from pdcompile.errors import TraceError
 from pdcompile.passes.mutation import written_input
 from pdcompile.passes.node_runner import record_values
+
+# recent torch warns inside its own export (pytree's LeafSpec): nothing a user can act on
+LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 class ExportedGraphModule(CapturedGraphModule):
@@ -159,13 +163,15 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
     try:
         with _explicit_keywords(model, inputs) as kwargs:
             model_output(model, args, kwargs)  # registers output dataclasses; may fail here
-            program = torch.export.export(
-                model,
-                args,
-                kwargs,
-                dynamic_shapes=_dynamic_shapes(inputs, Dim("batch")),
-                strict=False,
-            )
+            with warnings.catch_warnings():  # torch's own deprecation, raised inside export
+                warnings.filterwarnings("ignore", LEAFSPEC_WARNING, FutureWarning)
+                program = torch.export.export(
+                    model,
+                    args,
+                    kwargs,
+                    dynamic_shapes=_dynamic_shapes(inputs, Dim("batch")),
+                    strict=False,
+                )
     except Exception as e:
         hint = ""
         if "batch" in str(e):

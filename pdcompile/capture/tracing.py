@@ -25,6 +25,7 @@ from pdcompile.passes.params import annotate_params
 from pdcompile.passes.scope import annotate_scope
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.state import preserved_state
+from pdcompile.progress import in_phase, note
 
 METHODS = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -32,6 +33,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 DOMINANT_LEAF_SHARE = 0.5
 
 
+@in_phase(lambda model, *_, **__: f"capturing {type(model).__name__}")
 def trace(
     model: nn.Module,
     example_inputs: Any,
@@ -79,6 +81,7 @@ def trace(
 
     if method in ("auto", "fx"):
         try:
+            note("symbolic tracing")
             gm, auto = capture_fx(model, inputs, policy, auto_leaf)
         except TraceError as e:
             if method == "fx":
@@ -98,6 +101,7 @@ def trace(
                 fallback = gm, auto
 
     try:
+        note("torch.export")
         gm = capture_export(model, inputs)
         return _finish(gm, model, inputs, "export", {}, check)
     except TraceError as e:

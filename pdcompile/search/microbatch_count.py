@@ -20,6 +20,7 @@ from typing import Any
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
 from pdcompile.plans import Plan
+from pdcompile.progress import each
 from pdcompile.schedules.base import MAX_MICROBATCHES
 from pdcompile.text import human_bytes, human_seconds
 
@@ -110,7 +111,7 @@ def plan_microbatches(
     start = time.perf_counter()
     found: list[tuple[Plan, list[warnings.WarningMessage]]] = []
     rows: list[dict[str, Any]] = []
-    for m, size in settings:
+    for m, size in each(settings, "microbatch counts", lambda s: f"M={s[0]}"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:

@@ -25,6 +25,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError
 from pdcompile.plans import Plan
+from pdcompile.progress import each
 from pdcompile.schedules import get_schedule, schedules
 from pdcompile.schedules.registry import SCHEDULES
 from pdcompile.search.microbatch_count import SEARCH_KEY, divisors, fastest_fitting
@@ -107,7 +108,7 @@ def plan_auto(
     start = time.perf_counter()
     found: list[tuple[int, Plan, list[warnings.WarningMessage]]] = []
     rows: list[dict[str, Any]] = []
-    for name, chunks in candidates(allow_async):
+    for name, chunks in each(candidates(allow_async), "schedules", _candidate):
         row: dict[str, Any] = {"schedule": name, "chunks": chunks}
         mine: list[tuple[Plan, list[warnings.WarningMessage]]] = []
         reasons = []
@@ -139,6 +140,12 @@ def plan_auto(
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     options = {**best.options, AUTO: rows}
     return best.with_(options=options, solve_time_s=time.perf_counter() - start)
+
+
+def _candidate(candidate: tuple[str, int]) -> str:
+    """A candidate as progress names it: `zb-v, 2 chunks`."""
+    name, chunks = candidate
+    return name if chunks == 1 else f"{name}, {chunks} chunks"
 
 
 def _row(plan: Plan) -> dict[str, Any]:
