@@ -21,6 +21,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError, ScheduleError
+from pdcompile.plan_words import ALTERNATIVE, LARGEST, largest_node, pipeline_alternative
 from pdcompile.plans import Plan, Stage
 from pdcompile.row_curves import curve_at
 from pdcompile.schedules import get_schedule
@@ -211,13 +212,20 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         cluster.bandwidth(0, everyone - 1), prices.updates_every(rules.name, everyone, m),
         (total.optimizer_s + call if total.optimizer_s > 0 else 0.0) / min(speeds),
     )  # fmt: skip
-    return plan.with_(
+    options = {k: v for k, v in row_options(plan, cost_graph).items() if k != ALTERNATIVE}
+    largest = largest_node(cost_graph)
+    if largest is not None:
+        options[LARGEST] = largest
+    priced = plan.with_(
         stages=tuple(stages), cluster=cluster, schedule=rules.name, num_microbatches=m,
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0, data_parallel_time=dp_time, ties=ties,
         step_time=0.0, rank_memory=(), rank_idle=(), unpriced=unpriced(cost_graph),
-        options=row_options(plan, cost_graph),
+        options=options,
     )  # fmt: skip
+    # a data-parallel plan keeps the pipeline it was compared with, for its sentence (plan_words)
+    other = pipeline_alternative(priced, cost_graph)
+    return priced.with_(options={**options, ALTERNATIVE: other}) if other else priced
 
 
 def row_options(plan: Plan, cost_graph: CostGraph) -> dict:
@@ -322,13 +330,84 @@ def rescore(
             recv_bytes=tuple((src, round(n * factor)) for src, n in s.recv_bytes),
         ))  # fmt: skip
     predicted = bottleneck(stages)
-    bound = plan.lower_bound * ratios[-1][-1] if ratios else 0.0
+    whole = ratios[-1][-1] if ratios else factor  # the whole graph's compute
+    bound = plan.lower_bound * whole
     scaled = plan.with_(
         stages=tuple(stages), microbatch_size=rows, num_microbatches=count,
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0,
+        data_parallel_time=_data_parallel_time(plan, whole, prices, count),
+        options=_rescaled_words(plan, whole, factor, prices, count),
     )  # fmt: skip
-    return simulated(scaled)
+    result = simulated(scaled)
+    return result.with_(options=_rescaled_searches(result, plan))
+
+
+def _data_parallel_time(plan: Plan, whole: float, prices: CostModel, count: int) -> float:
+    """`plan.data_parallel_time` after `rescore`: its compute (the lower bound's, on one of all
+    the devices at the slowest speed) grown by `whole`; its all-reduce and optimizer step per
+    microbatch follow the microbatches per update, as a stage's do."""
+    cluster = plan.cluster
+    speeds = cluster.speed or (1.0,) * cluster.num_devices
+    compute = plan.lower_bound * math.fsum(speeds) / (min(speeds) * cluster.num_devices)
+    rest = max(0.0, plan.data_parallel_time - compute)
+    before = prices.updates_every(plan.schedule, cluster.num_devices, plan.num_microbatches)
+    after = prices.updates_every(plan.schedule, cluster.num_devices, count)
+    return compute * whole + rest * before / after
+
+
+def _rescaled_words(plan: Plan, whole: float, factor: float, prices: CostModel, count: int) -> dict:
+    """`plan.options` with the figures its sentence shows (`plan_words`) rescaled: the largest
+    node's time and the compared pipeline's bottleneck grow with the compute as the whole
+    graph's (`whole`), its transfers with the rows (`factor`)."""
+    options = dict(plan.options)
+    if options.get(LARGEST):
+        name, seconds = options[LARGEST]
+        options[LARGEST] = [name, seconds * whole]
+    other = options.get(ALTERNATIVE)
+    if other:
+        before = prices.updates_every(plan.schedule, 1, plan.num_microbatches)
+        after = prices.updates_every(plan.schedule, 1, count)
+        parts = {"compute_s": other["compute_s"] * whole, "comm_s": other["comm_s"] * factor,
+                 "other_s": other["other_s"] * before / after}  # fmt: skip
+        options[ALTERNATIVE] = {**other, **parts, "predicted_time": math.fsum(parts.values())}
+    return options
+
+
+def _rescaled_searches(result: Plan, plan: Plan) -> dict:
+    """`result.options` with the searches' tables (schedule="auto", the microbatch counts, the
+    recomputation) at the rescored step: the chosen row is the rescored plan, the others' steps
+    scale as its step did (they were planned at `plan`'s rows: `options["rescored_from"]`)."""
+    from pdcompile.search.microbatch_count import SEARCH_KEY
+    from pdcompile.search.recompute_choice import KEY
+    from pdcompile.search.schedule_choice import AUTO
+
+    options = dict(result.options)
+    ratio = result.step_time / plan.step_time if plan.step_time > 0 else 1.0
+    idle = result.rank_idle
+    chosen = {
+        "step_time": result.step_time, "predicted_time": result.predicted_time,
+        "num_microbatches": result.num_microbatches, "microbatch_size": result.microbatch_size,
+        "bubble": sum(idle) / len(idle) if idle else 0.0,
+        "peak_memory": max(result.rank_memory, default=0), "fits_memory": result.fits_memory,
+    }  # fmt: skip
+    searched = False
+    for key in (AUTO, SEARCH_KEY):
+        if options.get(key):
+            searched = True
+            options[key] = [
+                {**row, **chosen} if row.get("chosen")
+                else {**row, "step_time": row["step_time"] * ratio}
+                if not row.get("skipped") else row
+                for row in options[key]
+            ]  # fmt: skip
+    if options.get(KEY) and options[KEY].get("without_s"):
+        searched = True
+        options[KEY] = {**options[KEY], "without_s": options[KEY]["without_s"] * ratio}
+    if searched and "rescored_from" not in options:
+        options["rescored_from"] = {"microbatch_size": plan.microbatch_size,
+                                    "num_microbatches": plan.num_microbatches}  # fmt: skip
+    return options
 
 
 def _time_ratios(plan: Plan, rows: int, factor: float) -> list[tuple[float, ...]]:

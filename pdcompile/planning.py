@@ -20,7 +20,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
-from pdcompile.plans import Plan, Stage, consecutive_ranks
+from pdcompile.plans import RENAMED_SOLVERS, Plan, Stage, consecutive_ranks
 from pdcompile.progress import in_phase
 from pdcompile.registry import Registry
 from pdcompile.runtime.validate import check_num_microbatches
@@ -47,6 +47,7 @@ SOLVERS: Registry[Solver] = Registry(
         "pdcompile.passes.solvers.cpsat",
     ),
     PartitionError,
+    aliases=dict(RENAMED_SOLVERS),
 )
 
 
@@ -140,7 +141,7 @@ def plan(
     cost_graph: CostGraph,
     cluster: Cluster | str | int,
     *,
-    solver: str = "dp",
+    solver: str = "dynprog",
     schedule: str | PipelineSchedule = "1f1b",
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
@@ -158,7 +159,7 @@ def plan(
         cost_graph: costs per node (from `analyze`, `CostGraph.load` or `from_pipedream`).
         cluster: the devices: a `Cluster`, its text (e.g. "8@300GB/s,2@25Gbit/s") or a number
             of devices (`Cluster.coerce`).
-        solver: a name from `solvers()`.
+        solver: a name from `solvers()` ("dp", the old name of "dynprog", still works).
         schedule: a name from `pdcompile.schedules()` ("1f1b", "gpipe", "pipedream", "2bw", ...),
             or "auto": every synchronous schedule (and chunks per rank it takes) planned as
             here, the fastest `step_time` that fits memory returned, with the comparison in
@@ -172,7 +173,7 @@ def plan(
             from the graph's batch size.
         replica_counts: the replica counts a stage may have (default: any); e.g. the divisors
             of `num_microbatches`, so that every replica runs as many microbatches. Solvers
-            `dp`, `ideal` and `cpsat` search within them; a plan from another solver that
+            `dynprog`, `ideal` and `cpsat` search within them; a plan from another solver that
             breaks them is refused.
         chunks: stages per rank, one replica each (default: the schedule's `default_chunks`,
             2 for `interleaved-1f1b` and `zb-v`, else 1), placed by the schedule
@@ -284,7 +285,7 @@ def plan(
         raise PartitionError(
             f"solver {solver!r} gave stages {[s.replicas for s in result.stages]} replicas, "
             f"outside replica_counts={tuple(replica_counts)}; it does not search within them: "
-            "use solver 'dp', 'ideal' or 'cpsat'"
+            "use solver 'dynprog', 'ideal' or 'cpsat'"
         )
     if num_microbatches is not None and result.num_microbatches != num_microbatches:
         try:  # the schedule's own reason
@@ -330,8 +331,8 @@ def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> No
                 raise PartitionError(
                     f"solver {solver!r} gave stage {s} {plan.stages[s].replicas} replicas, but it "
                     f"holds a copy of a tensor that stages {list(stages)} share (tied weights): "
-                    f"under {rules.name} such a stage needs one replica; use solver 'dp', which "
-                    "keeps to this, or a schedule that replicates ties (e.g. '2bw')"
+                    f"under {rules.name} such a stage needs one replica; use solver 'dynprog', "
+                    "which keeps to this, or a schedule that replicates ties (e.g. '2bw')"
                 )
 
 

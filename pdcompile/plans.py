@@ -25,6 +25,9 @@ FORMAT = "pdcompile.plans"
 VERSION = 1
 INT64 = 2**63  # a plan file's integers are below this (what its readers hold)
 SIGNED = ("gap", "rank_idle")  # the plan's only numbers that may be negative (by rounding)
+# old solver names -> the registered ones (a saved plan's `solver` reads as the new name):
+# "dp" read as "data parallel", so PipeDream's dynamic program is "dynprog"
+RENAMED_SOLVERS = {"dp": "dynprog"}
 
 
 @dataclass(frozen=True)
@@ -233,14 +236,18 @@ class Plan:
                 f"{s.time_s / bottleneck:.0%}" if bottleneck else "-",
             ))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [header, *self.cluster.describe_measurement()] + [
+        from pdcompile.plan_words import describe  # it reads the options price() records
+
+        lines = [describe(self), header, *self.cluster.describe_measurement()] + [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         ]
         speedup = f"{self.speedup_over_data_parallel:.2f}x" if self.data_parallel_time else "-"
+        step = human_seconds(self.step_time) if self.step_time else "- (not simulated)"
         lines.append(
-            f"predicted {human_seconds(self.predicted_time)}/minibatch, step "
-            f"{human_seconds(self.step_time)}, lower bound {human_seconds(self.lower_bound)} "
-            f"(gap {self.gap:.1%}), speed-up over data parallelism {speedup}"
+            f"predicted step {step} ({self.num_microbatches} microbatches); per microbatch: "
+            f"bottleneck {human_seconds(self.predicted_time)}, lower bound "
+            f"{human_seconds(self.lower_bound)} (gap {self.gap:.1%}), data parallelism "
+            f"{human_seconds(self.data_parallel_time)} (speed-up over data parallelism {speedup})"
             + ("" if self.fits_memory else "; DOES NOT FIT device memory")
         )
         lines += self._step_cost_lines()
@@ -352,6 +359,8 @@ class Plan:
             )
             check_schedule(fields.get("schedule", "1f1b"))
             fields.update(stages=stages, cluster=Cluster.from_dict(data["cluster"]))
+            solver = fields.get("solver", "")
+            fields["solver"] = RENAMED_SOLVERS.get(solver, solver)
             plan = cls(**fields)
             check_layout(plan, plan.cluster.num_devices)
             return plan

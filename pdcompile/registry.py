@@ -14,10 +14,15 @@ T = TypeVar("T")
 
 class Registry(Generic[T]):
     """`kind` names what is registered ("solver"); `builtins` are the modules that register
-    the built-in ones; `error` is raised for an unknown name."""
+    the built-in ones; `error` is raised for an unknown name; `aliases` maps old names to the
+    registered ones (a renamed built-in: "dp" -> "dynprog"), used where no item has the name."""
 
-    def __init__(self, kind: str, builtins: tuple[str, ...], error: type[PdcompileError]) -> None:
+    def __init__(
+        self, kind: str, builtins: tuple[str, ...], error: type[PdcompileError],
+        aliases: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.kind, self.builtins, self.error = kind, builtins, error
+        self.aliases = dict(aliases or {})
         self._items: dict[str, T] = {}
 
     def add(self, name: str, item: T) -> None:
@@ -25,11 +30,20 @@ class Registry(Generic[T]):
         self._items[name] = item
 
     def get(self, name: str) -> T:
-        """The item called `name`; the error lists the registered names."""
+        """The item called `name` (or by an alias of it); the error lists the registered
+        names."""
         self._load()
+        name = self.canonical(name)
         if not isinstance(name, str) or name not in self._items:
             raise self._unknown(name)
         return self._items[name]
+
+    def canonical(self, name: object) -> object:
+        """`name`, or the registered name it is an alias of."""
+        self._load()
+        if isinstance(name, str) and name not in self._items and name in self.aliases:
+            return self.aliases[name]
+        return name
 
     def _unknown(self, name: object) -> PdcompileError:
         return self.error(
@@ -53,7 +67,7 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         self._load()
-        return name in self._items
+        return self.canonical(name) in self._items
 
     def _load(self) -> None:
         for module in self.builtins:

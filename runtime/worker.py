@@ -457,7 +457,7 @@ def _make_optimizer(
         raise PartitionError(
             f"stage {stage} holds no parameters (its nodes: {', '.join(nodes[:6])}), and the "
             f"optimizer refuses an empty list ({exc}); plan fewer stages (a smaller cluster) or "
-            "with a solver that balances compute (solver='dp')"
+            "with a solver that balances compute (solver='dynprog')"
         ) from exc
 
 

@@ -23,10 +23,10 @@ def test_plan_prints_the_stage_table_and_writes_the_plan(capsys, tmp_path) -> No
     code, out, err = run(capsys, "plan", str(VGG), "--cluster", "4@10GB/s,4@1.25GB/s",
                          "--schedule", "pipedream", "--out", str(target))  # fmt: skip
     assert code == 0 and f"wrote {target}" in err
-    assert "Plan by dp for 4@10GB/s,4@1.25GB/s (16 devices), schedule pipedream" in out
+    assert "Plan by dynprog for 4@10GB/s,4@1.25GB/s (16 devices), schedule pipedream" in out
     assert "speed-up over data parallelism" in out
     plan = Plan.load(target)
-    assert plan.solver == "dp" and plan.num_devices_used <= 16 and plan.schedule == "pipedream"
+    assert plan.solver == "dynprog" and plan.num_devices_used <= 16 and plan.schedule == "pipedream"
 
 
 def test_plan_of_a_model_spec(capsys) -> None:
@@ -39,7 +39,7 @@ def test_solvers_lists_the_registry(capsys) -> None:
     code, out, _ = run(capsys, "solvers")
     assert code == 0
     names = [line.split()[0] for line in out.splitlines()]
-    assert {"dp", "uniform", "params", "blocks"} <= set(names)
+    assert {"dynprog", "dp", "uniform", "params", "blocks"} <= set(names)
 
 
 def test_compare_ranks_every_solver_under_evaluate(capsys) -> None:
@@ -47,8 +47,8 @@ def test_compare_ranks_every_solver_under_evaluate(capsys) -> None:
     assert code == 0 and "under evaluate" in out
     rows = [line for line in out.splitlines() if line.startswith("│")]
     by_solver = {r.split("│")[1].strip(): r.split("│")[3].strip() for r in rows}
-    assert by_solver["dp"] == "1.000"  # dp is (one of) the best
-    assert {r.split("│")[1].strip() for r in rows} >= {"dp", "uniform", "params", "blocks"}
+    assert by_solver["dynprog"] == "1.000"  # dynprog is (one of) the best
+    assert {r.split("│")[1].strip() for r in rows} >= {"dynprog", "uniform", "params", "blocks"}
 
 
 def test_plan_errors_are_one_line(capsys) -> None:

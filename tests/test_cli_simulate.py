@@ -44,10 +44,10 @@ def vgg_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_plan_table_gives_each_stage_its_share_of_the_bottleneck(vgg_plan: Path) -> None:
     plan = Plan.load(vgg_plan)
-    lines = str(plan).splitlines()
-    assert lines[1].split()[-3:] == ["memory", "of", "bottleneck"]
+    lines = str(plan).splitlines()  # the sentence, the header, the table
+    assert lines[2].split()[-3:] == ["memory", "of", "bottleneck"]
     worst = max(s.time_s for s in plan.stages)
-    for stage, line in zip(plan.stages, lines[2:], strict=False):
+    for stage, line in zip(plan.stages, lines[3:], strict=False):
         assert line.endswith(f"{stage.time_s / worst:.0%}")
     assert sum(line.endswith(" 100%") for line in lines) == 1
 
@@ -78,14 +78,14 @@ def test_simulate_a_plan_draws_png_and_svg_and_writes_the_trace(capsys, vgg_plan
     code, _, _ = run(capsys, "simulate", vgg_plan, "--svg", svg)
     text = svg.read_text()
     assert code == 0 and text.startswith("<?xml") and "<svg" in text
-    assert "rank 3 (stage 1)" in text and "simulated: dp plan, 1f1b, 8 microbatches" in text
+    assert "rank 3 (stage 1)" in text and "simulated: dynprog plan, 1f1b, 8 microbatches" in text
 
 
 def test_simulate_plans_other_inputs_on_the_fly(capsys, tmp_path) -> None:
     svg = tmp_path / "g.svg"
     code, out, _ = run(capsys, "simulate", VGG, "--cluster", "2@1GB/s", "--schedule", "gpipe",
                        "--microbatches", "4", "--svg", svg)  # fmt: skip
-    assert code == 0 and "Plan by dp for 2@1GB/s" in out and "gpipe, 4 microbatches" in out
+    assert code == 0 and "Plan by dynprog for 2@1GB/s" in out and "gpipe, 4 microbatches" in out
     assert "rank 1 (stage" in svg.read_text()
 
 

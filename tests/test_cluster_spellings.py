@@ -100,7 +100,7 @@ def test_the_command_line_takes_the_text_and_names_a_bad_one(capsys, tmp_path) -
     costs = tmp_path / "costs.json"
     G.save(costs)
     assert main(["plan", str(costs), "--cluster", "2", "--microbatches", "2"]) == 0
-    assert "Plan by dp for 2@12.5GB/s (2 devices)" in capsys.readouterr().out
+    assert "Plan by dynprog for 2@12.5GB/s (2 devices)" in capsys.readouterr().out
     assert main(["plan", str(costs), "--cluster", "2x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pdcompile: error: cannot read cluster '2x': each level is COUNT")

@@ -200,7 +200,7 @@ def test_ideal_falls_back_to_dp_and_says_why() -> None:
     cluster = Cluster.parse("3@100B/s")
     dp_time = solve(g, cluster, "dp", "1f1b", 4).predicted_time
     plan = solve(g, cluster, "ideal", "1f1b", 4, max_ideals=100)
-    assert plan.solver == "ideal" and plan.options["fallback"] == "dp"
+    assert plan.solver == "ideal" and plan.options["fallback"] == "dynprog"
     assert "more ideals than max_ideals=100" in plan.options["reason"]
     assert plan.predicted_time == dp_time
     assert "fallback" not in solve(g, cluster, "ideal", "1f1b", 4, max_ideals=256).options
@@ -277,7 +277,7 @@ def test_cpsat_is_deterministic_and_reports_its_bound() -> None:
 def test_cpsat_falls_back_or_refuses_and_says_why() -> None:
     g = chain([1.0] * 6, [10] * 6, [1] * 6, [4] * 6)
     plan = solve(g, Cluster.parse("4"), "cpsat", "1f1b", 4, max_cells=10)
-    assert plan.options["fallback"] == "dp" and "max_cells=10" in plan.options["reason"]
+    assert plan.options["fallback"] == "dynprog" and "max_cells=10" in plan.options["reason"]
     plan = solve(g, Cluster.parse("2@1GB/s,2@1MB/s"), "cpsat", "1f1b", 4)
     assert "2 levels" in plan.options["reason"]
     with pytest.raises(PartitionError, match="cpsat: unknown options"):
@@ -293,7 +293,7 @@ def test_pipedream_with_a_tied_tensor_falls_back_to_dp(solver) -> None:
     g.meta["ties"] = [{"nodes": ["n0", "n3"], "grad_bytes": 64}]
     cluster = Cluster.parse("4@100B/s")
     plan = solve(g, cluster, solver, "pipedream", 3)
-    assert plan.options["fallback"] == "dp" and "tied tensor" in plan.options["reason"]
+    assert plan.options["fallback"] == "dynprog" and "tied tensor" in plan.options["reason"]
     assert plan.predicted_time == solve(g, cluster, "dp", "pipedream", 3).predicted_time
     assert "fallback" not in solve(g, cluster, solver, "1f1b", 3).options
 

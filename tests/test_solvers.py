@@ -146,8 +146,8 @@ def test_register_a_solver_and_plan_with_it() -> None:
     g = chain([1.0, 2.0], [1, 1], [1, 1], [4, 4])
     plan = pdcompile.plan(g, Cluster.parse("2"), solver="single")
     assert plan.num_stages == 1 and plan.solver == "single" and plan.solve_time_s >= 0
-    assert {"dp", "uniform", "params", "blocks"} <= set(pdcompile.solvers())
-    with pytest.raises(PartitionError, match="unknown solver 'nope'; registered: .*dp"):
+    assert {"dynprog", "uniform", "params", "blocks"} <= set(pdcompile.solvers())
+    with pytest.raises(PartitionError, match="unknown solver 'nope'; registered: .*dynprog"):
         pdcompile.plan(g, Cluster.parse("2"), solver="nope")
     with pytest.raises(PartitionError, match="unknown schedule .zb.; registered: 1f1b"):
         pdcompile.plan(g, Cluster.parse("2"), schedule="zb")

@@ -1,4 +1,5 @@
-"""`dp`'s fast path: bisection on the bottleneck with a fewest-devices DP (homogeneous, no memory).
+"""`dynprog`'s fast path: bisection on the bottleneck with a fewest-devices DP (homogeneous,
+no memory).
 
 For a bottleneck value T, the DP finds the fewest devices that cover a prefix of the order with
 every stage's time <= T; T is found by bisection (to `TOLERANCE` relative). On a homogeneous

@@ -1,7 +1,7 @@
 """`cpsat`: a CP-SAT model of contiguous stages with replicas, speeds and exact memory limits.
 
-Stages are contiguous runs of one topological order (that of `dp`'s best plan, which is the warm
-start, via `AddHint`): slot s covers positions [b_s, b_{s+1}) on r_s replicas, slots used from
+Stages are contiguous runs of one topological order (that of `dynprog`'s best plan, which is the
+warm start, via `AddHint`): slot s covers positions [b_s, b_{s+1}) on r_s replicas, slots used from
 the front, ranks consecutive. Intervals of a topological order are convex; a DAG-wide convexity
 model would need a stage variable per node and cut terms per (node, boundary), too big. The
 objective is the bottleneck T under the cost model (`options["cost_model"]`); with booleans
@@ -22,18 +22,18 @@ depth up to it), each encoded only if the schedule's counts depend on it (1f1b: 
 in flight; 2bw: min(w_s, M) + 1; pipedream: w_s + 1 and w_s versions; gpipe: M; zb-h1/zb-h2: also
 the microbatches whose W alone is pending, which grow with the deepest warm-up, at all their
 activation bytes, as the runtime keeps them), the peak with or without the gradients
-(`MemoryCounts.charges`: both must fit). On one order `dp` is exact too, except for memory,
+(`MemoryCounts.charges`: both must fit). On one order `dynprog` is exact too, except for memory,
 where its safe bound can miss plans that fit: that is what `cpsat` adds.
 
-Times are integer ticks, `dp`'s bottleneck being 10^6 ticks (fewer if a table would overflow).
+Times are integer ticks, `dynprog`'s bottleneck being 10^6 ticks (fewer if a table would overflow).
 Table entries are rounded to the nearest tick, so a stage's model time is within 1.5 ticks of its
 true time and an optimal model solution is within 4 ticks of the best plan of the order.
 `plan.options`: `bound` (a proven lower bound, seconds, on every plan of the order, rounding
 included), `gap` ((predicted - bound) / predicted), `status` (OPTIMAL or FEASIBLE), `tick_s`.
-The plan is the better of CP-SAT's and `dp`'s under `evaluate`. Hierarchical clusters, models
+The plan is the better of CP-SAT's and `dynprog`'s under `evaluate`. Hierarchical clusters, models
 of more than `max_cells` nodes x devices and graphs with tied tensors under a schedule that does
 not replicate ties (`pipedream`: stages holding part of a tie need one replica, which this model
-does not say) fall back to `dp` (`fallback`, `reason` recorded).
+does not say) fall back to `dynprog` (`fallback`, `reason` recorded).
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
 
-TICKS = 10**6  # dp's bottleneck in ticks
+TICKS = 10**6  # dynprog's bottleneck in ticks
 MAX_CELLS = 20_000  # nodes x devices
 _SLACK = 2.5  # ticks between the model's optimum and the true optimum (see the docstring)
 _OPTIONS = ("time_limit_s", "num_workers", "max_cells", "cost_model")
-_BASE = (*SEARCH, "cost_model")  # what cpsat hands on to dp
+_BASE = (*SEARCH, "cost_model")  # what cpsat hands on to dynprog
 
 
 class _Model:
@@ -295,14 +295,14 @@ def _check_options(options: dict[str, Any]) -> tuple[float, int, int]:
 
 
 def _as_cpsat(plan: Plan, options: dict[str, Any], **extra: Any) -> Plan:
-    """`plan` (from dp) labelled as cpsat's, with cpsat's options and `extra` recorded."""
+    """`plan` (from dynprog) labelled as cpsat's, with cpsat's options and `extra` recorded."""
     own = {k: v for k, v in options.items() if k not in _BASE}
     return plan.with_(solver="cpsat", options={**own, **plan.options, **extra})
 
 
 @register_solver("cpsat")
 def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
-    """CP-SAT over one linear order: replicas, speeds, exact memory; warm-started by dp."""
+    """CP-SAT over one linear order: replicas, speeds, exact memory; warm-started by dynprog."""
     limit, workers, cells = _check_options(options)
     pricing = Pricing.of(cluster, options)
     rules = pricing.rules
@@ -310,7 +310,7 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     try:
         base: Plan | None = dp(cost_graph, cluster, base_options)
     except PartitionError:
-        base = None  # dp's safe memory bound found nothing; the exact model may
+        base = None  # dynprog's safe memory bound found nothing; the exact model may
     orders = linear_orders(cost_graph)
     name = base.options["order"] if base is not None else "graph"
     order = orders[name]
@@ -324,8 +324,8 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
         why = f"cpsat: under {rules.name}, stages holding part of a tied tensor need one replica"
     if why is not None:
         if base is None:
-            raise PartitionError(f"{why}, and dp finds no plan that fits memory")
-        return _as_cpsat(base, options, fallback="dp", reason=why + "; used dp")
+            raise PartitionError(f"{why}, and dynprog finds no plan that fits memory")
+        return _as_cpsat(base, options, fallback="dynprog", reason=why + "; used dynprog")
     p = Prefix(cost_graph, order)
     ref = float(p.compute[n]) / max(cluster.speed or [1.0])  # one device, no communication
     ref = base.predicted_time if base is not None else ref

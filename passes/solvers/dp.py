@@ -1,4 +1,5 @@
-"""`dp`: exact partitioning of a linear order into stages with replicas, on pdcompile's cost model.
+"""`dynprog` (PipeDream's dynamic program; formerly `dp`): exact partitioning of a linear order
+into stages with replicas, on pdcompile's cost model.
 
 Stages are contiguous runs of a topological order; stage s gets r_s replicas on the next r_s
 ranks (devices may stay unused at the end). The objective is `evaluate`'s predicted time (the
@@ -185,20 +186,20 @@ def _infeasible_message(p: Prefix, n: int, cluster: Cluster) -> str:
         f"no placement fits: device memory is {cluster.memory:.4g} B, and the model's weights, "
         f"gradients and optimizer state alone take {need:.4g} B (plus activations per "
         f"microbatch in flight); use more devices, a larger memory, fewer microbatches in flight "
-        "(schedule 1f1b), or a smaller microbatch. dp checks memory with a safe bound on the "
+        "(schedule 1f1b), or a smaller microbatch. dynprog checks memory with a safe bound on the "
         "microbatches in flight; solver='cpsat' checks it exactly and may still find a plan"
     )
 
 
-@register_solver("dp")
+@register_solver("dynprog")
 def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan:
-    """Exact DP over linear orders with replication and device hierarchy (pdcompile's default)."""
+    """Exact dynamic program over linear orders with replicas and device hierarchy (default)."""
     pricing = Pricing.of(cluster, options)
     _, rules, prices, microbatches = pricing
     unknown = set(options) - {*SEARCH, "orders", "cost_model"}
     if unknown:
         raise PartitionError(
-            f"dp: unknown options {sorted(unknown)}; dp takes 'orders', 'cost_model'"
+            f"dynprog: unknown options {sorted(unknown)}; dynprog takes 'orders', 'cost_model'"
         )
     orders = linear_orders(cost_graph)
     chosen = options.get("orders") or list(orders)
@@ -212,7 +213,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
             if name in ("graph", "dfs", "bfs", "critical_path"):
                 continue  # the same order as one already tried
             raise PartitionError(
-                f"dp: unknown order {name!r}; choose from graph, dfs, bfs, critical_path"
+                f"dynprog: unknown order {name!r}; choose from graph, dfs, bfs, critical_path"
             )
         order = orders[name]
         p = Prefix(cost_graph, order)
@@ -227,7 +228,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
             failure = e  # another order may fit
             continue
         groups = [(order[j:k], r) for j, k, r in cuts]
-        candidate = make_plan(cost_graph, cluster, groups, options, "dp")
+        candidate = make_plan(cost_graph, cluster, groups, options, "dynprog")
         candidate = candidate.with_(options={**candidate.options, "order": name})
         if best is None or candidate.predicted_time < best.predicted_time:
             best = candidate

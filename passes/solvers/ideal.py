@@ -3,8 +3,8 @@
 A plan with contiguous stages is a chain of ideals (downsets: node sets closed under
 predecessors) {} = I_0 < I_1 < ... < I_S = all nodes; stage s is I_s minus I_{s-1}, which is
 always convex, and its nodes are listed in the graph's order, which every edge respects. Unlike
-`dp`, which cuts a few linear orders, this covers every contiguous plan of the DAG. Data sources
-(kind "input", no predecessors) are kept in the first stage, as every pdcompile solver does.
+`dynprog`, which cuts a few linear orders, this covers every contiguous plan of the DAG. Data
+sources (kind "input", no predecessors) are kept in the first stage, as every pdcompile solver does.
 
 The dynamic program runs over states (ideal I, devices used m) -> smallest bottleneck, and
 prices stages with the cost model (`options["cost_model"]`) on a flat cluster (one bandwidth): a
@@ -15,12 +15,12 @@ per-ideal sums. Ideals are processed by size, with numpy over every (sub-ideal, 
 size and every replica count: O(P D^2) for P comparable pairs and D devices.
 
 Memory (when the cluster has a limit) is checked per stage with the schedule's `memory_bounds`
-(as `dp` does, the W's a split schedule leaves pending included), so the plan fits under those
+(as `dynprog` does, the W's a split schedule leaves pending included), so the plan fits under those
 counts but one that fits may be missed.
 Clusters with more than one level, graphs with more than `max_ideals` ideals, problems of more
 than `max_transitions` DP transitions (P D (D + 1) / 2), and graphs with tied tensors under a
 schedule that does not replicate ties (`pipedream`: a stage holding part of a tie needs one
-replica, which this DP does not model) fall back to `dp`; `plan.options` then holds `fallback`
+replica, which this DP does not model) fall back to `dynprog`; `plan.options` then holds `fallback`
 and `reason`.
 """
 
@@ -190,7 +190,7 @@ class _Model:
         allreduce = prices.allreduce_s(parts["grad"], r, self.bandwidth, self.every[r])[:, None]
         speed = self.speed[0, r] if self.homogeneous else self.speed[ms, r][None, :]
         time = prices.stage_time(parts["compute"][:, None] / speed, r, comm, allreduce)
-        if self.memory is not None:  # a pending W at all its activations, as dp
+        if self.memory is not None:  # a pending W at all its activations, as dynprog
             counts = MemoryCounts(*self.counts[:, ms, r][:, None, :])
             acts = parts["activations"][:, None]
             memory = np.maximum(*counts.charges(
@@ -279,7 +279,7 @@ def _fallback(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any], 
     plan = dp(cost_graph, cluster, base)
     own = {k: v for k, v in options.items() if k not in base}
     return plan.with_(
-        solver="ideal", options={**own, **plan.options, "fallback": "dp", "reason": why}
+        solver="ideal", options={**own, **plan.options, "fallback": "dynprog", "reason": why}
     )
 
 
@@ -299,25 +299,25 @@ def ideal(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     if not cluster.is_flat:
         why = (
             f"ideal: the cluster has {len(cluster.levels)} levels and ideal handles flat "
-            "clusters only; used dp"
+            "clusters only; used dynprog"
         )
         return _fallback(cost_graph, cluster, options, why)
     if not rules.replicates_ties and tie_positions(cost_graph, cost_graph.nodes):
         why = (
             f"ideal: under {rules.name}, stages holding part of a tied tensor need one replica, "
-            "which ideal's DP does not model; used dp"
+            "which ideal's DP does not model; used dynprog"
         )
         return _fallback(cost_graph, cluster, options, why)
     lattice = _enumerate(cost_graph, limit)
     if isinstance(lattice, int):
-        why = f"ideal: the graph has more ideals than max_ideals={limit}; used dp"
+        why = f"ideal: the graph has more ideals than max_ideals={limit}; used dynprog"
         return _fallback(cost_graph, cluster, options, why)
     d = cluster.num_devices
     work = lattice.pairs * d * (d + 1) // 2
     if work > max_work:
         why = (
             f"ideal: {len(lattice.masks)} ideals, {lattice.pairs} nested pairs x {d} devices "
-            f"make {work:.3g} DP transitions > max_transitions={max_work:.3g}; used dp"
+            f"make {work:.3g} DP transitions > max_transitions={max_work:.3g}; used dynprog"
         )
         return _fallback(cost_graph, cluster, options, why)
     model = _Model(lattice, pricing)

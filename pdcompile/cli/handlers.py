@@ -306,7 +306,7 @@ def _codegen(args: argparse.Namespace) -> int:
         made = plan(
             costs,
             _cluster(args),
-            solver=args.solver or "dp",
+            solver=args.solver or "dynprog",
             schedule=args.schedule or "1f1b",
             num_microbatches=args.microbatches,
             chunks=args.chunks,
@@ -364,8 +364,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise PdcompileError(f"{args.spec} is not a Plan JSON: give --cluster to plan it")
     else:
         costs, _ = _costs(args)
-        with progress(_planning(costs, cluster, args.solver or "dp")):
-            made = plan(costs, cluster, solver=args.solver or "dp",
+        with progress(_planning(costs, cluster, args.solver or "dynprog")):
+            made = plan(costs, cluster, solver=args.solver or "dynprog",
                         schedule=args.schedule or "1f1b", num_microbatches=args.microbatches,
                         chunks=args.chunks)  # fmt: skip
         print(made)
@@ -412,10 +412,12 @@ def _simulation_table(sim: Any) -> Table:
 
 
 def _solvers(args: argparse.Namespace) -> int:
-    from pdcompile.planning import solvers
+    from pdcompile.planning import SOLVERS, solvers
 
     for name, description in solvers().items():
         print(f"{name:12s} {description}")
+    for old, name in SOLVERS.aliases.items():
+        print(f"{old:12s} the old name of {name}")
     return 0
 
 

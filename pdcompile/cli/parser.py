@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-plan from a recorded run (PipelinedModule.save_trace): its stages' measured "
         "times rescale INPUT's costs; prints the running plan and the new one, priced alike",
     )  # fmt: skip
-    plan.add_argument("--solver", default="dp", help="a name from `pdcompile solvers`")
+    plan.add_argument("--solver", default="dynprog", help="a name from `pdcompile solvers`")
     plan.add_argument("--out", metavar="FILE", help="write the Plan JSON here")
 
     generate = commands.add_parser(
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--plan", metavar="FILE", help="a Plan JSON (pdcompile plan --out)")
     source.add_argument("--cluster", help="plan here for this cluster, e.g. 4 or 8@300GB/s")
     generate.add_argument("--costs", metavar="FILE", help="the CostGraph a coarsened plan used")
-    generate.add_argument("--solver", help="with --cluster: a solver name (default dp)")
+    generate.add_argument("--solver", help="with --cluster: a solver name (default dynprog)")
     generate.add_argument("--memory", help="with --cluster: bytes per device, e.g. 80GB")
     generate.add_argument(
         "--schedule", choices=list(schedules()), help="with --cluster (default 1f1b)"
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(--trace) that Perfetto opens.",
     )
     _plan_options(simulation, plan_file=True)
-    simulation.add_argument("--solver", help="planning INPUT: a solver name (default dp)")
+    simulation.add_argument("--solver", help="planning INPUT: a solver name (default dynprog)")
     figure = simulation.add_mutually_exclusive_group()
     figure.add_argument("--png", metavar="FILE", help="draw the Gantt chart as a PNG")
     figure.add_argument("--svg", metavar="FILE", help="draw the Gantt chart as an SVG")

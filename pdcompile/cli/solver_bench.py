@@ -9,9 +9,9 @@ run.
 
 Example:
     >>> from pdcompile.cli.bench_instances import load_instance
-    >>> results = run_bench(load_instance("chain:40"), [Cluster.parse("4")], ["dp", "uniform"])
+    >>> results = run_bench(load_instance("chain:40"), [Cluster.parse("4")], ["dynprog", "uniform"])
     >>> [(r.solver, r.status, round(r.ratio_to_best, 3)) for r in results]
-    [('dp', 'ok', 1.0), ('uniform', 'ok', 1.049)]
+    [('dynprog', 'ok', 1.0), ('uniform', 'ok', 1.049)]
 """
 
 from __future__ import annotations

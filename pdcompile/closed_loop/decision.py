@@ -197,7 +197,7 @@ def decide(
     rows = plan.microbatch_size or cost_graph.batch_size
     priced = costs.scaled(rows) if rows and rows != costs.batch_size else costs
     running = evaluate(plan, priced)
-    options = {"solver": plan.solver or "dp", "schedule": plan.schedule, **options}
+    options = {"solver": plan.solver or "dynprog", "schedule": plan.schedule, **options}
     new = make_plan(costs, plan.cluster, num_microbatches=plan.num_microbatches,
                     microbatch_size=rows, **options)  # fmt: skip
     gain = 1 - new.step_time / running.step_time if running.step_time else 0.0
