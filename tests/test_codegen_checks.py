@@ -60,14 +60,16 @@ def test_cycle_of_convex_stages_and_stages_out_of_order_are_rejected() -> None:
     xs = (torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3))
     gm = pdcompile.trace(Independent(), xs)
     order = [n.name for n in gm.graph.nodes]
+    # canonical order: the inputs, the chains nothing uses (y's, z's), then the output's (x's)
     assert order == ["x", "y", "z", "sin", "cos", "sin_1", "cos_1", "sin_2", "cos_2", "output"]
-    # 0 -> 1 (sin -> cos), 1 -> 2 (sin_1 -> cos_1), 2 -> 0 (sin_2 -> cos_2): each stage convex
-    cyclic = [["x", "y", "sin", "cos_2"], ["cos", "sin_1"], ["z", "cos_1", "sin_2", "output"]]
+    assert [n.args[0].name for n in gm.graph.nodes if n.name.startswith("sin")] == ["y", "z", "x"]
+    # 0 -> 1 (sin_2 -> cos_2), 1 -> 2 (sin -> cos), 2 -> 0 (sin_1 -> cos_1): each stage convex
+    cyclic = [["x", "y", "sin_2", "cos_1"], ["cos_2", "sin"], ["z", "cos", "sin_1", "output"]]
     with pytest.raises(
-        CodegenError, match=r"cycle: stage 0 -> 1 .*stage 2 -> 0 \(sin_2 -> cos_2\)"
+        CodegenError, match=r"cycle: stage 0 -> 1 .*stage 2 -> 0 \(sin_1 -> cos_1\)"
     ):
         pdcompile.codegen(gm, plan_of(cyclic))
-    with pytest.raises(CodegenError, match=r"stage 1 feeds the earlier stage 0 \(node x -> sin\)"):
+    with pytest.raises(CodegenError, match=r"stage 1 feeds the earlier stage 0 \(node y -> sin\)"):
         pdcompile.codegen(gm, plan_of([order[3:], order[:3]]))
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from pdcompile.capture.canonical import canonicalize
 from pdcompile.capture.export_capture import capture_export
 from pdcompile.capture.functionalize import functionalize, inplace_nodes
 from pdcompile.capture.fx_capture import capture_fx
@@ -165,6 +166,7 @@ def _finish(
             ) from e
         if capture == "fx" and inplace_nodes(gm):
             functionalize(gm, record_values(gm, inputs.tensors))
+        canonicalize(gm)  # the same graph in every process, whatever its hash seed
         annotate_params(gm)
         if check:
             _check_outputs(gm, model, inputs, capture)
