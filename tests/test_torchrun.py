@@ -36,9 +36,11 @@ def test_torchrun_trains_the_example_pipeline(tmp_path) -> None:
 def test_the_readme_demo_trains_digits_with_every_method(tmp_path) -> None:
     """`examples/train_digits.py`, shortened: one seed, six epochs."""
     result = torchrun(str(EXAMPLES / "train_digits.py"), "--seeds", "1", "--epochs", "6",
-                      cwd=tmp_path)  # fmt: skip
+                      "--out", str(tmp_path / "digits"), cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "digits_results.json").read_text())["summary"]
+    assert result.stdout.lstrip().startswith("digits: samples seen until 95%")  # the table first
+    assert "after each epoch" not in result.stdout  # per-epoch detail only with --verbose
+    summary = json.loads((tmp_path / "digits" / "results.json").read_text())["summary"]
     assert set(summary) == {"pipedream", "1f1b", "ddp"}
     assert all(s["median_final_accuracy"] > 0.8 for s in summary.values()), summary
     # 1f1b is gradient accumulation over the same rows as DDP's update: the same accuracy
