@@ -16,17 +16,21 @@ The lowering, top to bottom:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import math
 import os
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from pdcompile import errors
 from pdcompile.closed_loop.decision import Replan
 from pdcompile.cluster import AUTO as MEASURED
 from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
@@ -161,6 +165,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.runtime.executor import DistributedPipeline
     from pdcompile.runtime.local import LocalPipeline
     from pdcompile.runtime.memory_probe import device_memory
+    from pdcompile.runtime.pipeline import program_schedule
     from pdcompile.runtime.profile_load import ProfileLoad, example_step
     from pdcompile.runtime.validate import check_layout
     from pdcompile.schedules import check_nonfinite, get_schedule
@@ -247,50 +252,67 @@ def compile(  # noqa: A001 - the public name API.md gives it
     else:
         load.serve(example_step(model, inputs, example_kwargs, loss_fn, example_targets),
                    startup_timeout)  # fmt: skip
-    if distributed:
-        plan = _share_plan(plan, failure, rank)
-    if auto:  # what runs is the schedule the plan was made for
-        schedule = plan.schedule
-        check_nonfinite(schedule, nonfinite)
-    if num_microbatches is not None and num_microbatches != plan.num_microbatches:
-        plan = rescore(plan, num_microbatches=num_microbatches)  # what runs is what is scored
-    updates = {"clip": clip_grad_norm is not None, "skip_nonfinite": nonfinite == "skip"}
-    if any(getattr(plan, k) != v for k, v in updates.items()):
-        plan = simulated(plan.with_(**updates))  # the clip and check every update runs, priced
-    if distributed:  # every rank, before its stages send anything
-        check_layout(plan, world_size, world=True)
-    if on_meta and policy is not None:
-        raise PartitionError("replan= with a model on the meta device is not supported yet")
+    shared = _share_plan(plan, failure, rank) if distributed else None
+    # from here on every rank runs each phase, then the ranks agree on how it ended: a rank
+    # that fails makes every other rank raise its error by name, not a peer's closed connection
+    phase = functools.partial(_agreement, rank, world_size if distributed else 1)
+    with phase("preparing the plan"):
+        if shared is not None:  # rank 0's too: every rank runs the plan as it travelled
+            plan = Plan.from_json(shared)
+        if auto:  # what runs is the schedule the plan was made for
+            schedule = plan.schedule
+            check_nonfinite(schedule, nonfinite)
+        if num_microbatches is not None and num_microbatches != plan.num_microbatches:
+            plan = rescore(plan, num_microbatches=num_microbatches)  # what runs is scored
+        updates = {"clip": clip_grad_norm is not None, "skip_nonfinite": nonfinite == "skip"}
+        if any(getattr(plan, k) != v for k, v in updates.items()):
+            plan = simulated(plan.with_(**updates))  # the clip and check every update runs
+        if distributed:  # every rank, before its stages send anything
+            check_layout(plan, world_size, world=True)
+        if on_meta and policy is not None:
+            raise PartitionError("replan= with a model on the meta device is not supported yet")
 
     def executor(plan: Plan, schedule: str) -> Any:
         """The executor of `plan` under `schedule` on this process: codegen, then this rank's
-        stages."""
-        program = codegen(gm, plan)
-        if on_meta:
-            mine = [s.index for s in plan.stages if not distributed or rank in s.ranks]
-            _materialize([program.stages[i] for i in mine], device, weights)
+        stages (every rank agreeing after each: the executor's process groups are collectives,
+        which a rank that failed before them would leave the others waiting in)."""
+        clip, skip = clip_grad_norm is not None, nonfinite == "skip"
+        with phase("generating its stage modules"):
+            program = codegen(gm, plan)
+            if on_meta:
+                mine = [s.index for s in plan.stages if not distributed or rank in s.ranks]
+                _materialize([program.stages[i] for i in mine], device, weights)
+            if distributed:  # a schedule that does not build fails here, on every rank
+                program_schedule(program, schedule, plan.num_microbatches, clip, skip)
         settings = dict(schedule=schedule, num_microbatches=plan.num_microbatches,
                         loss_fn=loss_fn, optimizer=optimizer, clip_grad_norm=clip_grad_norm,
                         lr_scheduler=lr_scheduler, autocast=autocast,
                         vertical_sync=vertical_sync, nonfinite=nonfinite)  # fmt: skip
-        if distributed:
-            return DistributedPipeline(program, rank=rank, device=device, timeout_s=timeout,
-                                       **settings)  # fmt: skip
-        return LocalPipeline(program, **settings)
+        with phase("building its executor"):
+            if distributed:
+                return DistributedPipeline(program, rank=rank, device=device,
+                                           timeout_s=timeout, **settings)  # fmt: skip
+            return LocalPipeline(program, **settings)
 
-    replanner = None
-    if policy is not None:
-        mine = None  # rank 0 decides
-        if rank == 0:
-            mine = CostGraph.load(costs) if isinstance(costs, str) else costs
-        replanner = Replanner(policy, mine, lambda new: executor(new, schedule),
-                              {"solver": solver, "schedule": schedule})  # fmt: skip
+    with phase("building the pipelined module"):
+        replanner = None
+        if policy is not None:
+            mine = None  # rank 0 decides
+            if rank == 0:
+                mine = CostGraph.load(costs) if isinstance(costs, str) else costs
+            replanner = Replanner(policy, mine, lambda new: executor(new, schedule),
+                                  {"solver": solver, "schedule": schedule})  # fmt: skip
     module = PipelinedModule(executor(plan, schedule), rank=rank, replanner=replanner,
                              checkpoint=autosave)  # fmt: skip
     if autosave is not None:
-        module.resume()
+        with phase("checking that its stages can resume"):
+            if len(module.pipeline.workers) != 1:  # resume raises before its collectives
+                module.resume()
+        with phase("resuming from the newest checkpoint"):
+            module.resume()
     if measure_memory:
-        module.measure_memory()
+        with phase("attaching the memory probe"):
+            module.measure_memory()
     return module
 
 
@@ -409,30 +431,72 @@ def _fingerprint(gm: torch.fx.GraphModule, options: dict[str, Any]) -> str:
 
 def _collective(rank: int, what: str, run: Callable[[], Any]) -> Any:
     """Run a start-up collective and return what it returns; a timeout or a dead rank becomes
-    `PipelineTimeoutError`."""
+    `PipelineTimeoutError`, naming the peer when the backend's message does ("another rank"
+    when it does not: gloo names a closed connection by its address only)."""
     start = time.monotonic()
     try:
         return run()
     except RuntimeError as exc:  # DistBackendError and the like
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        named = sorted({int(r) for r in re.findall(r"\brank (\d+)", reason)} - {rank})
+        peer = f"rank {named[0]}" if len(named) == 1 else "another rank"
         raise PipelineTimeoutError(
             f"rank {rank} gave up {what} after waiting {time.monotonic() - start:.1f} s: "
-            f"{reason}; another rank died, hangs, or did not call pdcompile.compile (the wait "
-            "is bounded by startup_timeout)"
+            f"{reason}; {peer} died, hangs, or did not call pdcompile.compile (the wait is "
+            "bounded by startup_timeout; that rank's own log says why)"
         ) from exc
 
 
-def _share_plan(plan: Plan | None, failure: Exception | None, rank: int) -> Plan:
-    """Rank 0's plan on every rank; rank 0's planning error stops every rank."""
+@contextlib.contextmanager
+def _agreement(rank: int, world_size: int, what: str) -> Iterator[None]:
+    """Run a phase of `compile` on every rank, then agree on how it ended (one
+    `all_gather_object`, also after a failure: so a phase must not start a collective after a
+    point where it can fail on one rank only). On one rank (`world_size` 1) just the phase.
+
+    Raises:
+        PdcompileError: on every other rank when a rank failed the phase: of the failure's
+            class if that is a pdcompile error, naming the first failed rank and its message;
+            the failed rank raises its own error.
+        PipelineTimeoutError: a rank died or hangs (`_collective`).
+    """
+    if world_size == 1:
+        yield
+        return
+    failure: Exception | None = None
+    try:
+        yield
+    except Exception as exc:
+        failure = exc
+    everyone: list[str | None] = [None] * world_size
+    sent = None if failure is None else f"{type(failure).__name__}: {failure}"
+    _collective(rank, f"agreeing on {what}",
+                lambda: dist.all_gather_object(everyone, sent))  # fmt: skip
+    if failure is not None:
+        raise failure
+    failed = [(r, text) for r, text in enumerate(everyone) if text is not None]
+    if failed:
+        first, text = failed[0]
+        also = f" (ranks {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
+        kind = getattr(errors, text.split(":", 1)[0], None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, PdcompileError) else None
+        raise (kind or PdcompileError)(
+            f"rank {first} failed {what}{also}, so rank {rank} stops too: {text}; the fix is "
+            f"in rank {first}'s error"
+        )
+
+
+def _share_plan(plan: Plan | None, failure: Exception | None, rank: int) -> str:
+    """Rank 0's plan on every rank, as JSON (read in an agreed phase: `Plan.from_json` checks
+    it); rank 0's planning error stops every rank."""
     mine = plan.to_json() if plan is not None else None  # rank 0 has one, the others None
     shared = [("error", f"{type(failure).__name__}: {failure}") if failure else mine]
-    _collective(rank, "receiving the plan from rank 0",
-                lambda: dist.broadcast_object_list(shared, src=0))  # fmt: skip
+    what = "sending the plan to the other ranks" if rank == 0 else "receiving the plan from rank 0"
+    _collective(rank, what, lambda: dist.broadcast_object_list(shared, src=0))
     if failure is not None:
         raise failure
     if isinstance(shared[0], tuple):
         raise PdcompileError(f"rank 0 could not plan, so no rank can start: {shared[0][1]}")
-    return Plan.from_json(shared[0])
+    return shared[0]
 
 
 def _check_fingerprints(mine: str | Exception, rank: int, world_size: int) -> None:

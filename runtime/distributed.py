@@ -206,15 +206,23 @@ class DistributedComm:
         """Post the message of `values` to `peer`; returns without waiting for the receiver.
 
         Raises:
-            StageCommError: a value does not fit its channel (the receiver is told and raises
-                the same error).
+            StageCommError: a value does not fit its channel, or cannot be packed (the
+                receiver is told and raises the same error).
         """
         if peer == self.rank:
             self._own.send(peer, key, values, channels, rows)
             return
         lay = wire.layout(tuple(channels), rows)
-        buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
+        try:
+            buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
+        except Exception as exc:  # the peer waits for this message: it gets the error instead
+            error = StageCommError(
+                f"rank {self.rank} could not pack its {describe_key(key)} for rank {peer}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            buffer = wire.error_message(lay, key, str(error), self.device)
         group = self._p2p[peer > self.rank]
         work = self._start(dist.isend, buffer, peer, what, dst=peer, tag=tag, group=group)
         self._sends.append((work, buffer, peer, what, key))
