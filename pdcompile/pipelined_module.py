@@ -14,6 +14,7 @@ import torch.distributed as dist
 from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.evaluation import rescore
 from pdcompile.pictures.gantt import bubble_fraction
+from pdcompile.plan_words import step_warning
 from pdcompile.plans import Plan
 from pdcompile.runtime import memory_probe
 from pdcompile.runtime.executor import DistributedPipeline
@@ -281,7 +282,7 @@ class PipelinedModule:
         # the microbatch counts
         comparison = auto_table(self.plan) or counts_table(self.plan)
         if comparison:
-            lines += [comparison, ""]
+            lines += [comparison, *self._rescored_note(), ""]
         recomputed = recompute_table(self.plan)  # which stages recompute, what it costs
         if recomputed:
             lines += [recomputed, ""]
@@ -296,14 +297,29 @@ class PipelinedModule:
             rows = sum(r for _, _, r in self._measured) / len(self._measured)
             lines.append(
                 f"measured over {len(self._measured)} steps: median {human_seconds(seconds)} "
-                f"per step, {rows / seconds:.1f} samples/s"
+                f"per step, {rows / seconds:.1f} samples/s (predicted step "
+                f"{human_seconds(self.plan.step_time)})"
             )
+            warning = step_warning(self.plan.step_time, seconds)
+            lines += [warning] if warning else []
         by_rank: dict[int, dict[int, list[Event]]] = {}
         for (rank, stage), worker in sorted(self.pipeline.workers.items()):
             by_rank.setdefault(rank, {})[stage] = worker.timeline
         for rank, timelines in by_rank.items():
             lines += self._explain_rank(rank, timelines)
         return "\n".join(lines)
+
+    def _rescored_note(self) -> list[str]:
+        """Where the plan was re-scored for the rows the first step ran: what the comparison's
+        other rows are."""
+        since = self.plan.options.get("rescored_from")
+        if not since:
+            return []
+        return [
+            f"(planned at {since['microbatch_size']} rows per microbatch; the chosen row is "
+            f"re-scored for the {self.plan.microbatch_size} the first step ran, the others' "
+            "steps scaled as its step was, their memory as planned)"
+        ]
 
     def _explain_replan(self) -> list[str]:
         """With compile(replan=...): the decision, and the measured step before and after."""

@@ -23,10 +23,9 @@ LARGEST = "largest_node"  # plan.options: [node, seconds of its forward + backwa
 ALTERNATIVE = "pipeline_alternative"  # plan.options, data-parallel plans: the pipeline it beat
 BOUNDING = 0.9  # the largest node bounds a stage holding at least this share of its compute
 MISMATCH = 1.5  # explain() warns when measured and predicted steps differ by more than this
-FORCE = (
-    "to pipeline anyway, plan with solver='blocks' (one stage per rank: "
-    "`pdcompile plan MODEL --cluster {cluster} --solver blocks --out plan.json`, then "
-    "compile(..., plan='plan.json')) or with pdcompile.plan(..., replica_counts=[1])"
+FORCE = (  # the solvers that cut one stage per rank, whatever it costs: blocks, uniform, params
+    "to pipeline anyway: compile(..., solver='blocks') or `pdcompile plan MODEL --cluster "
+    "{cluster} --solver blocks` (one stage per rank, balanced by time)"
 )
 
 
@@ -79,8 +78,8 @@ def describe(plan: Plan) -> str:
         data parallelism on 4 ranks: a pipeline of 4 stages (one per rank, balanced by time)
         was predicted 12% slower, because moving the activations between stages (3.10 ms per
         microbatch into stage 2) costs more than the all-reduce (1.20 ms per microbatch); to
-        pipeline anyway, plan with solver='blocks' (...) or with pdcompile.plan(...,
-        replica_counts=[1])
+        pipeline anyway: compile(..., solver='blocks') or `pdcompile plan MODEL --cluster
+        4@10GB/s --solver blocks` (one stage per rank, balanced by time)
     """
     ranks = plan.num_devices_used
     devices = plan.cluster.num_devices
@@ -109,16 +108,19 @@ def _one_stage(plan: Plan, over: str) -> str:
     if stage.replicas == 1:
         devices = plan.cluster.num_devices
         where = "one rank" if devices == 1 else f"one of {devices} ranks"
-        return f"the whole model on {where}: no pipeline, no data parallelism"
+        return f"the whole model on {where}: no pipeline, no data parallelism" + (
+            _against_data_parallel(plan) if devices > 1 else ""
+        )
     text = f"data parallelism on {over}"
     other = plan.options.get(ALTERNATIVE)
     if not other or not plan.predicted_time:
         return f"{text}; {FORCE.format(cluster=plan.cluster)}"
     change = other["predicted_time"] / plan.predicted_time - 1
     pipeline = f"a pipeline of {other['num_stages']} stages (one per rank, balanced by time)"
-    if change <= 0:  # the solver did not compare with it (a plan by hand, another solver)
-        return f"{text}: {pipeline} is predicted {-change:.0%} faster; plan with solver='blocks'"
     force = FORCE.format(cluster=plan.cluster)
+    if change <= 0:  # not what the plan was chosen against (other rows, another solver, by hand)
+        force = force.replace(" anyway", "")
+        return f"{text}, though {pipeline} is predicted {-change:.0%} faster here; {force}"
     slower = f"{change + 1:.1f}x slower" if change >= 1 else f"{change:.0%} slower"
     return f"{text}: {pipeline} was predicted {slower}, because {_why(plan)}; {force}"
 

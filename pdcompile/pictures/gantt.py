@@ -1,10 +1,12 @@
 """Gantt charts of timelines, measured or simulated: one row per rank, one box per action.
 
 `plot_timelines([(title, events), ...], "out.png")` draws one panel per timeline, stacked, in
-one time unit. Forward, backward, send, receive, all-reduce, clipping and the optimizer step
-have distinct colours; forward and backward boxes carry their microbatch number when wide
-enough; each row is labelled "rank r (stage s)" with its bubble fraction. Needs matplotlib
-(the `plot` extra), imported only when drawing; `bubble_fraction` is pure.
+one time unit. Forward, backward, clipping and the optimizer step (compute), send and
+all-reduce (communication) have distinct colours; a receive is drawn as idle time, grey and
+hatched: the rank waits there for the message (its transfer included), and the legend keeps
+idle apart from communication. Forward and backward boxes carry their microbatch number when
+wide enough; each row is labelled "rank r (stage s)" with its bubble fraction. Needs
+matplotlib (the `plot` extra), imported only when drawing; `bubble_fraction` is pure.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ KINDS = {
     "B": ("backward", "#55a868"),
     "I": ("backward, input part", "#8cc79b"),
     "W": ("backward, weight part", "#2f7a45"),
-    "send": ("send", "#dd8452"),
-    "recv": ("receive", "#f2c14e"),
-    "allreduce": ("all-reduce", "#c44e52"),
+    "send": ("send (communication)", "#dd8452"),
+    "recv": ("idle: waiting for a message", "#e4e4e4"),
+    "allreduce": ("all-reduce (communication)", "#c44e52"),
     "clip": ("clip", "#8172b3"),
     "step": ("optimizer step", "#937860"),
 }
 OTHER = "#bbbbbb"
+IDLE = ("recv",)  # kinds drawn as idle: hatched, in the legend after a blank "idle" box
+_HATCH = ("////", "#9a9a9a")  # the idle boxes' hatching and its colour
 _COMM = ("send", "recv")  # drawn as thin boxes at the bottom of a row: they may overlap compute
 _FORMATS = (".png", ".svg")
 _FONT = 7  # points, of the microbatch numbers
@@ -115,9 +119,14 @@ def plot_timelines(panels: Sequence[tuple[str, Sequence[Event]]], path: str | Pa
         ax.set_title(f"{title} ({span / scale:.3g} {unit})", fontsize=10, loc="left")
     axes[-1].set_xlabel(f"time ({unit})")
     axes[-1].set_xlim(0, longest / scale * 1.01)
-    handles = [Patch(color=c, label=label) for k, (label, c) in KINDS.items() if k in kinds]
+    handles = [
+        Patch(facecolor=c, label=label, **_idle_style(k))
+        for k, (label, c) in KINDS.items()
+        if k in kinds
+    ]
     if kinds - KINDS.keys():
         handles.append(Patch(color=OTHER, label="other"))
+    handles.append(Patch(facecolor="white", edgecolor=_HATCH[1], label="idle: no action"))
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
         fig.savefig(path, dpi=150)
@@ -138,7 +147,8 @@ def _draw_panel(
             boxes = [(e.start * per_s, e.duration * per_s) for e in mine if e.kind == kind]
             lane = (y + 0.1, 0.25) if kind in _COMM else (y - 0.4, 0.8)
             colour = KINDS.get(kind, ("", OTHER))[1]
-            ax.broken_barh(boxes, lane, facecolors=colour, edgecolors="white", linewidth=0.3)
+            style = _idle_style(kind) or {"edgecolor": "white", "linewidth": 0.3}
+            ax.broken_barh(boxes, lane, facecolors=colour, **style)
             kinds.add(kind)
         for e in mine:
             text = str(e.microbatch)
@@ -150,3 +160,8 @@ def _draw_panel(
     ax.set_ylim(len(labels) - 0.5, -0.5)
     ax.grid(axis="x", alpha=0.3)
     return kinds
+
+
+def _idle_style(kind: str) -> dict[str, Any]:
+    """Hatching for the kinds drawn as idle ({} for the others)."""
+    return {"hatch": _HATCH[0], "edgecolor": _HATCH[1], "linewidth": 0} if kind in IDLE else {}
