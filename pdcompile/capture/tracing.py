@@ -255,7 +255,7 @@ def _restore_inputs(
     for user in placeholder.users if placeholder is not None else ():
         module = gm.get_submodule(user.target) if user.op == "call_module" else None
         if is_inplace(user, module):
-            where = f" at node {user.name}{_user_line(user)}"
+            where = f" at node {user.name}{user_line(user)}"
     raise TraceError(
         f"{type(model).__name__} changes its input {changed[0]!r} in place{where}: pipeline "
         "stages must not write into the tensors they receive; compute a new tensor instead "
@@ -263,7 +263,7 @@ def _restore_inputs(
     )
 
 
-def _user_line(node: fx.Node) -> str:
+def user_line(node: fx.Node) -> str:
     """` (at file.py:12: x.mul_(2))`: the innermost frame of the node's stack trace outside
     torch, or nothing."""
     lines = (node.meta.get("stack_trace") or "").splitlines()
