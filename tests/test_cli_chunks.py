@@ -85,14 +85,15 @@ def test_codegen_chunks_writes_a_module_per_stage(capsys, tmp_path) -> None:
 def test_bench_solvers_plans_each_solver_with_the_chunks(capsys, tmp_path) -> None:
     out_json = tmp_path / "bench.json"
     code, out, err = run(capsys, "bench-solvers", "chain:8", "--cluster", "2", "--schedule",
-                         "zb-h1", "--chunks", "2", "--solvers", "dp,uniform", "--time-limit",
+                         "zb-h1", "--chunks", "2", "--solvers", "dynprog,uniform", "--time-limit",
                          "0", "--json", out_json)  # fmt: skip
     assert code == 0, err
     data = json.loads(out_json.read_text())
     assert data["settings"]["chunks"] == 2
     assert [(r["solver"], r["status"], r["num_stages"], r["num_devices_used"])
-            for r in data["results"]] == [("dp", "ok", 4, 2), ("uniform", "ok", 4, 2)]  # fmt: skip
-    assert {(row[0], row[5], row[6]) for row in rows(out)} == {("dp", "4", "2"),
+            for r in data["results"]] == [("dynprog", "ok", 4, 2),
+                                          ("uniform", "ok", 4, 2)]  # fmt: skip
+    assert {(row[0], row[5], row[6]) for row in rows(out)} == {("dynprog", "4", "2"),
                                                               ("uniform", "4", "2")}  # fmt: skip
 
 

@@ -170,22 +170,22 @@ def test_plan_command_prints_the_table(capsys) -> None:
 
 
 def test_bench_solvers_compares_solver_schedule_pairs(capsys) -> None:
-    results = run_bench(load_instance("chain:10"), [Cluster.parse("4")], ["dp", "uniform"],
+    results = run_bench(load_instance("chain:10"), [Cluster.parse("4")], ["dynprog", "uniform"],
                         schedules=["1f1b", "zb-v", "auto"])  # fmt: skip
     assert [(r.solver, r.schedule) for r in results] == [
-        (s, k) for s in ("dp", "uniform") for k in ("1f1b", "zb-v", "auto")
+        (s, k) for s in ("dynprog", "uniform") for k in ("1f1b", "zb-v", "auto")
     ]
     assert all(r.status == "ok" and r.step_time for r in results)
     assert min(r.step_ratio for r in results) == pytest.approx(1.0)
-    for solver in ("dp", "uniform"):  # auto is at least as fast as each schedule it covers
+    for solver in ("dynprog", "uniform"):  # auto is at least as fast as each schedule it covers
         mine = {r.schedule: r.step_time for r in results if r.solver == solver}
         assert mine["auto"] <= min(mine["1f1b"], mine["zb-v"]) * (1 + TIE)
     code = main(["bench-solvers", "chain:8", "--cluster", "2", "--solvers", "dp",
                  "--schedules", "1f1b,zb-h1", "--time-limit", "0"])  # fmt: skip
     out = capsys.readouterr().out
-    assert code == 0 and "dp / 1f1b" in out and "dp / zb-h1" in out
+    assert code == 0 and "dynprog / 1f1b" in out and "dynprog / zb-h1" in out
     with pytest.raises(PartitionError, match="unknown schedule"):
-        run_bench(load_instance("chain:4"), [Cluster.parse("2")], ["dp"], schedules=["nope"])
+        run_bench(load_instance("chain:4"), [Cluster.parse("2")], ["dynprog"], schedules=["nope"])
 
 
 def test_compile_auto_runs_the_chosen_schedule_and_explains_the_choice() -> None:

@@ -23,7 +23,7 @@ from pdcompile.cli.handlers import main
 from pdcompile.cli.solver_bench import load_plugin, run_bench
 
 DATA = Path(__file__).parent / "data" / "pipedream"
-FAST = ["dp", "uniform", "params", "blocks", "pipedream"]
+FAST = ["dynprog", "uniform", "params", "blocks", "pipedream"]
 
 PLUGIN = '''
 import os
@@ -174,22 +174,22 @@ def test_every_solver_on_every_instance_scored_by_evaluate() -> None:
 
 
 def test_slow_exact_solvers_on_a_tiny_instance_with_a_time_limit() -> None:
-    results = run_bench(load_instance("dag:8"), [Cluster.parse("3")], ["ideal", "cpsat", "dp"],
+    results = run_bench(load_instance("dag:8"), [Cluster.parse("3")], ["ideal", "cpsat", "dynprog"],
                         time_limit_s=60)  # fmt: skip
     by = {r.solver: r for r in results}
     assert all(r.status == "ok" for r in results)
-    assert by["ideal"].predicted_time <= by["dp"].predicted_time + 1e-12
-    assert by["cpsat"].predicted_time <= by["dp"].predicted_time + 1e-12
+    assert by["ideal"].predicted_time <= by["dynprog"].predicted_time + 1e-12
+    assert by["cpsat"].predicted_time <= by["dynprog"].predicted_time + 1e-12
     hierarchical = run_bench(load_instance("chain:6"), [Cluster.parse("2,2")], ["ideal"])
-    assert hierarchical[0].note.startswith("fell back to dp:")
+    assert hierarchical[0].note.startswith("fell back to dynprog:")
 
 
 def test_unknown_solvers_and_bad_limits_are_clear_errors() -> None:
     chain = load_instance("chain:5")
-    with pytest.raises(PartitionError, match=r"unknown solver\(s\) 'magic'.*registered: .*dp"):
-        run_bench(chain, [Cluster.parse("2")], ["dp", "magic"])
+    with pytest.raises(PartitionError, match=r"unknown solver\(s\) 'magic'.*registered: .*dynprog"):
+        run_bench(chain, [Cluster.parse("2")], ["dynprog", "magic"])
     with pytest.raises(PartitionError, match="positive number of seconds"):
-        run_bench(chain, [Cluster.parse("2")], ["dp"], time_limit_s=-1)
+        run_bench(chain, [Cluster.parse("2")], ["dynprog"], time_limit_s=-1)
 
 
 # -- plugins, failures, limits ---------------------------------------------------------------
@@ -197,11 +197,11 @@ def test_unknown_solvers_and_bad_limits_are_clear_errors() -> None:
 
 def test_a_plugin_solver_joins_and_failures_are_results(plugin) -> None:
     chain = load_instance("chain:8")
-    results = run_bench(chain, [Cluster.parse("4")], ["one_stage", "broken", "dp"],
+    results = run_bench(chain, [Cluster.parse("4")], ["one_stage", "broken", "dynprog"],
                         plugins=[plugin])  # fmt: skip
     by = {r.solver: r for r in results}
     assert by["one_stage"].status == "ok" and by["one_stage"].num_stages == 1
-    assert by["one_stage"].ratio_to_best > 1 and by["dp"].ratio_to_best == 1.0
+    assert by["one_stage"].ratio_to_best > 1 and by["dynprog"].ratio_to_best == 1.0
     assert by["broken"].status == "failed" and by["broken"].predicted_time is None
     assert by["broken"].note == "ZeroDivisionError: division by zero"
     assert {"one_stage", "broken", "sleepy"} <= set(planning.solvers())
@@ -209,14 +209,14 @@ def test_a_plugin_solver_joins_and_failures_are_results(plugin) -> None:
 
 def test_timeouts_and_crashes_in_the_worker_never_end_the_run(plugin) -> None:
     results = run_bench(load_instance("chain:6"), [Cluster.parse("2")],
-                        ["sleepy", "dp", "crashing", "one_stage", "broken"],
+                        ["sleepy", "dynprog", "crashing", "one_stage", "broken"],
                         time_limit_s=2.0, plugins=[plugin])  # fmt: skip
     by = {r.solver: r for r in results}
     assert by["sleepy"].status == "timeout" and "time limit of 2 s" in by["sleepy"].note
     assert by["crashing"].status == "failed" and "exit code 3" in by["crashing"].note
     assert by["broken"].status == "failed" and "ZeroDivisionError" in by["broken"].note
-    assert by["dp"].status == by["one_stage"].status == "ok"  # fresh workers after each kill
-    assert by["dp"].ratio_to_best == 1.0
+    assert by["dynprog"].status == by["one_stage"].status == "ok"  # fresh workers after each kill
+    assert by["dynprog"].ratio_to_best == 1.0
 
 
 def test_plugins_that_fail_to_load_are_named(tmp_path) -> None:
@@ -243,19 +243,19 @@ def test_plugins_that_fail_to_load_are_named(tmp_path) -> None:
 
 def test_tables_and_json_report_every_field(plugin) -> None:
     instances = load_instances(["chain:10", "dag:100:1"])  # ":100:" is an emoji code to rich
-    results = run_bench(instances, [Cluster.parse("2")], ["dp", "uniform", "broken"],
+    results = run_bench(instances, [Cluster.parse("2")], ["dynprog", "uniform", "broken"],
                         plugins=[plugin])  # fmt: skip
     text = render(results_table(results))
     assert "schedule 1f1b, plans scored under evaluate" in text
     table = rows(text)
-    assert [r[:3] for r in table if r[0]] == [["chain:10", "2@12.5GB/s", "dp"],
-                                              ["dag:100:1", "2@12.5GB/s", "dp"]]  # fmt: skip
+    assert [r[:3] for r in table if r[0]] == [["chain:10", "2@12.5GB/s", "dynprog"],
+                                              ["dag:100:1", "2@12.5GB/s", "dynprog"]]  # fmt: skip
     broken = next(r for r in table if r[2] == "broken")
     assert broken[3] == "failed" and broken[-1] == "ZeroDivisionError: division by zero"
-    dp = next(r for r in table if r[2] == "dp")
+    dp = next(r for r in table if r[2] == "dynprog")
     assert dp[4] == "1.000" and dp[10].endswith(" s") and dp[9] == "yes"
     summary = rows(render(summary_table(results)))
-    assert summary[0][:4] == ["dp", "2/2", "2", "1.000"] and summary[-1][:3] == [
+    assert summary[0][:4] == ["dynprog", "2/2", "2", "1.000"] and summary[-1][:3] == [
         "broken",
         "0/2",
         "0",
@@ -264,16 +264,16 @@ def test_tables_and_json_report_every_field(plugin) -> None:
     assert data["format"] == "pdcompile.solver_bench" and data["settings"] == {"schedule": "1f1b"}
     assert [i["nodes"] for i in data["instances"]] == [10, 100]
     record = data["results"][0]
-    assert record["solver"] == "dp" and record["ratio_to_best"] == 1.0
+    assert record["solver"] == "dynprog" and record["ratio_to_best"] == 1.0
     assert set(record) >= {"predicted_time", "lower_bound", "gap", "solve_time_s", "status"}
-    assert data["summary"][0]["solver"] == "dp" and data["summary"][0]["best"] == 2
+    assert data["summary"][0]["solver"] == "dynprog" and data["summary"][0]["best"] == 2
 
 
 def test_one_instance_table_names_it_in_the_title() -> None:
-    results = run_bench(load_instance("chain:6"), [Cluster.parse("2")], ["dp", "uniform"])
+    results = run_bench(load_instance("chain:6"), [Cluster.parse("2")], ["dynprog", "uniform"])
     text = render(results_table(results))
     assert "chain:6 on 2@12.5GB/s, schedule 1f1b" in text
-    assert [r[0] for r in rows(text)] == ["dp", "uniform"] and rows(text)[0][2] == "1.000"
+    assert [r[0] for r in rows(text)] == ["dynprog", "uniform"] and rows(text)[0][2] == "1.000"
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -283,17 +283,18 @@ def test_bench_solvers_command_prints_tables_and_writes_json(capsys, tmp_path, p
     out_json = tmp_path / "bench.json"
     code = main([
         "bench-solvers", str(DATA / "vgg16"), "--cluster", "4@1.25GB/s",
-        "--cluster", "2@10GB/s,2@1.25GB/s", "--solvers", "dp,blocks,one_stage",
+        "--cluster", "2@10GB/s,2@1.25GB/s", "--solvers", "dynprog,blocks,one_stage",
         "--plugin", plugin, "--schedule", "pipedream", "--json", str(out_json),
     ])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 0 and f"wrote {out_json}" in err, err
     assert "schedule pipedream, plans scored under evaluate" in out
     table, summary = [r for r in rows(out) if len(r) == 11], [r for r in rows(out) if len(r) == 6]
-    assert [r[:3] for r in table if r[0]] == [["vgg16", "4@1.25GB/s", "dp"],
-                                              ["vgg16", "2@10GB/s,2@1.25GB/s", "dp"]]  # fmt: skip
+    assert [r[:3] for r in table if r[0]] == [
+        ["vgg16", "4@1.25GB/s", "dynprog"], ["vgg16", "2@10GB/s,2@1.25GB/s", "dynprog"]
+    ]  # fmt: skip
     assert "per solver, over every instance and cluster" in out
-    assert summary[0][:4] == ["dp", "2/2", "2", "1.000"] and len(summary) == 3
+    assert summary[0][:4] == ["dynprog", "2/2", "2", "1.000"] and len(summary) == 3
     data = json.loads(out_json.read_text())
     assert len(data["results"]) == 2 * 3 and data["instances"][0]["name"] == "vgg16"
     assert data["settings"] == {
@@ -306,12 +307,12 @@ def test_bench_solvers_command_prints_tables_and_writes_json(capsys, tmp_path, p
 
 def test_bench_solvers_command_reports_a_timeout(capsys, tmp_path, plugin) -> None:
     out_json = tmp_path / "b.json"
-    code = main(["bench-solvers", "chain:6", "--cluster", "2", "--solvers", "sleepy,dp",
+    code = main(["bench-solvers", "chain:6", "--cluster", "2", "--solvers", "sleepy,dynprog",
                  "--plugin", plugin, "--time-limit", "3", "--json", str(out_json)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and "chain:6 on 2@12.5GB/s" in out
     table = rows(out)
-    assert table[0][0] == "dp" and table[0][2] == "1.000"
+    assert table[0][0] == "dynprog" and table[0][2] == "1.000"
     assert table[1][:2] == ["sleepy", "timeout"]
     assert table[1][-1] == "no plan within the time limit of 3 s"
     data = json.loads(out_json.read_text())
@@ -319,7 +320,7 @@ def test_bench_solvers_command_reports_a_timeout(capsys, tmp_path, plugin) -> No
 
 
 def test_bench_solvers_command_errors_are_one_line(capsys, tmp_path) -> None:
-    code = main(["bench-solvers", "chain:5", "--cluster", "2", "--solvers", "dp,magic"])
+    code = main(["bench-solvers", "chain:5", "--cluster", "2", "--solvers", "dynprog,magic"])
     err = capsys.readouterr().err
     assert code == 1 and "unknown solver(s) 'magic'" in err and err.count("\n") == 1
     bad = tmp_path / "bad.py"

@@ -29,7 +29,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PartitionError, ScheduleError, SpecError
 from pdcompile.evaluation import evaluate, lower_bound
-from pdcompile.planning import chunk_layout, plan, solvers
+from pdcompile.planning import SOLVERS, chunk_layout, plan, solvers
 from pdcompile.plans import Plan
 from pdcompile.search.schedule_choice import AUTO, check_auto_chunks
 
@@ -286,7 +286,8 @@ def run_bench(
     for spec in plugins:
         load_plugin(spec)
     registered = solvers()
-    names = list(solver_names or registered)
+    # an old name ("dp") runs and reads as the solver's name ("dynprog")
+    names = [SOLVERS.canonical(n) for n in solver_names or registered]
     unknown = [n for n in names if n not in registered]
     if unknown:
         raise PartitionError(
