@@ -477,12 +477,20 @@ def _agreement(rank: int, world_size: int, what: str) -> Iterator[None]:
     if failed:
         first, text = failed[0]
         also = f" (ranks {[r for r, _ in failed[1:]]} failed too)" if len(failed) > 1 else ""
-        kind = getattr(errors, text.split(":", 1)[0], None)
-        kind = kind if isinstance(kind, type) and issubclass(kind, PdcompileError) else None
-        raise (kind or PdcompileError)(
+        raise _relayed(
+            text,
             f"rank {first} failed {what}{also}, so rank {rank} stops too: {text}; the fix is "
-            f"in rank {first}'s error"
+            f"in rank {first}'s error",
         )
+
+
+def _relayed(text: str, message: str) -> PdcompileError:
+    """`message` as an error of the class `text` ("ClassName: ...") names, if that is a
+    pdcompile error (so `except PartitionError` works on every rank), else `PdcompileError`."""
+    kind = getattr(errors, text.split(":", 1)[0], None)
+    if isinstance(kind, type) and issubclass(kind, PdcompileError):
+        return kind(message)
+    return PdcompileError(message)
 
 
 def _share_plan(plan: Plan | None, failure: Exception | None, rank: int) -> str:
