@@ -469,8 +469,13 @@ def _agreement(rank: int, world_size: int, what: str) -> Iterator[None]:
         failure = exc
     everyone: list[str | None] = [None] * world_size
     sent = None if failure is None else f"{type(failure).__name__}: {failure}"
-    _collective(rank, f"agreeing on {what}",
-                lambda: dist.all_gather_object(everyone, sent))  # fmt: skip
+    try:
+        _collective(rank, f"agreeing on {what}",
+                    lambda: dist.all_gather_object(everyone, sent))  # fmt: skip
+    except PipelineTimeoutError:
+        if failure is None:
+            raise
+        # a peer died too: this rank's own error says more than the closed connection
     if failure is not None:
         raise failure
     failed = [(r, text) for r, text in enumerate(everyone) if text is not None]
