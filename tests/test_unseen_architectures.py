@@ -177,6 +177,7 @@ def test_unseen_architecture_trains_as_gradient_accumulation(name: str, unseen_g
         pytest.skip("unseen: set PDCOMPILE_UNSEEN=all or pass -m unseen")
     pytest.importorskip("transformers")
     ranks = unseen_groups(name)
+    print(f"{name}: {max(o['seconds'] for o in ranks):.1f} s to compile and train on 2 ranks")
     failed = [(r, o) for r, o in enumerate(ranks) if "error" in o]
     if failed:
         pattern = KNOWN_REFUSALS.get(name)
