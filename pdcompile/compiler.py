@@ -12,6 +12,9 @@ The lowering, top to bottom:
 5. generate the stage modules (`codegen`);
 6. build the executor: this process's rank over torch.distributed, or, without a process group,
    every rank of the plan in this process (the local executor).
+From step 4's broadcast on, each phase (reading the plan, codegen, the executor, resuming, the
+memory probe) ends with the ranks agreeing on how it went (`_agreement`): a rank that fails
+raises its own error and every other rank one of its class naming that rank and its message.
 """
 
 from __future__ import annotations
