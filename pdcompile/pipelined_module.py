@@ -272,10 +272,12 @@ class PipelinedModule:
         return next(iter(self.pipeline.workers.values()))
 
     def explain(self) -> str:
-        """The plan (with its notes, e.g. on microbatches split unevenly over a stage's
-        replicas), what the schedule means for the optimisation, and so far per rank its
-        measured bubble (over all its stages) against the simulated one, its peak memory, and
-        each of its stages' measured times against the predicted ones."""
+        """The plan (opening with its sentence, `plan_words.describe`, and with its notes, e.g.
+        on microbatches split unevenly over a stage's replicas), what the schedule means for
+        the optimisation, the measured median step against the predicted one (a warning past
+        1.5x either way, `plan_words.step_warning`), and so far per rank its measured bubble
+        (over all its stages) against the simulated one, its peak memory, and each of its
+        stages' measured times against the predicted ones."""
         rules = self.pipeline.rules
         lines = [str(self.plan), "", f"schedule {rules.name}: {rules.meaning}", ""]
         # planned with schedule="auto": how the others compared; with global_batch_size alone:
