@@ -204,6 +204,46 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _buffer_reads_copied(graph: fx.Graph) -> None:
+    """Point the reads of a buffer before its update at a copy: batch norm saves its running
+    statistics for the backward, and the update written into them in place would fail the
+    backward ("modified by an inplace operation"). Written buffers are statistics and counters:
+    the copies are small."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        target = written_input(node)
+        if not (isinstance(target, fx.Node) and target.op == "get_attr"):
+            continue
+        readers = [u for u in target.users if u is not node and order.get(u, -1) < order[node]]
+        if not readers:
+            continue
+        with graph.inserting_after(target):
+            copied = graph.call_method("clone", (target,))
+        copied.meta = dict(target.meta)
+        for reader in readers:
+            reader.replace_input_with(target, copied)
+
+
+def _copies_out_of_place(graph: fx.Graph) -> None:
+    """`aten.copy(dst, src)` (what functionalization makes of `dst[...].copy_(src)`, DeepseekV3's
+    attention) has no derivative: compute it as `src.to(dst.dtype).expand_as(dst)`, a fresh
+    tensor (contiguous) holding the same values, through which gradients reach `src`."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.copy.default):
+        dst, src = node.args[:2]
+        value = dst.meta.get("val") if isinstance(dst, fx.Node) else None
+        if value is None or not isinstance(src, fx.Node):
+            continue
+        with graph.inserting_before(node):
+            cast = graph.call_method("to", (src,), {"dtype": value.dtype, "device": value.device})
+            wide = graph.call_method("expand_as", (cast, dst))
+            fresh = graph.call_method("contiguous", (wide,))
+        for made in (cast, wide, fresh):
+            made.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        fresh.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(fresh)
+        graph.erase_node(node)
+
+
 def _graph_module(
     program: torch.export.ExportedProgram, inputs: BoundInputs, model: nn.Module
 ) -> ExportedGraphModule:
@@ -212,6 +252,8 @@ def _graph_module(
     exported = program.module()
     graph = exported.graph
     _hoist_state_updates(graph)
+    _buffer_reads_copied(graph)
+    _copies_out_of_place(graph)
     for node in list(graph.nodes):
         # The export guards are replaced by _check_inputs, whose errors say what to do.
         if node.op == "call_module" and node.target == "_guards_fn":

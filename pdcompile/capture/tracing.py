@@ -170,6 +170,7 @@ def _finish(
         annotate_params(gm)
         if check:
             _check_outputs(gm, model, inputs, capture)
+            _check_backward(gm, inputs, capture)
     finally:
         _restore_inputs(gm, model, inputs, saved)
     if auto:
@@ -325,3 +326,49 @@ def _check_outputs(gm: fx.GraphModule, model: nn.Module, inputs: BoundInputs, ca
             raise TraceError(
                 f"output {path or 'output'} of the graph captured by {capture} differs"
             )
+
+
+def _check_backward(gm: fx.GraphModule, inputs: BoundInputs, capture: str) -> None:
+    """Run the graph's backward once on the example (training graphs with a differentiable
+    output): a node without a derivative is a `TraceError` naming it and its source line."""
+    tensors = [*inputs.tensors.values(), *gm.parameters()]
+    if not gm.meta[TRAINING] or any(t.device.type == "meta" for t in tensors):
+        return
+    wrt = [p for p in gm.parameters() if p.requires_grad]
+    with preserved_state(gm), torch.enable_grad():
+        torch.manual_seed(0)
+        outputs = [t for _, t in iter_tensors(gm(**inputs.tensors)) if t.requires_grad]
+        if not outputs or not wrt:
+            return
+        total = sum(t.float().sum() for t in outputs)
+        try:
+            torch.autograd.grad(total, wrt, allow_unused=True)
+        except RuntimeError as e:
+            raise TraceError(
+                f"the graph captured by {capture} computes the forward but not the backward: "
+                f"{_failure(e)}{_backward_culprit(gm, inputs)}; make that operation "
+                "differentiable in the model (an out-of-place op instead of an in-place write "
+                "into a fresh tensor), or report it with the node's line"
+            ) from e
+
+
+def _backward_culprit(gm: fx.GraphModule, inputs: BoundInputs) -> str:
+    """` at node copy (at model.py:12: ...)`: the node whose backward failed, found by running
+    the backward again under anomaly detection (which records each op's forward frame)."""
+    grads = {p: p.grad for p in gm.parameters()}
+    with preserved_state(gm), torch.enable_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=False):
+                torch.manual_seed(0)
+                outputs = [t for _, t in iter_tensors(gm(**inputs.tensors)) if t.requires_grad]
+                sum(t.float().sum() for t in outputs).backward()
+        except RuntimeError:
+            pass
+        finally:
+            for param, grad in grads.items():
+                param.grad = grad
+    frames = "\n".join(str(w.message) for w in seen)
+    names = re.findall(r'File "<eval_with_key>[^"]*", line \d+.*\n\s*(\w+) = ', frames)
+    node = next((n for n in gm.graph.nodes if names and n.name == names[-1]), None)
+    return "" if node is None else f" at node {node.name}{user_line(node)}"
