@@ -16,12 +16,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
 from pdcompile.cost_model import CostModel, get_cost_model
 from pdcompile.errors import PartitionError, ScheduleError
-from pdcompile.plan_words import ALTERNATIVE, LARGEST, largest_node, pipeline_alternative
+from pdcompile.plan_words import (
+    ALTERNATIVE,
+    LARGEST,
+    alternative_of,
+    largest_node,
+    largest_of,
+    pipeline_alternative,
+)
 from pdcompile.plans import Plan, Stage
 from pdcompile.row_curves import curve_at
 from pdcompile.schedules import get_schedule
@@ -360,11 +368,10 @@ def _rescaled_words(plan: Plan, whole: float, factor: float, prices: CostModel, 
     """`plan.options` with the figures its sentence shows (`plan_words`) rescaled: the largest
     node's time and the compared pipeline's bottleneck grow with the compute as the whole
     graph's (`whole`), its transfers with the rows (`factor`)."""
-    options = dict(plan.options)
-    if options.get(LARGEST):
-        name, seconds = options[LARGEST]
-        options[LARGEST] = [name, seconds * whole]
-    other = options.get(ALTERNATIVE)
+    options = {k: v for k, v in plan.options.items() if k not in (LARGEST, ALTERNATIVE)}
+    largest, other = largest_of(plan), alternative_of(plan)  # None where absent or malformed
+    if largest:
+        options[LARGEST] = [largest[0], largest[1] * whole]
     if other:
         before = prices.updates_every(plan.schedule, 1, plan.num_microbatches)
         after = prices.updates_every(plan.schedule, 1, count)
@@ -391,19 +398,24 @@ def _rescaled_searches(result: Plan, plan: Plan) -> dict:
         "bubble": sum(idle) / len(idle) if idle else 0.0,
         "peak_memory": max(result.rank_memory, default=0), "fits_memory": result.fits_memory,
     }  # fmt: skip
+
+    def scaled(row: Any) -> Any:  # rows of an edited file that are no rows stay as they are
+        if not isinstance(row, dict) or row.get("skipped"):
+            return row
+        if row.get("chosen"):
+            return {**row, **chosen}
+        step = row.get("step_time")
+        return {**row, "step_time": step * ratio} if isinstance(step, (int, float)) else row
+
     searched = False
     for key in (AUTO, SEARCH_KEY):
-        if options.get(key):
+        if options.get(key) and isinstance(options[key], list):
             searched = True
-            options[key] = [
-                {**row, **chosen} if row.get("chosen")
-                else {**row, "step_time": row["step_time"] * ratio}
-                if not row.get("skipped") else row
-                for row in options[key]
-            ]  # fmt: skip
-    if options.get(KEY) and options[KEY].get("without_s"):
+            options[key] = [scaled(row) for row in options[key]]
+    info = options.get(KEY)
+    if isinstance(info, dict) and isinstance(info.get("without_s"), (int, float)):
         searched = True
-        options[KEY] = {**options[KEY], "without_s": options[KEY]["without_s"] * ratio}
+        options[KEY] = {**info, "without_s": info["without_s"] * ratio}
     if searched and "rescored_from" not in options:
         options["rescored_from"] = {"microbatch_size": plan.microbatch_size,
                                     "num_microbatches": plan.num_microbatches}  # fmt: skip

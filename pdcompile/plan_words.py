@@ -11,6 +11,8 @@ predicted step times.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdcompile.text import human_seconds
@@ -27,6 +29,31 @@ FORCE = (  # the solvers that cut one stage per rank, whatever it costs: blocks,
     "to pipeline anyway: compile(..., solver='blocks') or `pdcompile plan MODEL --cluster "
     "{cluster} --solver blocks` (one stage per rank, balanced by time)"
 )
+
+
+def largest_of(plan: Plan) -> tuple[str, float] | None:
+    """`options[LARGEST]` as (node, seconds); None when absent or malformed (an edited file)."""
+    value = plan.options.get(LARGEST)
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str):
+        if _number(value[1]):
+            return value[0], float(value[1])
+    return None
+
+
+def alternative_of(plan: Plan) -> dict[str, Any] | None:
+    """`options[ALTERNATIVE]`; None when absent or malformed (an edited file)."""
+    value = plan.options.get(ALTERNATIVE)
+    keys = ("num_stages", "predicted_time", "bottleneck", "compute_s", "comm_s", "other_s")
+    if isinstance(value, Mapping) and all(_number(value.get(k)) for k in keys):
+        return dict(value)
+    return None
+
+
+def _number(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        and value >= 0
+    )  # fmt: skip
 
 
 def largest_node(cost_graph: CostGraph) -> list[Any] | None:
@@ -81,6 +108,8 @@ def describe(plan: Plan) -> str:
         pipeline anyway: compile(..., solver='blocks') or `pdcompile plan MODEL --cluster
         4@10GB/s --solver blocks` (one stage per rank, balanced by time)
     """
+    if not plan.stages:
+        return "an empty plan (no stages)"
     ranks = plan.num_devices_used
     devices = plan.cluster.num_devices
     over = f"{ranks} rank{'s' * (ranks != 1)}"
@@ -112,11 +141,11 @@ def _one_stage(plan: Plan, over: str) -> str:
             _against_data_parallel(plan) if devices > 1 else ""
         )
     text = f"data parallelism on {over}"
-    other = plan.options.get(ALTERNATIVE)
+    other = alternative_of(plan)
     if not other or not plan.predicted_time:
         return f"{text}; {FORCE.format(cluster=plan.cluster)}"
     change = other["predicted_time"] / plan.predicted_time - 1
-    pipeline = f"a pipeline of {other['num_stages']} stages (one per rank, balanced by time)"
+    pipeline = f"a pipeline of {other['num_stages']:g} stages (one per rank, balanced by time)"
     force = FORCE.format(cluster=plan.cluster)
     if change <= 0:  # not what the plan was chosen against (other rows, another solver, by hand)
         force = force.replace(" anyway", "")
@@ -127,11 +156,12 @@ def _one_stage(plan: Plan, over: str) -> str:
 
 def _why(plan: Plan) -> str:
     """The main reason the pipeline of `ALTERNATIVE` is slower than the data-parallel plan."""
-    other = plan.options[ALTERNATIVE]
+    other = alternative_of(plan)
+    assert other is not None  # _one_stage checked it
     stage = plan.stages[0]
     compute = (stage.forward_s + stage.backward_s) / stage.replicas
     imbalance = other["compute_s"] - compute
-    largest = plan.options.get(LARGEST)
+    largest = largest_of(plan)
     if other["comm_s"] >= imbalance:
         return (
             f"moving the activations between stages ({human_seconds(other['comm_s'])} per "
@@ -163,7 +193,7 @@ def _against_data_parallel(plan: Plan) -> str:
 
 def _bounding_node(plan: Plan) -> str:
     """What to say when the largest node is (nearly) all of the bottleneck stage's compute."""
-    largest = plan.options.get(LARGEST)
+    largest = largest_of(plan)
     if not largest:
         return ""
     b = max(plan.stages, key=lambda s: s.time_s)

@@ -221,3 +221,13 @@ def test_gantt_keeps_idle_apart_from_communication(tmp_path: Path) -> None:
     text = svg.read_text()
     for label in ("idle: waiting for a message", "idle: no action", "send (communication)"):
         assert label in text
+
+
+def test_an_edited_plan_file_still_prints_and_rescores() -> None:
+    g = chain([0.01] * 6, [10**8] * 6, [1000] * 6)
+    planned = pdcompile.plan(g, "4@100GB/s")
+    for largest, other in (("n1", {"num_stages": "x"}), ([1, 2], [3]), (["n1", -1.0], None)):
+        broken = {"largest_node": largest, ALTERNATIVE: other, "auto": [5, {"step_time": "x"}]}
+        edited = planned.with_(options={**planned.options, **broken})
+        assert str(edited).startswith("data parallelism on 4 ranks; to pipeline anyway")
+        assert rescore(edited, microbatch_size=2).speedup_over_data_parallel == pytest.approx(1.0)
