@@ -61,7 +61,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     cluster: Cluster | str | int | None = None,
     schedule: str | PipelineSchedule = "1f1b",
     num_microbatches: int | None = None,
-    solver: str = "dp",
+    solver: str = "dynprog",
     plan: Plan | str | None = None,
     profile: bool = True,
     leaf_modules: Sequence[Any] = (),
@@ -222,7 +222,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
                    checkpoint_every=checkpoint_every, memory=str(memory),
                    recompute=recompute)  # fmt: skip
     if distributed:
-        _check_fingerprints(_fingerprint(gm, options), rank, world_size)
+        _check_fingerprints(_fingerprint(gm, options), rank, world_size, (gm, options))
     if measure and distributed and world_size > 1 and plan is None:  # before any load
         from pdcompile.runtime.cluster_measure import measure_cluster
 
@@ -515,9 +515,18 @@ def _share_plan(plan: Plan | None, failure: Exception | None, rank: int) -> str:
     return shared[0]
 
 
-def _check_fingerprints(mine: str | Exception, rank: int, world_size: int) -> None:
+def _check_fingerprints(
+    mine: str | Exception,
+    rank: int,
+    world_size: int,
+    capture: tuple[torch.fx.GraphModule, dict[str, Any]] | None = None,
+) -> None:
     """Compare every rank's fingerprint with rank 0's; `mine` is this rank's error if it could
-    not capture the model: then every rank stops (this one with its own error)."""
+    not capture the model: then every rank stops (this one with its own error). When they
+    differ, the ranks exchange summaries of their `capture` (graph and options) and the error
+    names the first difference (`capture/graph_diff.py`)."""
+    from pdcompile.capture.graph_diff import describe, first_difference
+
     everyone: list[str | None] = [None] * world_size
     sent = mine if isinstance(mine, str) else f"error: {type(mine).__name__}: {mine}"
     _collective(rank, "comparing graph fingerprints",
@@ -533,9 +542,19 @@ def _check_fingerprints(mine: str | Exception, rank: int, world_size: int) -> No
         )
     differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
     if differ:
+        summaries: list[Any] = [None] * world_size
+        summary = describe(*capture) if capture is not None else None
+        _collective(rank, "comparing graphs",
+                    lambda: dist.all_gather_object(summaries, summary))  # fmt: skip
+        why = ""
+        if summaries[0] is not None and summaries[differ[0]] is not None:
+            why = ": " + first_difference(differ[0], summaries[differ[0]], summaries[0])
         raise PdcompileError(
-            f"ranks {differ} captured another model or call than rank 0 (graph fingerprint "
-            f"{everyone[differ[0]][:12]} vs {everyone[0][:12]}): every rank must call "
-            "pdcompile.compile with the same model, example inputs, options and plan"
+            f"ranks {differ} captured another model or call than rank 0"
             + (" (this is one of them)" if rank in differ else "")
+            + (
+                why
+                or ": every rank must call pdcompile.compile with the same model, example "
+                "inputs, options and plan"
+            )
         )

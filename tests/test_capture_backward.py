@@ -22,8 +22,10 @@ class NoDerivative(nn.Module):
 
 
 def test_a_graph_without_a_backward_is_refused_naming_the_node_and_line() -> None:
-    with pytest.raises(TraceError, match=r"not the backward.*aten::copy.*at node copy_default "
-                       r"\(at .*test_capture_backward.py:\d+: return self.b\(torch.ops"):  # fmt: skip
+    line = r"\(at .*test_capture_backward.py:\d+: return self.b\(torch.ops"
+    with pytest.raises(
+        TraceError, match=r"not the backward.*aten::copy.*at node copy_default " + line
+    ):
         pdcompile.trace(NoDerivative(), (torch.randn(2, 4),), method="fx")
     # an eval-mode capture trains nothing: no backward is asked of it
     pdcompile.trace(NoDerivative().eval(), (torch.randn(2, 4),), method="fx")

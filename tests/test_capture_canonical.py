@@ -102,8 +102,9 @@ def _different_code(rank: int, world_size: int, init_file: str) -> str:
     torch.manual_seed(0)
     model = Scaled(2.0 if rank == 0 else 3.0)  # the same tensors, other code
     try:
-        pdcompile.compile(model, (torch.randn(4, 8),), loss_fn=F.cross_entropy,
-                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), profile=False)  # fmt: skip
+        sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+        pdcompile.compile(model, (torch.randn(4, 8),), loss_fn=F.cross_entropy, optimizer=sgd,
+                          profile=False)  # fmt: skip
     except PdcompileError as exc:
         return str(exc)
     return "no error"

@@ -102,7 +102,9 @@ def _order(nodes: list[fx.Node], deps: dict[fx.Node, list[fx.Node]]) -> list[fx.
             continue
         done.add(node)
         walked.append(node)
-    rank: dict[fx.Node, tuple[int, ...]] = {n: (i,) for i, n in enumerate(walked) if n.op != "output"}
+    rank: dict[fx.Node, tuple[int, ...]] = {
+        n: (i,) for i, n in enumerate(walked) if n.op != "output"
+    }
     hung: dict[fx.Node | None, list[fx.Node]] = {}
     for node in nodes:  # in graph order: a hung node's hung inputs come first
         if node in done:
@@ -122,7 +124,7 @@ def _order(nodes: list[fx.Node], deps: dict[fx.Node, list[fx.Node]]) -> list[fx.
     for node in [None, *inputs]:  # what hangs below no node or an input: after the inputs
         for side in hung.pop(node, ()):
             emit(side)
-    for node in walked[len(inputs):]:
+    for node in walked[len(inputs) :]:
         if node.op != "output":
             emit(node)
     return order + output

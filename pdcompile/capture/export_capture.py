@@ -152,6 +152,28 @@ def _explicit_keywords(model: nn.Module, inputs: BoundInputs) -> Iterator[dict[s
             del model.forward
 
 
+def _export(model: nn.Module, inputs: BoundInputs, batch: Any) -> torch.export.ExportedProgram:
+    """`torch.export.export` of the example with dim 0 of every tensor input as `batch`."""
+    args, _ = inputs.call(inputs.tensors)
+    with _explicit_keywords(model, inputs) as kwargs:
+        model_output(model, args, kwargs)  # registers output dataclasses; may fail here
+        with warnings.catch_warnings():  # torch's own deprecation, raised inside export
+            warnings.filterwarnings("ignore", LEAFSPEC_WARNING, FutureWarning)
+            return torch.export.export(model, args, kwargs, strict=False,
+                                       dynamic_shapes=_dynamic_shapes(inputs, batch))  # fmt: skip
+
+
+def _fixed_batch(program: torch.export.ExportedProgram) -> str | None:
+    """The first input whose dim 0 export made a constant, or None."""
+    for node in program.graph.find_nodes(op="placeholder"):
+        if node.name not in program.graph_signature.user_inputs:
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0], int):
+            return node.name
+    return None
+
+
 def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule:
     """Export `model` with a dynamic batch dimension and return its fx graph.
 
@@ -159,29 +181,27 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
         TraceError: export fails, or the model fixes the batch dimension.
     """
     inputs = _widened(inputs)
-    args, _ = inputs.call(inputs.tensors)
     try:
-        with _explicit_keywords(model, inputs) as kwargs:
-            model_output(model, args, kwargs)  # registers output dataclasses; may fail here
-            with warnings.catch_warnings():  # torch's own deprecation, raised inside export
-                warnings.filterwarnings("ignore", LEAFSPEC_WARNING, FutureWarning)
-                program = torch.export.export(
-                    model,
-                    args,
-                    kwargs,
-                    dynamic_shapes=_dynamic_shapes(inputs, Dim("batch")),
-                    strict=False,
+        program = _export(model, inputs, Dim("batch"))
+    except Exception as named:
+        # a guard torch cannot prove for every batch size under one named dimension (Llama4's
+        # `16*B*min(64, 1024*B) == 1024*B`) often holds once torch infers the dimension itself
+        try:
+            program = _export(model, inputs, Dim.AUTO)
+        except Exception:
+            program = None
+        fixed = program is not None and _fixed_batch(program)
+        if program is None or fixed:
+            hint = ""
+            if fixed or "batch" in str(named):
+                hint = (
+                    f". The model fixes the batch size (dim 0 of input {fixed or 'batch'}, also "
+                    "with the dimension inferred): make it use x.shape[0] instead of a number"
                 )
-    except Exception as e:
-        hint = ""
-        if "batch" in str(e):
-            hint = (
-                ". The model fixes the batch size (dim 0 of every input): make it use "
-                "x.shape[0] instead of a number"
-            )
-        raise TraceError(
-            f"torch.export of {type(model).__name__} failed: {describe_failure(e, model)}{hint}"
-        ) from e
+            raise TraceError(
+                f"torch.export of {type(model).__name__} failed: "
+                f"{describe_failure(named, model)}{hint}"
+            ) from named
     gm = _graph_module(program, inputs, model)
     if not inplace_nodes(gm):
         return gm

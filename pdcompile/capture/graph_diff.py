@@ -39,19 +39,23 @@ def first_difference(rank: int, mine: dict[str, Any], reference: dict[str, Any])
     ours, theirs = mine["nodes"], reference["nodes"]
     for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         if a[0] != b[0]:
-            seeds = (f" (PYTHONHASHSEED: rank 0 {reference['hash_seed']}, rank {rank} "
-                     f"{mine['hash_seed']})")  # fmt: skip
-            return (f"node {i} of the graph is `{b[0]}`{_at(b[1])} on rank 0 but `{a[0]}`"
-                    f"{_at(a[1])} on rank {rank}{seeds}. The graph depends on per-process state "
-                    f"in the model's code, or the ranks ran other code. {HASH_SEED_REMEDY}")  # fmt: skip
+            seeds = f"rank 0 {reference['hash_seed']}, rank {rank} {mine['hash_seed']}"
+            return (
+                f"node {i} of the graph is `{b[0]}`{_at(b[1])} on rank 0 but `{a[0]}`"
+                f"{_at(a[1])} on rank {rank} (PYTHONHASHSEED: {seeds}). The graph depends on "
+                f"per-process state in the model's code, or the ranks ran other code. "
+                f"{HASH_SEED_REMEDY}"
+            )
     if len(ours) != len(theirs):
         return (f"the graph has {len(theirs)} nodes on rank 0 but {len(ours)} on rank {rank}: the "
                 "ranks captured other code or other example inputs")  # fmt: skip
     for a, b in zip(mine["tensors"], reference["tensors"], strict=False):
         if a != b:
             return f"tensor {b} on rank 0 is {a} on rank {rank}: load the same weights everywhere"
-    return (f"the example inputs or the plan differ between rank 0 and rank {rank}: pass the "
-            "same shapes, dtypes and plan on every rank")
+    return (
+        f"the example inputs or the plan differ between rank 0 and rank {rank}: pass the "
+        "same shapes, dtypes and plan on every rank"
+    )
 
 
 def _at(line: str) -> str:

@@ -82,9 +82,15 @@ def bind_inputs(
         raise TraceError(
             f"the example inputs do not fit {type(model).__name__}.forward{signature}: {e}"
         ) from None
+    keywords = [n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD]
+    config = getattr(model, "config", None)
     for name, value in IMPLIED_CONSTANTS.items():
         if name in signature.parameters and name not in bound.arguments:
             bound.arguments[name] = value
+        elif name not in signature.parameters and keywords and hasattr(config, name):
+            # taken only through **kwargs (GraniteMoe) but a setting of the model's config
+            extra = bound.arguments.setdefault(keywords[0], {})
+            extra.setdefault(name, value)
 
     tensors: dict[str, torch.Tensor] = {}
     constants: dict[str, Any] = {}

@@ -108,7 +108,17 @@ def trace(
     except TraceError as e:
         if fallback is not None:
             gm, auto = fallback
-            return _finish(gm, model, inputs, "fx", auto, check)
+            gm = _finish(gm, model, inputs, "fx", auto, check)
+            warnings.warn(
+                f"{type(model).__name__} was captured by symbolic tracing with one leaf holding "
+                f"most of the model, which no pipeline can split: {failures[-1]}. torch.export, "
+                f"tried next, failed:\n{e}\nA pipeline of this graph is bounded by that leaf "
+                "(the default plan is then data parallelism). Remedies: fix what export "
+                "reports, make the leaf's code traceable, or give leaf_modules= smaller parts",
+                TraceWarning,
+                stacklevel=2,
+            )
+            return gm
         if not failures:
             raise
         failures.append(f"export: {e}")
