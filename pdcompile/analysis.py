@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
 from pdcompile.ir import (
+    BATCH_DIMS,
     CAPTURE,
     DEVICE_MODEL,
     FOLDED_S,
@@ -36,6 +37,8 @@ from pdcompile.ir import (
     OUTPUT_BYTES,
     OUTPUTS,
     PROFILE,
+    graph_batch_size,
+    input_batch_dim,
 )
 from pdcompile.passes.analytic import annotate_analytic
 from pdcompile.passes.coarsening import coarsen as coarsen_layers
@@ -52,7 +55,7 @@ from pdcompile.passes.step_costs import (
     annotate_optimizer,
     describe_optimizer,
 )
-from pdcompile.progress import in_phase
+from pdcompile.progress import phase
 from pdcompile.row_curves import monotone
 
 # The largest row count profiled by default (unless the example has more): beyond it a
@@ -115,18 +118,22 @@ def profiled_rows(
     return tuple(sorted({*points, *gaps}))
 
 
-def with_rows(value: Any, rows: int) -> Any:
+def with_rows(value: Any, rows: int, dims: Mapping[str, int | None] | None = None) -> Any:
     """`value` (a tensor, or a structure of them) with `rows` rows: every tensor with a batch
-    dimension cut along dim 0, as the runtime cuts a batch into microbatches
-    (`runtime.microbatches.split_batch`), its rows repeated in turn where `rows` exceeds its
-    own; other values as they are."""
+    dimension cut along it (dim 0, or `dims[key]` for a dict's entry: None leaves it whole), as
+    the runtime cuts a batch into microbatches (`runtime.microbatches.split_batch`), its rows
+    repeated in turn where `rows` exceeds its own; other values as they are."""
 
-    def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+    def cut(t: Any, dim: int | None = 0) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or dim is None:
             return t
-        have = t.shape[0]
-        return t[:rows] if rows <= have else torch.cat([t] * -(-rows // have))[:rows]
+        have = t.shape[dim]
+        if rows > have:
+            t = torch.cat([t] * -(-rows // have), dim=dim)
+        return t.narrow(dim, 0, rows)
 
+    if dims and isinstance(value, Mapping):
+        return {k: cut(v, dims.get(k, 0)) for k, v in value.items()}
     return pytree.tree_map(cut, value)
 
 
@@ -138,12 +145,6 @@ def default_device_model(device: torch.device) -> DeviceModel:
     return DeviceModel.get("cpu")
 
 
-def _analyzing(gm: fx.GraphModule, *_: Any, progress: bool = True, **__: Any) -> str | None:
-    """What progress says while `analyze` runs (nothing with `progress=False`)."""
-    return f"analyzing {len(gm.graph.nodes)} nodes" if progress else None
-
-
-@in_phase(_analyzing)
 def analyze(
     gm: fx.GraphModule,
     example_inputs: Any,
@@ -219,104 +220,107 @@ def analyze(
         >>> costs.batch_size, len(costs.nodes), costs.rows
         (4, 12, (1, 4))
     """
-    inputs = graph_inputs(gm, example_inputs, example_kwargs)
-    on_meta = any(p.device.type == "meta" for p in gm.parameters())
-    target = torch.device(device) if device is not None else next(iter(inputs.values())).device
-    if on_meta and device is None:
-        target = torch.device("meta")  # weights without values: the inputs join them there
-    if profile and target.type == "meta":
-        raise CostError("a model on the meta device cannot be profiled; pass profile=False")
-    if any(t.device != target for t in [*inputs.values(), *gm.parameters()]):
-        gm = copy.deepcopy(gm).to(target)
-        inputs = {k: v.to(target) for k, v in inputs.items()}
-    model = DeviceModel.get(device_model) if device_model else default_device_model(target)
-    if calibration is None:
-        calibration = profile
-    cost = framework_cost(calibration, target, num_threads, cache, measure=profile)
+    with phase(f"analyzing {len(gm.graph.nodes)} nodes", enabled=progress):
+        inputs = graph_inputs(gm, example_inputs, example_kwargs)
+        on_meta = any(p.device.type == "meta" for p in gm.parameters())
+        target = torch.device(device) if device is not None else next(iter(inputs.values())).device
+        if on_meta and device is None:
+            target = torch.device("meta")  # weights without values: the inputs join them there
+        if profile and target.type == "meta":
+            raise CostError("a model on the meta device cannot be profiled; pass profile=False")
+        if any(t.device != target for t in [*inputs.values(), *gm.parameters()]):
+            gm = copy.deepcopy(gm).to(target)
+            inputs = {k: v.to(target) for k, v in inputs.items()}
+        model = DeviceModel.get(device_model) if device_model else default_device_model(target)
+        if calibration is None:
+            calibration = profile
+        cost = framework_cost(calibration, target, num_threads, cache, measure=profile)
 
-    kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
+        kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
 
-    def timing(at: Mapping[str, torch.Tensor], at_targets: Any, warmup: int, repeats: int
-               ) -> list[tuple[str, Callable[[], Any]]]:  # fmt: skip
-        """The passes whose times depend on the rows, on inputs `at`."""
-        passes: list[tuple[str, Callable[[], Any]]] = [
-            ("analytic", lambda: annotate_analytic(gm, at, model))
-        ]
-        if profile:
+        def timing(at: Mapping[str, torch.Tensor], at_targets: Any, warmup: int, repeats: int
+                   ) -> list[tuple[str, Callable[[], Any]]]:  # fmt: skip
+            """The passes whose times depend on the rows, on inputs `at`."""
+            passes: list[tuple[str, Callable[[], Any]]] = [
+                ("analytic", lambda: annotate_analytic(gm, at, model))
+            ]
+            if profile:
+                passes.append(
+                    ("profile", lambda: annotate_profile(gm, at, num_threads=num_threads,
+                                                         warmup=warmup, repeats=repeats,
+                                                         cache=cache, progress=progress,
+                                                         loaded_by=loaded_by))
+                )  # fmt: skip
             passes.append(
-                ("profile", lambda: annotate_profile(gm, at, num_threads=num_threads,
-                                                     warmup=warmup, repeats=repeats,
-                                                     cache=cache, progress=progress,
-                                                     loaded_by=loaded_by))
+                ("loss", lambda: annotate_loss(gm, at, loss_fn, at_targets, profile=profile,
+                                               device_model=model, num_threads=num_threads,
+                                               warmup=warmup, repeats=repeats))
             )  # fmt: skip
-        passes.append(
-            ("loss", lambda: annotate_loss(gm, at, loss_fn, at_targets, profile=profile,
-                                           device_model=model, num_threads=num_threads,
-                                           warmup=warmup, repeats=repeats))
-        )  # fmt: skip
-        if cost is not None:
-            passes.append(("framework", lambda: annotate_framework(gm, at, cost,
-                                                                   measured=profile)))  # fmt: skip
-        return passes
+            if cost is not None:
+                fold = lambda: annotate_framework(gm, at, cost, measured=profile)  # noqa: E731
+                passes.append(("framework", fold))
+            return passes
 
-    if cost is None:  # no times folded: what an earlier call folded must not reach this CostGraph
-        for node in gm.graph.nodes:
-            for key in (FOLDED_S, FRAMEWORK_S, FRAMEWORK_OPS):
-                node.meta.pop(key, None)
-        gm.meta.pop(FRAMEWORK, None)
-    batch = next(iter(inputs.values()))
-    size = batch.shape[0] if batch.dim() else 1
-    counts = profiled_rows(size, rows, max_rows) if batch.dim() else (size,)
-    # the other row counts first: the example's passes run last, so `gm`'s meta is theirs
-    curves = {n: _at_rows(gm, n, inputs, targets, timing, profile) for n in counts if n != size}
-    _run(gm, [
-        ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets, autocast)),
-        ("optimizer", lambda: annotate_optimizer(gm, optimizer, target, profile=profile,
-                                                 device_model=model, num_threads=num_threads,
-                                                 cache=cache, loaded_by=loaded_by)),
-        *timing(inputs, targets, 3, 10),
-    ])  # fmt: skip
-    curves[size] = (node_times(gm, measured=profile), gm.meta[LOSS_S] or (0.0, 0.0), None)
-    for n, (_, _, how) in sorted(curves.items()):  # the example's rows ran: the others' faults
-        if how and "left_out" in how:
-            warnings.warn(
-                f"costs at {n} rows per microbatch were not measured ({how['left_out']}); they "
-                "follow the other row counts (analyze(rows=...) chooses them)",
-                stacklevel=2,
-            )
-    meta = {
-        "model": type(gm).__name__,
-        "capture": gm.meta.get(CAPTURE),
-        "source": "profile" if profile else "analytic",
-        "device": str(target),
-        "device_model": model.name,
-        "optimizer": gm.meta[OPTIMIZER],
-        "num_threads": num_threads if profile and target.type == "cpu" else None,
-        "torch_version": torch.__version__,
-        # how, when and from which cache file the times came (`gm` is the graph profiled)
-        "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
-        # the per-operation framework cost folded into the times, and how (framework_fold)
-        "framework": gm.meta[FRAMEWORK].to_dict() if cost is not None else None,
-        # the other row counts: how each was had, or why it was left out
-        "row_profiles": {str(n): c[2] for n, c in sorted(curves.items()) if n != size},
-    }
-    measured = sorted(n for n, c in curves.items() if c[0] is not None)
-    keep = measured.index(size)
-    row_s = None
-    if len(measured) > 1:  # each time made non-decreasing in the rows, the example's kept
-        row_s = {
-            node: tuple(zip(*(monotone([curves[n][0][node][k] for n in measured], keep)
-                              for k in range(4)), strict=True))
-            for node in curves[size][0]
-        }  # fmt: skip
-    graph = to_cost_graph(gm, size, meta, measured=profile, rows=tuple(measured), row_s=row_s)
-    graph.loss_forward_s, graph.loss_backward_s = curves[size][1]
-    if row_s is not None and loss_fn is not None and targets is not None:
-        graph.loss_row_s = tuple(zip(*(monotone([curves[n][1][k] for n in measured], keep)
-                                       for k in range(2)), strict=True))  # fmt: skip
-    graph.optimizer = gm.meta[OPTIMIZER_PRICED]
-    graph.meta = {**graph.meta, "optimizer_call_s": gm.meta[OPTIMIZER_CALL_S]}
-    return coarsen_layers(graph, coarsen) if coarsen else graph
+        # no times folded: what an earlier call folded must not reach this CostGraph
+        if cost is None:
+            for node in gm.graph.nodes:
+                for key in (FOLDED_S, FRAMEWORK_S, FRAMEWORK_OPS):
+                    node.meta.pop(key, None)
+            gm.meta.pop(FRAMEWORK, None)
+        size = graph_batch_size(gm)
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        batched = any(input_batch_dim(gm, n) is not None for n in placeholders)
+        counts = profiled_rows(size, rows, max_rows) if batched else (size,)
+        # the other row counts first: the example's passes run last, so `gm`'s meta is theirs
+        curves = {n: _at_rows(gm, n, inputs, targets, timing, profile) for n in counts if n != size}
+        _run(gm, [
+            ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets, autocast)),
+            ("optimizer", lambda: annotate_optimizer(gm, optimizer, target, profile=profile,
+                                                     device_model=model, num_threads=num_threads,
+                                                     cache=cache, loaded_by=loaded_by)),
+            *timing(inputs, targets, 3, 10),
+        ])  # fmt: skip
+        curves[size] = (node_times(gm, measured=profile), gm.meta[LOSS_S] or (0.0, 0.0), None)
+        for n, (_, _, how) in sorted(curves.items()):  # the example's rows ran: the others' faults
+            if how and "left_out" in how:
+                warnings.warn(
+                    f"costs at {n} rows per microbatch were not measured ({how['left_out']}); they "
+                    "follow the other row counts (analyze(rows=...) chooses them)",
+                    stacklevel=2,
+                )
+        meta = {
+            "model": type(gm).__name__,
+            "capture": gm.meta.get(CAPTURE),
+            "source": "profile" if profile else "analytic",
+            "device": str(target),
+            "device_model": model.name,
+            "optimizer": gm.meta[OPTIMIZER],
+            "num_threads": num_threads if profile and target.type == "cpu" else None,
+            "torch_version": torch.__version__,
+            # how, when and from which cache file the times came (`gm` is the graph profiled)
+            "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
+            # the per-operation framework cost folded into the times, and how (framework_fold)
+            "framework": gm.meta[FRAMEWORK].to_dict() if cost is not None else None,
+            # the other row counts: how each was had, or why it was left out
+            "row_profiles": {str(n): c[2] for n, c in sorted(curves.items()) if n != size},
+        }
+        measured = sorted(n for n, c in curves.items() if c[0] is not None)
+        keep = measured.index(size)
+        row_s = None
+        if len(measured) > 1:  # each time made non-decreasing in the rows, the example's kept
+            row_s = {
+                node: tuple(zip(*(monotone([curves[n][0][node][k] for n in measured], keep)
+                                  for k in range(4)), strict=True))
+                for node in curves[size][0]
+            }  # fmt: skip
+        graph = to_cost_graph(gm, size, meta, measured=profile, rows=tuple(measured), row_s=row_s)
+        graph.loss_forward_s, graph.loss_backward_s = curves[size][1]
+        if row_s is not None and loss_fn is not None and targets is not None:
+            graph.loss_row_s = tuple(zip(*(monotone([curves[n][1][k] for n in measured], keep)
+                                           for k in range(2)), strict=True))  # fmt: skip
+        graph.optimizer = gm.meta[OPTIMIZER_PRICED]
+        graph.meta = {**graph.meta, "optimizer_call_s": gm.meta[OPTIMIZER_CALL_S]}
+        return coarsen_layers(graph, coarsen) if coarsen else graph
 
 
 def _run(gm: fx.GraphModule, passes: list[tuple[str, Callable[[], Any]]]) -> None:
@@ -343,7 +347,8 @@ def _at_rows(
     """The node times and the loss's at `rows` rows (the example's rows cut or repeated, as the
     runtime cuts a batch), and how they were had; (None, ..., {"left_out": why}) when the model
     cannot run there. The graph's output shapes are the example's again afterwards."""
-    at, at_targets = with_rows(dict(inputs), rows), with_rows(targets, rows)
+    dims = dict(gm.meta.get(BATCH_DIMS, ()))
+    at, at_targets = with_rows(dict(inputs), rows, dims), with_rows(targets, rows)
     shapes = {n: (n.meta[OUTPUTS], n.meta[OUTPUT_BYTES]) for n in gm.graph.nodes}
     try:
         annotate_shapes(gm, at)

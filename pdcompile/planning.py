@@ -18,10 +18,10 @@ from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PartitionError, PlanWarning, ScheduleError
+from pdcompile.errors import PartitionError, PdcompileError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
 from pdcompile.plans import RENAMED_SOLVERS, Plan, Stage, consecutive_ranks
-from pdcompile.progress import in_phase
+from pdcompile.progress import phase
 from pdcompile.registry import Registry
 from pdcompile.runtime.validate import check_num_microbatches
 from pdcompile.schedules import PipelineSchedule, get_schedule
@@ -130,13 +130,16 @@ def settled_microbatches(
     return even_m if even_m < limit else m
 
 
-def _planning(cost_graph: CostGraph, cluster: Cluster | str | int, **_: Any) -> str:
-    """What progress says while `plan` runs (the searches' own `plan()` calls add nothing)."""
-    devices = Cluster.coerce(cluster).num_devices
-    return f"planning {cost_graph.graph.number_of_nodes()} nodes on {devices} devices"
+def _planning(cost_graph: CostGraph, cluster: Cluster | str | int) -> str:
+    """What progress says while `plan` runs (the searches' own `plan()` calls add nothing); a
+    cluster that is none is plan()'s to refuse, not this line's."""
+    try:
+        on = f" on {Cluster.coerce(cluster).num_devices} devices"
+    except PdcompileError:
+        on = ""
+    return f"planning {cost_graph.graph.number_of_nodes()} nodes{on}"
 
 
-@in_phase(_planning)
 def plan(
     cost_graph: CostGraph,
     cluster: Cluster | str | int,
@@ -211,93 +214,94 @@ def plan(
             simulation would exceed `runtime.simulator.MAX_ACTIONS` or whose figures no plan
             file holds, or no plan exists (the message says why).
     """
-    if num_microbatches is not None:
-        num_microbatches = check_num_microbatches(num_microbatches)
-    if microbatch_size is not None:
-        microbatch_size = check_num_microbatches(microbatch_size, "microbatch_size", cap=None)
-    check_recompute(recompute)
-    if memory is not None:
-        cluster = limited(Cluster.coerce(cluster), memory)
-    if isinstance(schedule, str) and schedule == AUTO:
-        return plan_auto(
-            plan, cost_graph, cluster, allow_async=allow_async, solver=solver,
-            num_microbatches=num_microbatches, microbatch_size=microbatch_size,
-            replica_counts=replica_counts, chunks=chunks, global_batch_size=global_batch_size,
-            recompute=recompute, **options,
-        )  # fmt: skip
-    if global_batch_size is not None:
-        return plan_microbatches(
-            plan, cost_graph, cluster, global_batch_size=global_batch_size,
-            num_microbatches=num_microbatches, microbatch_size=microbatch_size, solver=solver,
-            schedule=schedule, replica_counts=replica_counts, chunks=chunks,
-            recompute=recompute, **options,
-        )  # fmt: skip
-    solve = SOLVERS.get(solver)
-    cluster = Cluster.coerce(cluster)
-    if recompute is True or (recompute is None and cluster.memory is not None):
-        with warnings.catch_warnings():  # the plans tried; the one returned warns below
-            warnings.simplefilter("ignore", PlanWarning)
-            result = plan_recompute(
-                plan, cost_graph, cluster, recompute=recompute, solver=solver,
-                schedule=schedule, num_microbatches=num_microbatches,
-                microbatch_size=microbatch_size, replica_counts=replica_counts, chunks=chunks,
-                **options,
+    with phase(_planning(cost_graph, cluster)):
+        if num_microbatches is not None:
+            num_microbatches = check_num_microbatches(num_microbatches)
+        if microbatch_size is not None:
+            microbatch_size = check_num_microbatches(microbatch_size, "microbatch_size", cap=None)
+        check_recompute(recompute)
+        if memory is not None:
+            cluster = limited(Cluster.coerce(cluster), memory)
+        if isinstance(schedule, str) and schedule == AUTO:
+            return plan_auto(
+                plan, cost_graph, cluster, allow_async=allow_async, solver=solver,
+                num_microbatches=num_microbatches, microbatch_size=microbatch_size,
+                replica_counts=replica_counts, chunks=chunks, global_batch_size=global_batch_size,
+                recompute=recompute, **options,
             )  # fmt: skip
+        if global_batch_size is not None:
+            return plan_microbatches(
+                plan, cost_graph, cluster, global_batch_size=global_batch_size,
+                num_microbatches=num_microbatches, microbatch_size=microbatch_size, solver=solver,
+                schedule=schedule, replica_counts=replica_counts, chunks=chunks,
+                recompute=recompute, **options,
+            )  # fmt: skip
+        solve = SOLVERS.get(solver)
+        cluster = Cluster.coerce(cluster)
+        if recompute is True or (recompute is None and cluster.memory is not None):
+            with warnings.catch_warnings():  # the plans tried; the one returned warns below
+                warnings.simplefilter("ignore", PlanWarning)
+                result = plan_recompute(
+                    plan, cost_graph, cluster, recompute=recompute, solver=solver,
+                    schedule=schedule, num_microbatches=num_microbatches,
+                    microbatch_size=microbatch_size, replica_counts=replica_counts, chunks=chunks,
+                    **options,
+                )  # fmt: skip
+            for split in result.uneven_splits:
+                warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
+            return result
+        try:
+            rules = get_schedule(schedule)
+        except ScheduleError as exc:
+            raise PartitionError(str(exc)) from None
+        if cost_graph.graph.number_of_nodes() == 0:
+            raise PartitionError("the cost graph has no nodes; nothing to plan")
+        if microbatch_size is not None and microbatch_size != cost_graph.batch_size:
+            cost_graph = cost_graph.scaled(microbatch_size)
+        chunks = rules.default_chunks if chunks is None else chunks
+        if chunks != 1:
+            chunked = _plan_chunks(cost_graph, cluster, solver, rules, chunks, num_microbatches,
+                                   options)  # fmt: skip
+            chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+            return chunked
+        # solvers search with twice the devices (within the cap); the count the plan runs is
+        # settled after. A count the caller gave limits the replicas to those the schedule accepts
+        searched = num_microbatches or min(2 * cluster.num_devices, MAX_MICROBATCHES)
+        options = {**options, "schedule": rules.name, "num_microbatches": searched,
+                   "even_microbatches": num_microbatches is None}  # fmt: skip
+        counts = tuple(range(1, cluster.num_devices + 1))
+        allowed = counts if replica_counts is None else _replica_counts(replica_counts, counts)
+        if num_microbatches is not None:
+            allowed = tuple(r for r in allowed if rules.accepts([r], searched))
+            if not allowed:
+                raise PartitionError(
+                    f"{rules.name} accepts none of replica_counts={tuple(replica_counts or ())} "
+                    f"with {num_microbatches} microbatches; add 1 or counts dividing "
+                    f"{num_microbatches}"
+                )
+        if allowed != counts:
+            options["replica_counts"] = allowed
+        start = time.perf_counter()
+        result = solve(cost_graph, cluster, options)
+        seconds = time.perf_counter() - start
+        _check_tied_replicas(result, solver, rules)
+        if replica_counts is not None and any(s.replicas not in allowed for s in result.stages):
+            raise PartitionError(
+                f"solver {solver!r} gave stages {[s.replicas for s in result.stages]} replicas, "
+                f"outside replica_counts={tuple(replica_counts)}; it does not search within them: "
+                "use solver 'dynprog', 'ideal' or 'cpsat'"
+            )
+        if num_microbatches is not None and result.num_microbatches != num_microbatches:
+            try:  # the schedule's own reason
+                rules.check([s.replicas for s in result.stages], num_microbatches)
+            except ScheduleError as exc:
+                raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
+                                     f"{exc}") from None  # fmt: skip
+        result = simulated(result).with_(solve_time_s=seconds)
+        result.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
         for split in result.uneven_splits:
             warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
         return result
-    try:
-        rules = get_schedule(schedule)
-    except ScheduleError as exc:
-        raise PartitionError(str(exc)) from None
-    if cost_graph.graph.number_of_nodes() == 0:
-        raise PartitionError("the cost graph has no nodes; nothing to plan")
-    if microbatch_size is not None and microbatch_size != cost_graph.batch_size:
-        cost_graph = cost_graph.scaled(microbatch_size)
-    chunks = rules.default_chunks if chunks is None else chunks
-    if chunks != 1:
-        chunked = _plan_chunks(cost_graph, cluster, solver, rules, chunks, num_microbatches,
-                               options)  # fmt: skip
-        chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
-        return chunked
-    # solvers search with twice the devices (within the cap); the count the plan runs is
-    # settled after. A count the caller gave limits the replicas to those the schedule accepts
-    searched = num_microbatches or min(2 * cluster.num_devices, MAX_MICROBATCHES)
-    options = {**options, "schedule": rules.name, "num_microbatches": searched,
-               "even_microbatches": num_microbatches is None}  # fmt: skip
-    counts = tuple(range(1, cluster.num_devices + 1))
-    allowed = counts if replica_counts is None else _replica_counts(replica_counts, counts)
-    if num_microbatches is not None:
-        allowed = tuple(r for r in allowed if rules.accepts([r], searched))
-        if not allowed:
-            raise PartitionError(
-                f"{rules.name} accepts none of replica_counts={tuple(replica_counts or ())} "
-                f"with {num_microbatches} microbatches; add 1 or counts dividing "
-                f"{num_microbatches}"
-            )
-    if allowed != counts:
-        options["replica_counts"] = allowed
-    start = time.perf_counter()
-    result = solve(cost_graph, cluster, options)
-    seconds = time.perf_counter() - start
-    _check_tied_replicas(result, solver, rules)
-    if replica_counts is not None and any(s.replicas not in allowed for s in result.stages):
-        raise PartitionError(
-            f"solver {solver!r} gave stages {[s.replicas for s in result.stages]} replicas, "
-            f"outside replica_counts={tuple(replica_counts)}; it does not search within them: "
-            "use solver 'dynprog', 'ideal' or 'cpsat'"
-        )
-    if num_microbatches is not None and result.num_microbatches != num_microbatches:
-        try:  # the schedule's own reason
-            rules.check([s.replicas for s in result.stages], num_microbatches)
-        except ScheduleError as exc:
-            raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
-                                 f"{exc}") from None  # fmt: skip
-    result = simulated(result).with_(solve_time_s=seconds)
-    result.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
-    for split in result.uneven_splits:
-        warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
-    return result
 
 
 def _replica_counts(given: Any, counts: tuple[int, ...]) -> tuple[int, ...]:

@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -57,7 +56,6 @@ _lock = threading.RLock()
 _stack: list[Phase] = []  # the phases running, outermost first
 _display: _Display | None = None  # the outermost phase's display, while it runs
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Phase:
@@ -255,28 +253,6 @@ def each(items: Iterable[T], description: str, label: Callable[[T], str] = str) 
         for i, item in enumerate(items, 1):
             shown.update(label(item), done=i)  # `schedules 3/7: zb-h1`: the third of 7 runs
             yield item
-
-
-def in_phase(describe: Callable[..., str | None]) -> Callable[[F], F]:
-    """Run the decorated function inside `phase(describe(*args, **kwargs))` (None: no phase; a
-    description that fails to build is a generic one: the call's own checks say what is wrong).
-    """
-
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            try:
-                description = describe(*args, **kwargs)
-            except Exception:
-                description = fn.__name__
-            if description is None:
-                return fn(*args, **kwargs)
-            with phase(description):
-                return fn(*args, **kwargs)
-
-        return run  # type: ignore[return-value]
-
-    return decorate
 
 
 def _visible() -> list[tuple[Phase, Phase]]:

@@ -19,14 +19,22 @@ from pdcompile.capture.fx_capture import capture_fx
 from pdcompile.capture.inputs import BoundInputs, bind_inputs
 from pdcompile.capture.leaf_policy import LeafPolicy
 from pdcompile.errors import TraceError, TraceWarning
-from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter_tensors
+from pdcompile.ir import (
+    AUTO_LEAVES,
+    BATCH_DIMS,
+    CAPTURE,
+    CONSTANTS,
+    INPUTS,
+    TRAINING,
+    iter_tensors,
+)
 from pdcompile.passes.mutation import is_inplace
 from pdcompile.passes.node_runner import record_values
 from pdcompile.passes.params import annotate_params
 from pdcompile.passes.scope import annotate_scope
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.state import preserved_state
-from pdcompile.progress import in_phase, note
+from pdcompile.progress import note, phase
 
 METHODS = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -34,7 +42,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 DOMINANT_LEAF_SHARE = 0.5
 
 
-@in_phase(lambda model, *_, **__: f"capturing {type(model).__name__}")
 def trace(
     model: nn.Module,
     example_inputs: Any,
@@ -44,6 +51,7 @@ def trace(
     leaf_modules: Iterable[type[nn.Module] | str] = (),
     auto_leaf: bool = True,
     check: bool = True,
+    batch_dims: Mapping[str, int | None] | None = None,
 ) -> fx.GraphModule:
     """Capture `model` as a GraphModule annotated with shapes, bytes, scopes and parameters.
 
@@ -56,7 +64,12 @@ def trace(
             top level or leaves one automatic leaf holding most parameters), "fx" or "export".
         leaf_modules: extra leaves: module classes or qualified names.
         auto_leaf: turn submodules symbolic tracing cannot follow into leaves (with a warning).
-        check: run the graph and the model on the example and compare their outputs.
+        check: run the graph and the model on the example and compare their outputs (and, for
+            a model in training mode, run the graph's backward once).
+        batch_dims: inputs whose batch is not along dim 0, by graph input name: the dimension
+            that holds it, or None for an input that has none (every microbatch gets it whole,
+            e.g. a table all rows share). Export makes that dimension dynamic, and the runtime
+            splits batches along it.
 
     Returns:
         A GraphModule, called with the tensor inputs only (by position or by name), returning what
@@ -72,65 +85,67 @@ def trace(
         >>> gm.meta["pdcompile.capture"]
         'fx'
     """
-    if method not in METHODS:
-        raise TraceError(f"method must be one of {METHODS}, got {method!r}")
-    inputs = bind_inputs(model, example_inputs, example_kwargs)
-    _check_devices(model, inputs)
-    policy = LeafPolicy.from_user(model, leaf_modules)
-    failures: list[str] = []
-    fallback: tuple[fx.GraphModule, dict[str, str]] | None = None
+    with phase(f"capturing {type(model).__name__}"):
+        if method not in METHODS:
+            raise TraceError(f"method must be one of {METHODS}, got {method!r}")
+        inputs = bind_inputs(model, example_inputs, example_kwargs, batch_dims)
+        _check_devices(model, inputs)
+        policy = LeafPolicy.from_user(model, leaf_modules)
+        failures: list[str] = []
+        fallback: tuple[fx.GraphModule, dict[str, str]] | None = None
 
-    if method in ("auto", "fx"):
-        try:
-            note("symbolic tracing")
-            gm, auto = capture_fx(model, inputs, policy, auto_leaf)
-        except TraceError as e:
-            if method == "fx":
-                raise
-            failures.append(f"fx: {e}")
-        else:
-            dominant = _dominant_leaf(model, auto) if method == "auto" else None
-            if dominant is None:
-                try:
-                    return _finish(gm, model, inputs, "fx", auto, check)
-                except TraceError as e:
-                    if method == "fx":
-                        raise
-                    failures.append(f"fx: {e}")
+        if method in ("auto", "fx"):
+            try:
+                note("symbolic tracing")
+                gm, auto = capture_fx(model, inputs, policy, auto_leaf)
+            except TraceError as e:
+                if method == "fx":
+                    raise
+                failures.append(f"fx: {e}")
             else:
-                failures.append(f"fx: {dominant}")
-                fallback = gm, auto
+                dominant = _dominant_leaf(model, auto) if method == "auto" else None
+                if dominant is None:
+                    try:
+                        return _finish(gm, model, inputs, "fx", auto, check)
+                    except TraceError as e:
+                        if method == "fx":
+                            raise
+                        failures.append(f"fx: {e}")
+                else:
+                    failures.append(f"fx: {dominant}")
+                    fallback = gm, auto
 
-    try:
-        note("torch.export")
-        gm = capture_export(model, inputs)
-        return _finish(gm, model, inputs, "export", {}, check)
-    except TraceError as e:
-        if fallback is not None:
-            gm, auto = fallback
-            gm = _finish(gm, model, inputs, "fx", auto, check)
-            warnings.warn(
-                f"{type(model).__name__} was captured by symbolic tracing with one leaf holding "
-                f"most of the model, which no pipeline can split: {failures[-1]}. torch.export, "
-                f"tried next, failed:\n{e}\nA pipeline of this graph is bounded by that leaf "
-                "(the default plan is then data parallelism). Remedies: fix what export "
-                "reports, make the leaf's code traceable, or give leaf_modules= smaller parts",
-                TraceWarning,
-                stacklevel=2,
-            )
-            return gm
-        if not failures:
-            raise
-        failures.append(f"export: {e}")
-        raise TraceError(
-            f"no path could capture {type(model).__name__}: "
-            + "; ".join(f.splitlines()[0] for f in failures)
-            + ".\nRemedies: make the failing submodule traceable (no control flow on tensor "
-            "values, no Python objects built from tensor values), make it a leaf "
-            "(leaf_modules=[name]: it then runs whole inside one stage), cut the model before it "
-            "(pipeline the part that captures and run the rest outside the pipeline), or pass "
-            "example inputs the model accepts. In full:\n  - " + "\n  - ".join(failures)
-        ) from e
+        try:
+            note("torch.export")
+            gm = capture_export(model, inputs)
+            return _finish(gm, model, inputs, "export", {}, check)
+        except TraceError as e:
+            if fallback is not None:
+                gm, auto = fallback
+                gm = _finish(gm, model, inputs, "fx", auto, check)
+                warnings.warn(
+                    f"{type(model).__name__} was captured by symbolic tracing with one leaf "
+                    f"holding most of the model, which no pipeline can split: {failures[-1]}. "
+                    f"torch.export, tried next, failed:\n{e}\nA pipeline of this graph is "
+                    "bounded by that leaf (the default plan is then data parallelism). Remedies: "
+                    "fix what export reports, make the leaf's code traceable, or give "
+                    "leaf_modules= smaller parts",
+                    TraceWarning,
+                    stacklevel=2,
+                )
+                return gm
+            if not failures:
+                raise
+            failures.append(f"export: {e}")
+            raise TraceError(
+                f"no path could capture {type(model).__name__}: "
+                + "; ".join(f.splitlines()[0] for f in failures)
+                + ".\nRemedies: make the failing submodule traceable (no control flow on tensor "
+                "values, no Python objects built from tensor values), make it a leaf "
+                "(leaf_modules=[name]: it then runs whole inside one stage), cut the model before "
+                "it (pipeline the part that captures and run the rest outside the pipeline), or "
+                "pass example inputs the model accepts. In full:\n  - " + "\n  - ".join(failures)
+            ) from e
 
 
 def _dominant_leaf(model: nn.Module, auto: Mapping[str, str]) -> str | None:
@@ -159,6 +174,7 @@ def _finish(
     gm.meta[TRAINING] = model.training
     gm.meta[INPUTS] = tuple(inputs.tensors)
     gm.meta[CONSTANTS] = tuple((k, repr(v)) for k, v in inputs.constants.items())
+    gm.meta[BATCH_DIMS] = tuple(inputs.batch_dims.items())
     gm.bind_constants(gm.meta[CONSTANTS])
     gm.meta[AUTO_LEAVES] = tuple(auto.items())
     gm.graph.lint()
