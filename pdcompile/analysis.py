@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
 from pdcompile.ir import (
+    BATCH_DIMS,
     CAPTURE,
     DEVICE_MODEL,
     FOLDED_S,
@@ -36,6 +37,8 @@ from pdcompile.ir import (
     OUTPUT_BYTES,
     OUTPUTS,
     PROFILE,
+    graph_batch_size,
+    input_batch_dim,
 )
 from pdcompile.passes.analytic import annotate_analytic
 from pdcompile.passes.coarsening import coarsen as coarsen_layers
@@ -115,18 +118,22 @@ def profiled_rows(
     return tuple(sorted({*points, *gaps}))
 
 
-def with_rows(value: Any, rows: int) -> Any:
+def with_rows(value: Any, rows: int, dims: Mapping[str, int | None] | None = None) -> Any:
     """`value` (a tensor, or a structure of them) with `rows` rows: every tensor with a batch
-    dimension cut along dim 0, as the runtime cuts a batch into microbatches
-    (`runtime.microbatches.split_batch`), its rows repeated in turn where `rows` exceeds its
-    own; other values as they are."""
+    dimension cut along it (dim 0, or `dims[key]` for a dict's entry: None leaves it whole), as
+    the runtime cuts a batch into microbatches (`runtime.microbatches.split_batch`), its rows
+    repeated in turn where `rows` exceeds its own; other values as they are."""
 
-    def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+    def cut(t: Any, dim: int | None = 0) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or dim is None:
             return t
-        have = t.shape[0]
-        return t[:rows] if rows <= have else torch.cat([t] * -(-rows // have))[:rows]
+        have = t.shape[dim]
+        if rows > have:
+            t = torch.cat([t] * -(-rows // have), dim=dim)
+        return t.narrow(dim, 0, rows)
 
+    if dims and isinstance(value, Mapping):
+        return {k: cut(v, dims.get(k, 0)) for k, v in value.items()}
     return pytree.tree_map(cut, value)
 
 
@@ -260,9 +267,10 @@ def analyze(
                 for key in (FOLDED_S, FRAMEWORK_S, FRAMEWORK_OPS):
                     node.meta.pop(key, None)
             gm.meta.pop(FRAMEWORK, None)
-        batch = next(iter(inputs.values()))
-        size = batch.shape[0] if batch.dim() else 1
-        counts = profiled_rows(size, rows, max_rows) if batch.dim() else (size,)
+        size = graph_batch_size(gm)
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        batched = any(input_batch_dim(gm, n) is not None for n in placeholders)
+        counts = profiled_rows(size, rows, max_rows) if batched else (size,)
         # the other row counts first: the example's passes run last, so `gm`'s meta is theirs
         curves = {n: _at_rows(gm, n, inputs, targets, timing, profile) for n in counts if n != size}
         _run(gm, [
@@ -339,7 +347,8 @@ def _at_rows(
     """The node times and the loss's at `rows` rows (the example's rows cut or repeated, as the
     runtime cuts a batch), and how they were had; (None, ..., {"left_out": why}) when the model
     cannot run there. The graph's output shapes are the example's again afterwards."""
-    at, at_targets = with_rows(dict(inputs), rows), with_rows(targets, rows)
+    dims = dict(gm.meta.get(BATCH_DIMS, ()))
+    at, at_targets = with_rows(dict(inputs), rows, dims), with_rows(targets, rows)
     shapes = {n: (n.meta[OUTPUTS], n.meta[OUTPUT_BYTES]) for n in gm.graph.nodes}
     try:
         annotate_shapes(gm, at)

@@ -65,6 +65,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     plan: Plan | str | None = None,
     profile: bool = True,
     leaf_modules: Sequence[Any] = (),
+    batch_dims: dict[str, int | None] | None = None,
     autocast: torch.dtype | None = None,
     clip_grad_norm: float | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
@@ -112,6 +113,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         plan: a Plan (or a saved plan's path): skips profiling and solving.
         profile: measure node times (False: analytic costs, e.g. for meta-device models).
         leaf_modules: modules the capture keeps whole (classes or qualified names).
+        batch_dims: inputs whose batch is not along dim 0, by name: the dimension holding it,
+            or None for an input every microbatch gets whole (`trace(batch_dims=)`).
         autocast: a dtype for `torch.autocast` around every forward (weights stay fp32).
         clip_grad_norm: the largest gradient norm (global; per stage under `pipedream`, where
             stages sharing tied weights clip together).
@@ -205,7 +208,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         # a model without values: capture and cost it on the meta device too
         inputs, example_kwargs = _to_meta(inputs), _to_meta(example_kwargs)
     try:
-        gm = trace(model, inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules)
+        gm = trace(model, inputs, example_kwargs=example_kwargs, leaf_modules=leaf_modules,
+                   batch_dims=batch_dims)  # fmt: skip
         if isinstance(plan, str):
             plan = Plan.load(plan)
     except Exception as exc:
@@ -217,7 +221,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     options = dict(schedule=schedule, num_microbatches=num_microbatches, solver=solver,
                    profile=profile, cluster=str(cluster), clip=clip_grad_norm,
                    vertical=vertical_sync, nonfinite=nonfinite, plan=given,
-                   batch=global_batch_size,
+                   batch=global_batch_size, batch_dims=batch_dims,
                    replan=policy and (policy.after_steps, policy.threshold),
                    checkpoint_every=checkpoint_every, memory=str(memory),
                    recompute=recompute)  # fmt: skip

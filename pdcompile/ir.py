@@ -53,6 +53,9 @@ FOLDED_S = "pdcompile.folded_s"  # (forward, backward, I, W): the times with the
 CAPTURE = "pdcompile.capture"  # "fx" or "export": the path that produced the graph
 TRAINING = "pdcompile.training"  # bool: the model's mode when it was captured
 INPUTS = "pdcompile.inputs"  # tuple[str, ...]: names of the graph's tensor inputs, in call order
+# tuple[(input name, dim or None), ...]: inputs whose batch is not dim 0 (None: no batch
+# dimension, every microbatch gets the whole tensor); the others are batch-major
+BATCH_DIMS = "pdcompile.batch_dims"
 CONSTANTS = "pdcompile.constants"  # tuple[(argument, repr of value), ...] bound into the graph
 AUTO_LEAVES = "pdcompile.auto_leaves"  # tuple[(qualified name, reason), ...]
 PARAM_TABLE = "pdcompile.param_table"  # tuple[ParamInfo, ...], one per distinct tensor
@@ -197,3 +200,20 @@ def accept_constants(
                 f"without {name}), or capture again with example_kwargs={{{name!r}: {value!r}}}"
             )
     return rest
+
+
+def input_batch_dim(gm: fx.GraphModule, node: fx.Node) -> int | None:
+    """The dimension of graph input `node` holding the batch: dim 0 unless `trace(batch_dims=)`
+    said otherwise; None for an input without one."""
+    specs = node.meta.get(OUTPUTS, ())
+    if not specs or not specs[0].shape:
+        return None
+    return dict(gm.meta.get(BATCH_DIMS, ())).get(node.target, 0)
+
+
+def graph_batch_size(gm: fx.GraphModule) -> int:
+    """Rows of the example batch: the first graph input with a batch dimension (1 if none)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if (dim := input_batch_dim(gm, node)) is not None:
+            return node.meta[OUTPUTS][0].shape[dim]
+    return 1

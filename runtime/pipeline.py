@@ -23,7 +23,7 @@ import torch
 from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import BatchError
 from pdcompile.ir import accept_constants
-from pdcompile.runtime.microbatches import Batch, split_batch
+from pdcompile.runtime.microbatches import Batch, input_dims, split_batch
 from pdcompile.runtime.rank_workers import RankWorkers
 from pdcompile.runtime.stream import RankStream
 from pdcompile.runtime.validate import validate_schedule
@@ -124,7 +124,8 @@ class Pipeline:
         kwargs = accept_constants(self.program.constants, kwargs or {}, self.program.model_name)
         check_batch(self.program, args, kwargs, self._input_device())
         weighted = not self.rules.update_per_microbatch  # else a microbatch is a whole update
-        batch = split_batch(args, kwargs or {}, targets, self.num_microbatches, weighted=weighted)
+        batch = split_batch(args, kwargs or {}, targets, self.num_microbatches, weighted=weighted,
+                            dims=input_dims(self.program.input_specs))  # fmt: skip
         first = self.started if self.streaming else 0
         for worker in self.workers.values():
             worker.add_microbatches(batch, first, self.steps)
@@ -147,7 +148,8 @@ class Pipeline:
         self.flush()
         kwargs = accept_constants(self.program.constants, kwargs or {}, self.program.model_name)
         check_batch(self.program, args, kwargs, self._input_device())
-        batch = split_batch(args, kwargs or {}, None, self.num_microbatches, weighted=False)
+        batch = split_batch(args, kwargs or {}, None, self.num_microbatches, weighted=False,
+                            dims=input_dims(self.program.input_specs))  # fmt: skip
         if self._forward is None:
             ranks = [stage.ranks for stage in self.program.plan.stages]
             self._forward = forward_schedule(ranks, program_edges(self.program), batch.size)

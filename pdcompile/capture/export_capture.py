@@ -44,7 +44,7 @@ class ExportedGraphModule(CapturedGraphModule):
         graph: fx.Graph,
         class_name: str,
         training: bool,
-        input_specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        input_specs: dict[str, tuple[tuple[int, ...], torch.dtype, int | None]],
     ) -> None:
         super().__init__(root, graph, class_name, training)
         self._input_specs = input_specs
@@ -61,14 +61,15 @@ class ExportedGraphModule(CapturedGraphModule):
 def _check_inputs(module: ExportedGraphModule, args: tuple, kwargs: dict) -> None:
     names = list(module._input_specs)
     given = dict(zip(names, args, strict=False)) | kwargs
-    for name, (shape, dtype) in module._input_specs.items():
+    for name, (shape, dtype, dim) in module._input_specs.items():
         value = given.get(name)
         if not isinstance(value, torch.Tensor):
             raise TraceError(
                 f"input {name!r} is missing or not a tensor (got {type(value).__name__})"
             )
-        if value.dim() != len(shape) or tuple(value.shape[1:]) != shape[1:]:
-            expected = ", ".join(["batch", *map(str, shape[1:])])
+        fixed = [i for i in range(len(shape)) if i != dim]
+        if value.dim() != len(shape) or any(value.shape[i] != shape[i] for i in fixed):
+            expected = ", ".join("batch" if i == dim else str(s) for i, s in enumerate(shape))
             raise TraceError(
                 f"input {name!r} has shape {list(value.shape)}, but this graph was captured by "
                 f"torch.export for shape [{expected}]: only the batch dimension is dynamic. "
@@ -81,16 +82,24 @@ def _check_inputs(module: ExportedGraphModule, args: tuple, kwargs: dict) -> Non
 
 
 def _dynamic_shapes(inputs: BoundInputs, batch: Dim) -> dict[str, Any]:
-    """The `dynamic_shapes` argument: dim 0 of every tensor is the shared `batch` dimension."""
+    """The `dynamic_shapes` argument: the batch dimension of every tensor (dim 0 unless
+    `inputs.batch_dims` says otherwise) is the shared `batch` dimension."""
+
+    def dims(key: str, value: Any) -> dict[int, Dim] | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        dim = inputs.batch_dim(key)
+        return None if dim is None else {dim: batch}
+
     spec: dict[str, Any] = {}
     for name, value in inputs.arguments.items():
         kind = inputs.signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:  # parameters of their own: `_explicit_keywords`
-            spec |= {k: {0: batch} for k, v in value.items() if isinstance(v, torch.Tensor)}
+            spec |= {k: dims(k, v) for k, v in value.items() if isinstance(v, torch.Tensor)}
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            spec[name] = tuple({0: batch} if isinstance(v, torch.Tensor) else None for v in value)
+            spec[name] = tuple(dims(f"{name}_{i}", v) for i, v in enumerate(value))
         else:
-            spec[name] = {0: batch} if isinstance(value, torch.Tensor) else None
+            spec[name] = dims(name, value)
     return spec
 
 
@@ -98,13 +107,12 @@ def _widened(inputs: BoundInputs) -> BoundInputs:
     """Example inputs of at least 2 rows: export turns a dimension of size 1 into the constant 1."""
     if inputs.batch_size >= 2:
         return inputs
-    tensors = {
-        k: torch.cat([v, v]) if v.dim() and v.shape[0] == 1 else v
-        for k, v in inputs.tensors.items()
-    }
-    args, kwargs = inputs.call(tensors)
-    bound = inputs.signature.bind(*args, **kwargs)
-    return BoundInputs(inputs.signature, dict(bound.arguments), tensors, inputs.constants)
+    tensors = {}
+    for name, value in inputs.tensors.items():
+        dim = inputs.batch_dim(name)
+        wide = dim is not None and value.shape[dim] == 1
+        tensors[name] = torch.cat([value, value], dim=dim) if wide else value
+    return inputs.with_tensors(tensors)
 
 
 def _hoist_state_updates(graph: fx.Graph) -> None:
@@ -163,14 +171,18 @@ def _export(model: nn.Module, inputs: BoundInputs, batch: Any) -> torch.export.E
                                        dynamic_shapes=_dynamic_shapes(inputs, batch))  # fmt: skip
 
 
-def _fixed_batch(program: torch.export.ExportedProgram) -> str | None:
-    """The first input whose dim 0 export made a constant, or None."""
+def _fixed_batch(program: torch.export.ExportedProgram, inputs: BoundInputs) -> str | None:
+    """The first input whose batch dimension export made a constant, or None."""
     for node in program.graph.find_nodes(op="placeholder"):
-        if node.name not in program.graph_signature.user_inputs:
+        if node.target not in inputs.tensors:
             continue
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0], int):
-            return node.name
+        value, dim = node.meta.get("val"), inputs.batch_dim(node.target)
+        if (
+            isinstance(value, torch.Tensor)
+            and dim is not None
+            and isinstance(value.shape[dim], int)
+        ):
+            return node.target
     return None
 
 
@@ -190,13 +202,14 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
             program = _export(model, inputs, Dim.AUTO)
         except Exception:
             program = None
-        fixed = program is not None and _fixed_batch(program)
+        fixed = program is not None and _fixed_batch(program, inputs)
         if program is None or fixed:
             hint = ""
             if fixed or "batch" in str(named):
                 hint = (
-                    f". The model fixes the batch size (dim 0 of input {fixed or 'batch'}, also "
-                    "with the dimension inferred): make it use x.shape[0] instead of a number"
+                    f". The model fixes the batch size (input {fixed or 'batch'}, also with the "
+                    "dimension inferred): make it use x.shape[0] instead of a number, or name "
+                    "inputs whose batch is not dim 0 in batch_dims="
                 )
             raise TraceError(
                 f"torch.export of {type(model).__name__} failed: "
@@ -288,7 +301,8 @@ def _graph_module(
     graph._codegen = _PyTreeCodeGen(
         _PyTreeInfo(names, pytree.tree_structure(list(names)), out_spec)
     )
-    specs = {n: (tuple(inputs.tensors[n].shape), inputs.tensors[n].dtype) for n in names}
+    specs = {n: (tuple(inputs.tensors[n].shape), inputs.tensors[n].dtype, inputs.batch_dim(n))
+             for n in names}  # fmt: skip
     gm = ExportedGraphModule(exported, graph, type(model).__name__, model.training, specs)
     gm._in_spec = graph._codegen.pytree_info.in_spec
     gm._out_spec = out_spec

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +32,12 @@ class BoundInputs:
     arguments: Mapping[str, Any]  # as bound: *args as a tuple, **kwargs as a dict
     tensors: Mapping[str, torch.Tensor]  # graph input name -> example tensor, in call order
     constants: Mapping[str, Any]  # argument name -> value bound into the graph
+    batch_dims: Mapping[str, int | None] = field(default_factory=dict)  # not dim 0 (None: none)
+
+    def batch_dim(self, name: str) -> int | None:
+        """The dimension of input `name` that holds the batch (None: it has none)."""
+        tensor = self.tensors[name]
+        return self.batch_dims.get(name, 0) if tensor.dim() else None
 
     def call(self, values: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """`(args, kwargs)` for `forward`, with each graph input replaced by `values[name]`."""
@@ -53,19 +60,32 @@ class BoundInputs:
 
     @property
     def batch_size(self) -> int:
-        """Rows in dimension 0 of the first tensor input."""
-        first = next(iter(self.tensors.values()))
-        return first.shape[0] if first.dim() else 1
+        """Rows of the first tensor input with a batch dimension (1 if none has one)."""
+        for name, tensor in self.tensors.items():
+            if (dim := self.batch_dim(name)) is not None:
+                return tensor.shape[dim]
+        return 1
+
+    def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> BoundInputs:
+        """The same call with other tensors for the graph inputs."""
+        args, kwargs = self.call(tensors)
+        bound = self.signature.bind(*args, **kwargs)
+        return BoundInputs(self.signature, dict(bound.arguments), dict(tensors), self.constants,
+                           self.batch_dims)  # fmt: skip
 
 
 def bind_inputs(
-    model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None
+    model: nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    batch_dims: Mapping[str, int | None] | None = None,
 ) -> BoundInputs:
     """Bind the example call to `model.forward`'s signature.
 
     Raises:
-        TraceError: the arguments do not fit the signature, no tensor is passed, or a tensor sits
-            inside a container (pass such tensors as separate arguments).
+        TraceError: the arguments do not fit the signature, no tensor is passed, a tensor sits
+            inside a container (pass such tensors as separate arguments), or `batch_dims` names
+            no tensor input or a dimension it lacks.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -118,4 +138,31 @@ def bind_inputs(
             f"no tensor among the example inputs of {type(model).__name__}; pass at least one "
             "example batch as a tensor"
         )
-    return BoundInputs(signature, dict(bound.arguments), tensors, constants)
+    return BoundInputs(signature, dict(bound.arguments), tensors, constants,
+                       _checked_batch_dims(model, tensors, batch_dims or {}))  # fmt: skip
+
+
+def _checked_batch_dims(
+    model: nn.Module, tensors: Mapping[str, torch.Tensor], batch_dims: Mapping[str, Any]
+) -> dict[str, int | None]:
+    """`batch_dims` with negative dimensions made positive, each checked against its input."""
+    checked: dict[str, int | None] = {}
+    for name, dim in batch_dims.items():
+        if name not in tensors:
+            close = difflib.get_close_matches(str(name), list(tensors), n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise TraceError(
+                f"batch_dims names {name!r}, which is no tensor input of "
+                f"{type(model).__name__} (its tensor inputs: {list(tensors)}){hint}"
+            )
+        rank = tensors[name].dim()
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)
+                                or not -rank <= dim < rank):  # fmt: skip
+            raise TraceError(
+                f"batch_dims[{name!r}] = {dim!r}, but input {name!r} has {rank} dimensions "
+                f"(shape {list(tensors[name].shape)}): give the dimension that holds the batch, "
+                "or None for an input every microbatch gets whole"
+            )
+        if dim is None or dim % rank:
+            checked[name] = None if dim is None else dim % rank
+    return checked

@@ -19,7 +19,15 @@ from pdcompile.capture.fx_capture import capture_fx
 from pdcompile.capture.inputs import BoundInputs, bind_inputs
 from pdcompile.capture.leaf_policy import LeafPolicy
 from pdcompile.errors import TraceError, TraceWarning
-from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, iter_tensors
+from pdcompile.ir import (
+    AUTO_LEAVES,
+    BATCH_DIMS,
+    CAPTURE,
+    CONSTANTS,
+    INPUTS,
+    TRAINING,
+    iter_tensors,
+)
 from pdcompile.passes.mutation import is_inplace
 from pdcompile.passes.node_runner import record_values
 from pdcompile.passes.params import annotate_params
@@ -43,6 +51,7 @@ def trace(
     leaf_modules: Iterable[type[nn.Module] | str] = (),
     auto_leaf: bool = True,
     check: bool = True,
+    batch_dims: Mapping[str, int | None] | None = None,
 ) -> fx.GraphModule:
     """Capture `model` as a GraphModule annotated with shapes, bytes, scopes and parameters.
 
@@ -55,7 +64,12 @@ def trace(
             top level or leaves one automatic leaf holding most parameters), "fx" or "export".
         leaf_modules: extra leaves: module classes or qualified names.
         auto_leaf: turn submodules symbolic tracing cannot follow into leaves (with a warning).
-        check: run the graph and the model on the example and compare their outputs.
+        check: run the graph and the model on the example and compare their outputs (and, for
+            a model in training mode, run the graph's backward once).
+        batch_dims: inputs whose batch is not along dim 0, by graph input name: the dimension
+            that holds it, or None for an input that has none (every microbatch gets it whole,
+            e.g. a table all rows share). Export makes that dimension dynamic, and the runtime
+            splits batches along it.
 
     Returns:
         A GraphModule, called with the tensor inputs only (by position or by name), returning what
@@ -74,7 +88,7 @@ def trace(
     with phase(f"capturing {type(model).__name__}"):
         if method not in METHODS:
             raise TraceError(f"method must be one of {METHODS}, got {method!r}")
-        inputs = bind_inputs(model, example_inputs, example_kwargs)
+        inputs = bind_inputs(model, example_inputs, example_kwargs, batch_dims)
         _check_devices(model, inputs)
         policy = LeafPolicy.from_user(model, leaf_modules)
         failures: list[str] = []
@@ -160,6 +174,7 @@ def _finish(
     gm.meta[TRAINING] = model.training
     gm.meta[INPUTS] = tuple(inputs.tensors)
     gm.meta[CONSTANTS] = tuple((k, repr(v)) for k, v in inputs.constants.items())
+    gm.meta[BATCH_DIMS] = tuple(inputs.batch_dims.items())
     gm.bind_constants(gm.meta[CONSTANTS])
     gm.meta[AUTO_LEAVES] = tuple(auto.items())
     gm.graph.lint()

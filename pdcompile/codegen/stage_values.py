@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from pdcompile.codegen.staged_program import batch_dim
 from pdcompile.errors import CodegenError
-from pdcompile.ir import OUTPUTS, dtype_name, iter_tensors
+from pdcompile.ir import OUTPUTS, dtype_name, graph_batch_size, input_batch_dim, iter_tensors
 from pdcompile.passes.state import preserved_state
 
 # Values sent between stages as metadata, and those among them that can be written into a
@@ -81,15 +81,6 @@ def _symbolic(
     return tuple(dims)
 
 
-def graph_batch_size(gm: fx.GraphModule) -> int:
-    """Rows of the example batch: dim 0 of the first graph input with dimensions (1 if none)."""
-    for node in gm.graph.find_nodes(op="placeholder"):
-        specs = node.meta.get(OUTPUTS, ())
-        if specs and specs[0].shape:
-            return specs[0].shape[0]
-    return 1
-
-
 def _synthetic_inputs(gm: fx.GraphModule, batch: int, second: int) -> list[torch.Tensor]:
     """Inputs of the recorded shapes with `second` rows where the example had `batch`."""
     tensors = [*gm.parameters(), *gm.buffers()]
@@ -103,9 +94,9 @@ def _synthetic_inputs(gm: fx.GraphModule, batch: int, second: int) -> list[torch
                 f"graph input {node.name} has no recorded shape; code generation needs a graph "
                 "from pdcompile.trace"
             )
-        shape = list(specs[0].shape)
-        if shape and shape[0] == batch:
-            shape[0] = second
+        shape, dim = list(specs[0].shape), input_batch_dim(gm, node)
+        if dim is not None and shape[dim] == batch:
+            shape[dim] = second
         dtype = getattr(torch, specs[0].dtype)
         if dtype.is_floating_point:
             inputs.append(torch.randn(shape, generator=generator, dtype=dtype).to(device))
