@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import time
@@ -205,13 +206,15 @@ def report(results: dict, out: Path, verbose: bool, seconds: float) -> None:
     summary = {}
     for method, runs in results.items():
         reached = [r["samples_to_target"] for r in runs]
-        done = [s for s in reached if s is not None]
-        median = statistics.median(done) if len(done) == len(reached) else None
+        # a seed that never reached the target counts as slower than every other
+        median = statistics.median(math.inf if s is None else s for s in reached)
+        median = None if math.isinf(median) else median
         final = statistics.median(r["final"] for r in runs)
         summary[method] = {"median_samples_to_target": median, "per_seed": reached,
                            "median_final_accuracy": final,
                            "seconds": [round(r["seconds"], 2) for r in runs]}  # fmt: skip
-        table.add_row(method, str(median), str(reached), f"{final:.3f}")
+        shown = "not reached" if median is None else f"{median:g}"
+        table.add_row(method, shown, str(reached), f"{final:.3f}")
     console = Console()
     console.print(table)
     if "ddp" in summary and summary["ddp"]["median_samples_to_target"]:
