@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pdcompile.errors import CheckpointError, PdcompileError
@@ -49,6 +48,7 @@ from pdcompile.runtime.checkpoint_entries import (
     restore_optimizer,
 )
 from pdcompile.runtime.checkpoint_ranks import Ranks, ranks_of
+from pdcompile.runtime.checkpoint_reader import Reader, read_metadata
 
 __all__ = ["load", "load_full_state_dict", "rng_state", "save", "set_rng_state"]
 
@@ -184,7 +184,7 @@ def load(
         _agree({}, problems, ranks, what="agreeing on what to load")
         with ranks.phase("reading its files", "this rank's module may be partly loaded"):
             with _dcp(path, rank, not ranks.local):
-                dcp.load(reads, checkpoint_id=path, process_group=ranks.group,
+                dcp.load(reads, storage_reader=Reader(path), process_group=ranks.group,
                          no_dist=ranks.local)  # fmt: skip
     model.load_state_dict(module_state, strict=True)  # the modules' own load hooks run
     if optimizer is not None:
@@ -249,7 +249,7 @@ def load_full_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
     metadata, _ = _open(path)
     state = {k: empty(metadata, k) for k in metadata.state_dict_metadata if k.startswith("model/")}
     with _dcp(path, 0):
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        dcp.load(state, storage_reader=Reader(path), no_dist=True)
     return {key.removeprefix("model/"): tensor for key, tensor in state.items()}
 
 
@@ -371,7 +371,7 @@ def _verify(path: str, ranks: Ranks | None = None) -> None:
 def _open(path: str) -> tuple[Metadata, int]:
     """The DCP metadata and saving world size of a pdcompile checkpoint (verified first)."""
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_metadata(path)  # allow-listed unpickling: nothing in it runs
     except OSError as exc:
         raise CheckpointError(
             f"checkpoint {path}: not a checkpoint: no readable .metadata file "
@@ -393,7 +393,7 @@ def _open(path: str) -> tuple[Metadata, int]:
         )
     mark = {_FORMAT: empty(metadata, _FORMAT)}
     with _dcp(path, 0):
-        dcp.load(mark, checkpoint_id=path, no_dist=True)
+        dcp.load(mark, storage_reader=Reader(path), no_dist=True)
     version, world_size = mark[_FORMAT].tolist()
     if version > FORMAT_VERSION:
         raise CheckpointError(

@@ -23,7 +23,7 @@ from spawn import run_ranks
 from torch.distributed.checkpoint import FileSystemReader
 
 from pdcompile.errors import CheckpointError
-from pdcompile.runtime import checkpoint, manifest
+from pdcompile.runtime import checkpoint, checkpoint_reader, manifest
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.zoo import MLP
 
@@ -62,6 +62,8 @@ def unopened(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("DCP metadata was opened before the checkpoint verified")
 
     monkeypatch.setattr(FileSystemReader, "read_metadata", read_metadata)
+    monkeypatch.setattr(checkpoint_reader.Reader, "read_metadata", read_metadata)
+    monkeypatch.setattr(checkpoint, "read_metadata", read_metadata)
 
 
 # round trips ----------------------------------------------------------------------------------
@@ -211,7 +213,7 @@ def test_every_rank_refuses_a_file_that_one_rank_verifies(tmp_path: Path) -> Non
 _CHILD = r"""
 import os, shutil, sys, time
 import torch
-from pdcompile.runtime import checkpoint, manifest
+from pdcompile.runtime import checkpoint, checkpoint_reader, manifest
 from pdcompile.zoo import MLP
 
 directory, marker, point = sys.argv[1:]
