@@ -56,7 +56,8 @@ def auto_checkpoint(
     neither.
 
     Raises:
-        CheckpointError: one given without the other, or as `AutoCheckpoint`.
+        CheckpointError: one given without the other, an empty (or blank) `directory`, or as
+            `AutoCheckpoint`.
     """
     if directory is None and every is None:
         return None
@@ -66,7 +67,19 @@ def auto_checkpoint(
             f"{given} was given without {missing}: automatic checkpoints need both (a folder "
             "every rank sees, and the train steps between checkpoints)"
         )
-    return AutoCheckpoint(os.fspath(directory), every)
+    if not isinstance(directory, str | os.PathLike):
+        raise CheckpointError(
+            f"checkpoint_dir={directory!r} is a {type(directory).__name__}, not a path: give "
+            "a folder every rank sees, e.g. checkpoint_dir='checkpoints'"
+        )
+    path = os.fsdecode(directory)
+    if not path.strip():
+        raise CheckpointError(
+            f"checkpoint_dir={path!r} names no folder: automatic checkpoints would write and "
+            "prune step-* folders in the current directory; give a folder every rank sees, "
+            "e.g. checkpoint_dir='checkpoints'"
+        )
+    return AutoCheckpoint(path, every)
 
 
 @dataclass

@@ -76,6 +76,9 @@ def test_bad_arguments_are_refused(tmp_path) -> None:
         pdcompile.compile(model, (x,), checkpoint_dir=str(tmp_path), **options)
     with pytest.raises(CheckpointError, match=r"checkpoint_every=0: give the number of train"):
         pdcompile.compile(model, (x,), checkpoint_dir=tmp_path, checkpoint_every=0, **options)
+    for blank in ("", "  "):  # not the current directory
+        with pytest.raises(CheckpointError, match=f"checkpoint_dir='{blank}' names no folder"):
+            pdcompile.compile(model, (x,), checkpoint_dir=blank, checkpoint_every=1, **options)
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="is a file: give a folder"):
         pdcompile.compile(model, (x,), checkpoint_dir=tmp_path / "file", checkpoint_every=1,
