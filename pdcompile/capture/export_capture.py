@@ -186,6 +186,25 @@ def _fixed_batch(program: torch.export.ExportedProgram, inputs: BoundInputs) -> 
     return None
 
 
+def _runs_one_more_row(
+    program: torch.export.ExportedProgram, model: nn.Module, inputs: BoundInputs
+) -> bool:
+    """Whether the program (its guards on) runs on the example with one row more."""
+    tensors = {}
+    for name, value in inputs.tensors.items():
+        dim = inputs.batch_dim(name)
+        more = dim is not None
+        tensors[name] = torch.cat([value, value.narrow(dim, 0, 1)], dim) if more else value
+    more = inputs.with_tensors(tensors)
+    args, _ = more.call(tensors)
+    try:
+        with _explicit_keywords(model, more) as kwargs, torch.no_grad():
+            program.module()(*args, **kwargs)
+    except Exception:
+        return False
+    return True
+
+
 def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule:
     """Export `model` with a dynamic batch dimension and return its fx graph.
 
@@ -203,6 +222,8 @@ def capture_export(model: nn.Module, inputs: BoundInputs) -> ExportedGraphModule
         except Exception:
             program = None
         fixed = program is not None and _fixed_batch(program, inputs)
+        if program is not None and not fixed and not _runs_one_more_row(program, model, inputs):
+            fixed = "batch"  # an inferred dimension with guards one more row fails
         if program is None or fixed:
             hint = ""
             if fixed or "batch" in str(named):
