@@ -19,6 +19,8 @@ import os
 import socket
 import threading
 import time
+import warnings
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -187,6 +189,12 @@ class DistributedComm:
         self._watchdog: threading.Thread | None = None
         # messages between two stages of this rank: handed over, never on the wire
         self._own = LocalComm(rank)
+        # a comm collected unclosed still releases its groups (a loop of compiles that never
+        # closes ran out of descriptors after ~40); close() runs the same release at once.
+        # Not at exit: the process releases everything then, and the default group may be gone
+        groups = [g for g in [*self._p2p, *self._groups.values()] if g is not None]
+        self._release = weakref.finalize(self, _release, rank, groups, self._closed, True)
+        self._release.atexit = False
 
     def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
         """Post the receive of a message now, so that its sender's send completes as soon as
@@ -412,10 +420,8 @@ class DistributedComm:
         if self._closed.is_set():
             return
         self.flush()
-        for group in [*self._p2p, *self._groups.values()]:
-            if group is not None:
-                dist.destroy_process_group(group)
-        self._closed.set()  # ends the watchdog
+        self._release.detach()
+        _release(self.rank, [*self._p2p, *self._groups.values()], self._closed, False)
 
     def _start(self, op: Any, tensor: torch.Tensor, peer: Any, what: str, **kwargs: Any) -> Any:
         if self._closed.is_set():
@@ -457,3 +463,32 @@ class DistributedComm:
             f"{self.timeout_s:g} s): {reason}; the peer died, hangs, or runs another schedule: "
             "see its own log"
         )
+
+
+_warned = False  # the ResourceWarning of a comm collected unclosed, once per process
+
+
+def _release(rank: int, groups: Sequence[Any], closed: threading.Event, collected: bool) -> None:
+    """Destroy a comm's process groups (their connections and threads) and end its watchdog;
+    when the comm was `collected` unclosed, warn once per process, like an unclosed file.
+    Holds no reference to the comm (a `weakref.finalize` callback)."""
+    global _warned
+    closed.set()
+    for group in groups:
+        # gone already when the default group was destroyed (it takes every group with it)
+        if group is not None and dist.is_initialized() and group in _world_groups():
+            dist.destroy_process_group(group)
+    if collected and not _warned:
+        _warned = True
+        warnings.warn(
+            f"rank {rank}: a pdcompile pipeline (its DistributedComm) was garbage-collected "
+            f"without close(); its {len(groups)} process groups were released then. Call "
+            "close() on every rank, or use `with pdcompile.compile(...) as pipe:` (said once)",
+            ResourceWarning,
+            stacklevel=1,  # the finalizer has no caller of interest
+        )
+
+
+def _world_groups() -> Any:
+    """The process groups torch.distributed holds (destroying one twice raises)."""
+    return dist.distributed_c10d._world.pg_map

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,15 +104,19 @@ class RankMemory:
 class _Saved:
     """What the pack hook returns: the saved tensor, detached (a saved output that kept its
     grad_fn would make a reference cycle that outlives the backward), and the release of its
-    bytes when autograd drops it."""
+    bytes when autograd drops it. The probe is held weakly: autograd's graph (C++, which the
+    garbage collector does not see) would otherwise keep the probe, its workers and their
+    comm alive while a microbatch is in flight, however unreachable the pipeline."""
 
     __slots__ = ("key", "probe", "tensor")
 
     def __init__(self, tensor: torch.Tensor, probe: MemoryProbe, key: Any) -> None:
-        self.tensor, self.probe, self.key = tensor, probe, key
+        self.tensor, self.probe, self.key = tensor, weakref.ref(probe), key
 
     def __del__(self) -> None:
-        self.probe.release(self.key)
+        probe = self.probe()
+        if probe is not None:
+            probe.release(self.key)
 
 
 def _unpack(packed: Any) -> torch.Tensor:
@@ -178,25 +183,28 @@ class MemoryProbe:
             for t in _tensors((mb.args, mb.kwargs, mb.target)):
                 batch[_key(t)] = t.numel() * t.element_size()
         stage = worker.stage
+        # autograd keeps the hook with each save, in C++ where the garbage collector does not
+        # see it: a strong reference would keep the probe and its workers alive (`_Saved`)
+        probe = weakref.ref(self)
 
         def pack(tensor: torch.Tensor) -> Any:
-            key = _key(tensor)
-            if key in excluded:
+            me, key = probe(), _key(tensor)
+            if me is None or key in excluded:
                 return tensor
             nbytes = batch.get(key)
             if nbytes is None:
                 nbytes = tensor.untyped_storage().nbytes()
             else:
                 key = (key, microbatch)
-            entry = self.held.get(key)
+            entry = me.held.get(key)
             if entry is None:
-                self.held[key] = [1, nbytes, stage]
-                self.activations += nbytes
-                self.by_stage[stage] += nbytes
-                self._check()
+                me.held[key] = [1, nbytes, stage]
+                me.activations += nbytes
+                me.by_stage[stage] += nbytes
+                me._check()
             else:
                 entry[0] += 1
-            return _Saved(tensor.detach(), self, key)
+            return _Saved(tensor.detach(), me, key)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
