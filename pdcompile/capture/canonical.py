@@ -39,7 +39,7 @@ def canonicalize(gm: fx.GraphModule) -> None:
         return
     graph = fx.Graph(owning_module=gm, tracer_cls=old._tracer_cls,
                      tracer_extras=old._tracer_extras)  # fmt: skip
-    graph._codegen = copy.deepcopy(old._codegen)
+    graph._codegen = old._codegen  # the old graph is dropped: its output spec moves over
     env: dict[fx.Node, fx.Node] = {}
     for node, name in zip(order, _names(order), strict=True):
         new = graph.create_node(node.op, node.target, fx.map_arg(node.args, env.__getitem__),
