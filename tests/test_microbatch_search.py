@@ -4,6 +4,7 @@ the fastest fitting one of the plans at each count, by construction."""
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -12,7 +13,7 @@ import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning
 from pdcompile.cli.handlers import main
 from pdcompile.cluster import RuntimeCosts
-from pdcompile.search.microbatch_count import TIE, batch_settings, divisors
+from pdcompile.search.microbatch_count import MAX_COUNTS, TIE, batch_settings, divisors
 from pdcompile.search.schedule_choice import auto_table, candidates, layouts
 
 EQUAL = CostGraph.load("docs/pictures/chain8.json")  # 8 equal layers, batch 8
@@ -124,6 +125,20 @@ def test_a_given_count_or_size_fixes_the_split() -> None:
 def test_bad_batches_are_clear_errors(kwargs: dict, words: str) -> None:
     with pytest.raises(PartitionError, match=words):
         _plan(EQUAL, "4", **kwargs)
+
+
+@pytest.mark.timeout(20)
+def test_a_huge_batch_is_refused_or_searched_among_a_few_counts_at_once() -> None:
+    """Issue 31: 2**61 and 10**30 never returned (divisors enumerated up to the square root),
+    10**12 planned 63 counts (24 s)."""
+    start = time.perf_counter()
+    for huge in (2**61, 10**30):
+        with pytest.raises(PartitionError, match=r"at most 2\*\*53"):
+            batch_settings(EQUAL, huge, None, None)
+    settings = batch_settings(EQUAL, 10**12, None, None)
+    assert len(settings) == MAX_COUNTS and settings[0] == (1, 10**12), settings
+    assert settings[-1] == (64000, 10**12 // 64000), settings  # the largest divisor up to the cap
+    assert len(divisors(2**53)) == 17 and time.perf_counter() - start < 1
 
 
 def test_a_graph_without_a_batch_size_cannot_be_split() -> None:

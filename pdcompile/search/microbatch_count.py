@@ -7,11 +7,15 @@ costs (`Cluster.runtime`) and all-reduce rounds. With `global_batch_size` (and n
 `num_microbatches`), `plan()` plans every count M that divides G and that the schedule accepts,
 each with its own partition and replicas (the solver's, at G / M rows per microbatch), and
 returns the plan with the smallest simulated `step_time` among those that fit memory (ties:
-fewer microbatches). `options["microbatches"]` lists every count tried, JSON-native.
+fewer microbatches). `options["microbatches"]` lists every count tried, JSON-native. A G with
+more than `MAX_COUNTS` such divisors has `MAX_COUNTS` of them tried, spread evenly on a log scale
+from 1 to the largest (G = 10**12: 63 divisors up to the cap took 24 s to plan, 16 take a few);
+a G over `MAX_GLOBAL_BATCH` is refused.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,17 +30,34 @@ from pdcompile.text import human_bytes, human_seconds
 
 SEARCH_KEY = "microbatches"  # plan.options key of the table of counts tried
 TIE = 1e-9  # step times within this share of each other are a tie
+MAX_COUNTS = 16  # microbatch counts a search plans at most
+MAX_GLOBAL_BATCH = 2**53  # rows the cost model counts exactly (float64 integers)
 
 
 def divisors(n: int, cap: int = MAX_MICROBATCHES) -> list[int]:
-    """The divisors of `n` up to `cap`, ascending.
+    """The divisors of `n` up to `cap`, ascending (at most `cap` trial divisions, whatever `n`).
 
     >>> divisors(12)
     [1, 2, 3, 4, 6, 12]
     """
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    both = sorted({*small, *(n // d for d in small)})
-    return [d for d in both if d <= cap]
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def spread(counts: Sequence[int], most: int = MAX_COUNTS) -> list[int]:
+    """At most `most` of the ascending `counts`: all of them if they are few, else the first, the
+    last and those nearest (on a log scale) to points evenly spaced between them.
+
+    >>> spread([1, 2, 3, 4, 6, 8, 12, 16, 24, 48], 4)
+    [1, 4, 12, 48]
+    """
+    if len(counts) <= most:
+        return list(counts)
+    first, last = math.log(counts[0]), math.log(counts[-1])
+    chosen = set()
+    for i in range(most):
+        target = first + (last - first) * i / (most - 1)
+        chosen.add(min(counts, key=lambda c: abs(math.log(c) - target)))
+    return sorted(chosen)
 
 
 def fastest_fitting(plans: Sequence[Plan]) -> int:
@@ -65,6 +86,11 @@ def batch_settings(
         raise PartitionError(
             f"global_batch_size must be an integer >= 1 (rows per step), got {g!r}"
         )
+    if g > MAX_GLOBAL_BATCH:
+        raise PartitionError(
+            f"global_batch_size={g} is more rows per step than the cost model counts exactly "
+            f"(at most 2**53 = {MAX_GLOBAL_BATCH}); give the rows one train_step runs"
+        )
     if cost_graph.batch_size is None:
         raise PartitionError(
             "global_batch_size needs a CostGraph with a batch_size to scale its costs from "
@@ -86,7 +112,7 @@ def batch_settings(
                 f"use one of {divisors(g)[:12]}"
             )
         return [(fixed, g // fixed)] if fixed == num_microbatches else [(g // fixed, fixed)]
-    return [(m, g // m) for m in divisors(g)]
+    return [(m, g // m) for m in spread(divisors(g))]
 
 
 def plan_microbatches(
