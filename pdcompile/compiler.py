@@ -161,7 +161,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     """
     from pdcompile.analysis import analyze
     from pdcompile.capture.tracing import trace
-    from pdcompile.closed_loop.move import Replanner
+    from pdcompile.closed_loop.move import Replanner, resume_saved_plan
     from pdcompile.codegen.stage_codegen import codegen
     from pdcompile.evaluation import rescore, simulated
     from pdcompile.pipelined_module import PipelinedModule
@@ -178,6 +178,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.search.schedule_choice import AUTO
 
     check_arguments(optimizer, num_microbatches, clip_grad_norm, timeout, startup_timeout)
+    check_plan_arguments(solver=solver, memory=memory, recompute=recompute,
+                         global_batch_size=global_batch_size, allow_async=allow_async)  # fmt: skip
     policy = Replan() if replan is True else replan or None
     if policy is not None and not isinstance(policy, Replan):
         raise PartitionError(f"replan must be True, False or a pdcompile.Replan, got {replan!r}")
@@ -317,6 +319,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
                 module.resume()
         with phase("resuming from the newest checkpoint"):
             module.resume()
+        resume_saved_plan(module, lambda saved: executor(saved, saved.schedule), phase,
+                          world_size if distributed else 1)  # fmt: skip
     if measure_memory:
         with phase("attaching the memory probe"):
             module.measure_memory()
@@ -417,6 +421,35 @@ def check_arguments(
                 f"{name} must be a finite number of seconds > 0, got {value!r}; the default is "
                 f"{'300' if name == 'timeout' else '900'} s"
             )
+
+
+def check_plan_arguments(
+    *, solver: Any, memory: Any, recompute: Any, global_batch_size: Any, allow_async: Any
+) -> None:
+    """`compile`'s planning arguments, checked whatever the path (a given `plan=` uses none of
+    them but the solver, for a re-plan; a bad value is a mistake all the same).
+
+    Raises:
+        PartitionError: an unknown solver, `memory` no size ('16GB', bytes > 0), "auto" or
+            None (`search.recompute_choice.check_memory`), `recompute` not None/True/False,
+            `global_batch_size` no integer >= 1 or None, `allow_async` not True/False.
+    """
+    from pdcompile.planning import SOLVERS
+    from pdcompile.search.recompute_choice import check_memory, check_recompute
+
+    SOLVERS.get(solver)
+    check_memory(memory)
+    check_recompute(recompute)
+    g = global_batch_size
+    if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
+        raise PartitionError(
+            f"global_batch_size must be an integer >= 1 (rows per train_step) or None, got {g!r}"
+        )
+    if not isinstance(allow_async, bool):
+        raise PartitionError(
+            f"allow_async must be True or False (whether schedule='auto' may pick pipedream or "
+            f"2bw), got {allow_async!r}"
+        )
 
 
 def _local_device(model: nn.Module) -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections import deque
@@ -26,6 +27,8 @@ from pdcompile.search.recompute_choice import recompute_table
 from pdcompile.search.schedule_choice import auto_table
 from pdcompile.text import human_bytes, human_seconds
 
+log = logging.getLogger(__name__)
+
 _KEEP_STEPS = 1000  # measured steps kept for explain()
 _KEEP_ACTIONS = 50 * _KEEP_STEPS  # recorded actions kept per rank for explain() and save_trace()
 
@@ -47,6 +50,11 @@ class PipelinedModule:
         # `runtime.auto_resume.AutoCheckpoint` (compile(checkpoint_dir=...)), or None
         self.checkpoint = checkpoint
         self.resumed_from: str | None = None  # the checkpoint resume() loaded
+        # the plan the last loaded checkpoint was saved running, and the step its job moved to
+        # it (closed loop; None: it had not moved); resuming moves onto it (closed_loop.move)
+        self.saved_plan: Plan | None = None
+        self.saved_moved_at: int | None = None
+        self.resumed_note: str | None = None  # how resuming chose the plan, for explain()
         self._scored: Plan | None = None  # the plan re-scored at the rows the first step ran
         # per step: perf_counter at its start, seconds, rows
         self._measured: deque[tuple[float, float, int]] = deque(maxlen=_KEEP_STEPS)
@@ -228,6 +236,7 @@ class PipelinedModule:
             **rng_state(),
         }
         extra.update({f"shadow/{n}": t.detach() for n, t in worker.versions.previous.items()})
+        extra.update(self._plan_entries(worker))
         if worker.scheduler is not None:
             extra.update(state_entries(worker.scheduler.state_dict(), "scheduler"))
         save(
@@ -250,12 +259,28 @@ class PipelinedModule:
         set_rng_state(extra)
         self.steps = int(extra.get("steps", self.steps))
         worker.versions.updates = int(extra.get("updates", worker.versions.updates))
+        worker.skipped = int(extra.get("skipped", worker.skipped))
+        self.saved_plan = _saved_plan(extra, directory)
+        moved = int(extra.get("moved_at", -1))
+        self.saved_moved_at = moved if moved >= 0 else None
         if worker.scheduler is not None:
             state = worker.scheduler.state_dict()
             worker.scheduler.load_state_dict(restore_state(state, extra, "scheduler"))
         self.pipeline.restart()
         shadow = {k.removeprefix("shadow/"): t for k, t in extra.items() if k.startswith("shadow/")}
         worker.versions.restore_previous(shadow)
+
+    def _plan_entries(self, worker: Any) -> dict[str, Any]:
+        """What a checkpoint records of the plan running: its JSON (bytes), the steps skipped
+        for a non-finite loss, and the step the closed loop moved to it after (-1: none)."""
+        text = self.pipeline.program.plan.to_json().encode()
+        moved = self.replanner.moved_at if self.replanner is not None else None
+        moved = self.saved_moved_at if moved is None else moved
+        return {
+            "plan": torch.frombuffer(bytearray(text), dtype=torch.uint8),
+            "skipped": worker.skipped,
+            "moved_at": -1 if moved is None else moved,
+        }
 
     def _timeout_s(self) -> float | None:
         """The step timeout, which bounds a save's or load's waits too (None: one process)."""
@@ -288,6 +313,7 @@ class PipelinedModule:
         recomputed = recompute_table(self.plan)  # which stages recompute, what it costs
         if recomputed:
             lines += [recomputed, ""]
+        lines += [self.resumed_note, ""] if self.resumed_note else []
         lines += self._explain_replan()
         fused = {w.stage: w.fused for w in self.pipeline.workers.values() if w.fused}
         lines += [  # a split backward (zb-*) falls back where a stage cannot split (worker.py)
@@ -443,3 +469,17 @@ class PipelinedModule:
             if self.rank != 0:
                 return
         to_chrome_trace(events, path, meta={"plan": self.plan.to_dict()})  # for --measured
+
+
+def _saved_plan(extra: dict[str, Any], directory: str) -> Plan | None:
+    """The plan a checkpoint's `extra` records (None: saved before plans were recorded, or
+    unreadable: then the job stays on its own plan, with a warning)."""
+    data = extra.get("plan")
+    if not isinstance(data, torch.Tensor):
+        return None
+    try:
+        return Plan.from_json(data.numpy().tobytes().decode(), source=f"{directory} (its plan)")
+    except (PdcompileError, UnicodeDecodeError) as exc:
+        log.warning("checkpoint %s records a plan that does not read (%s): resuming on the "
+                    "plan compile made", directory, exc)  # fmt: skip
+        return None

@@ -15,15 +15,18 @@ TRACE`) take the same three steps:
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PartitionError
+from pdcompile.errors import CheckpointError, PartitionError
 from pdcompile.evaluation import evaluate
 from pdcompile.plans import Plan
+from pdcompile.runtime.manifest_format import MANIFEST
 from pdcompile.schedules.actions import COMPUTE
 from pdcompile.stage_sums import node_sums
 from pdcompile.text import human_seconds
@@ -54,11 +57,44 @@ class Replan:
     timeline: Callable[[], Sequence[Any]] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.after_steps, int) or self.after_steps < 1:
-            raise PartitionError(f"Replan.after_steps must be an integer >= 1, got "
-                                 f"{self.after_steps!r}")  # fmt: skip
-        if not 0 <= self.threshold < 1:
-            raise PartitionError(f"Replan.threshold must be in [0, 1), got {self.threshold!r}")
+        steps = self.after_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise PartitionError(f"Replan.after_steps must be an integer >= 1 (train steps "
+                                 f"measured before deciding), got {steps!r}")  # fmt: skip
+        share = self.threshold
+        number = isinstance(share, (int, float)) and not isinstance(share, bool)
+        if not (number and math.isfinite(share) and 0 <= share < 1):
+            raise PartitionError(f"Replan.threshold must be a number in [0, 1) (e.g. 0.1: the new "
+                                 f"plan 10% faster), got {share!r}")  # fmt: skip
+        if self.timeline is not None and not callable(self.timeline):
+            raise PartitionError(f"Replan.timeline must be a function returning events or None, "
+                                 f"got {type(self.timeline).__name__}")  # fmt: skip
+        if self.directory is not None:
+            object.__setattr__(self, "directory", _checked_directory(self.directory))
+
+
+def _checked_directory(directory: Any) -> str:
+    """`Replan.directory` as a path a move can save into (checked now, not at the move).
+
+    Raises:
+        CheckpointError: not a path, empty, a file, or a folder holding other files.
+    """
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise CheckpointError(f"Replan.directory must be a folder's path (str) or None (a fresh "
+                              f"temporary folder), got {directory!r}")  # fmt: skip
+    path = os.fspath(directory)
+    if not isinstance(path, str):
+        raise CheckpointError(f"Replan.directory must be a text path, got {directory!r}")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"Replan.directory={path!r} is a file: the move checkpoints the "
+                              "running plan into a folder; give a new folder's path, or None")  # fmt: skip
+    if os.path.isdir(path) and os.listdir(path) and not os.path.lexists(os.path.join(path, MANIFEST)):
+        raise CheckpointError(
+            f"Replan.directory={path!r} holds {sorted(os.listdir(path))[:3]}, which are not a "
+            "checkpoint's files, and the move replaces the whole folder: give a new or empty "
+            "folder, or None"
+        )
+    return path
 
 
 @dataclass(frozen=True)
@@ -118,9 +154,8 @@ def measured_stage_times(events: Iterable[Any]) -> dict[int, StageTime]:
     forward: dict[int, list[float]] = {}
     backward: dict[int, list[float]] = {}
     waiting: dict[tuple[int, int, int], int] = {}  # an I's place in `backward`, until its W
-    for e in sorted(events, key=lambda e: e.start):
-        if e.kind not in COMPUTE or e.microbatch < 0:
-            continue
+    computed = [e for e in events if _checked(e).kind in COMPUTE and e.microbatch >= 0]
+    for e in sorted(computed, key=lambda e: e.start):
         seconds, key = e.end - e.start, (e.stage, e.rank, e.microbatch)
         if e.kind == "F":
             forward.setdefault(e.stage, []).append(seconds)
@@ -137,6 +172,56 @@ def measured_stage_times(events: Iterable[Any]) -> dict[int, StageTime]:
         for s in sorted(forward)
         if s in backward
     }
+
+
+def _checked(event: Any) -> Any:
+    """`event` if its fields are what a recorded action has, else `PartitionError` naming it."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    fields = [getattr(event, k, None) for k in ("kind", "stage", "microbatch", "start", "end")]
+    kind, stage, microbatch, start, end = fields
+    problem = None
+    if not (isinstance(kind, str) and whole(stage) and whole(microbatch)):
+        problem = "its kind is no text, or its stage or microbatch no integer"
+    elif kind in COMPUTE and microbatch >= 0:
+        if not (number(start) and number(end) and math.isfinite(start) and math.isfinite(end)):
+            problem = "its start or end is no finite number of seconds"
+        elif end < start:
+            problem = f"it ends {start - end:.3g} s before it starts (a negative duration)"
+        elif stage < 0:
+            problem = "its stage is negative"
+    if problem:
+        raise PartitionError(
+            f"a measured action cannot be used: {problem} ({event!r}); measure with "
+            "PipelinedModule.save_trace, or give Replan.timeline events of that form"
+        )
+    return event
+
+
+def check_measured(cost_graph: CostGraph, plan: Plan, measured: Mapping[int, StageTime]) -> None:
+    """Raise `PartitionError` unless `measured` times every stage of `plan`, and `plan`'s
+    stages hold exactly `cost_graph`'s nodes (a trace of another model's run holds another)."""
+    nodes = [n for s in plan.stages for n in s.nodes]
+    unknown = [n for n in nodes if n not in cost_graph.graph]
+    unplanned = [n for n in cost_graph.graph if n not in set(nodes)]
+    if unknown or unplanned:
+        parts = [f"hold {len(unknown)} nodes the graph lacks, e.g. {unknown[:3]}"] if unknown else []
+        parts += [f"miss {len(unplanned)} of its nodes, e.g. {unplanned[:3]}"] if unplanned else []
+        raise PartitionError(
+            f"the running plan is not a plan of this cost graph: its stages {' and '.join(parts)}"
+            "; measure a run of this model, or give its costs (the CostGraph its plan was made "
+            "from)"
+        )
+    missing = [s.index for s in plan.stages if s.index not in measured]
+    extra = sorted(s for s in measured if not 0 <= s < plan.num_stages)
+    if missing or extra:
+        raise PartitionError(
+            f"the measured actions time stages {sorted(measured)}, but the plan has stages "
+            f"0 to {plan.num_stages - 1}"
+            + (f": no forward and backward of stages {missing}" if missing else "")
+            + (f": stages {extra} are not the plan's" if extra else "")
+            + "; measure every rank's actions of a run of this plan (save_trace on every rank)"
+        )
 
 
 def rescaled(cost_graph: CostGraph, plan: Plan, measured: Mapping[int, StageTime]) -> CostGraph:
@@ -190,9 +275,15 @@ def decide(
     move when the new plan's `step_time` is at most (1 - threshold) of the running one's and
     it uses as many devices (a job keeps its ranks). `options`: `plan()`'s (solver, schedule,
     ...; default: the running plan's); the microbatch count and size and the cluster are the
-    running plan's."""
+    running plan's.
+
+    Raises:
+        PartitionError: `measured` misses a stage of `plan` or names one it lacks, or `plan`
+            is not a plan of `cost_graph` (`check_measured`); no new plan exists.
+    """
     from pdcompile.planning import plan as make_plan
 
+    check_measured(cost_graph, plan, measured)
     costs = rescaled(cost_graph, plan, measured)
     rows = plan.microbatch_size or cost_graph.batch_size
     priced = costs.scaled(rows) if rows and rows != costs.batch_size else costs

@@ -12,6 +12,8 @@ schedule starts again. In one process the move hands the state over in memory, b
 
 from __future__ import annotations
 
+import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from pdcompile.runtime.checkpoint_entries import transfer
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.pipeline import Pipeline
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Replanner:
@@ -42,9 +46,14 @@ class Replanner:
     moved_at: int | None = None  # the train steps run before the move
     move_s: float = 0.0  # seconds the move took on this rank (checkpoint, build, load)
 
+    resumed: str | None = None  # a checkpoint of the plan this job moved to, resumed on it
+
     def due(self, steps: int) -> bool:
-        """Whether the job decides after `steps` train steps."""
-        return self.decision is None and steps == self.policy.after_steps
+        """Whether the job decides after `steps` train steps: once, at the first step from
+        `after_steps` on (a job resumed past it decides at its first step), never on a job
+        resumed on the plan it moved to."""
+        undecided = self.decision is None and self.resumed is None
+        return undecided and steps >= self.policy.after_steps
 
     def run(self, module: Any) -> None:
         """Measure, decide on rank 0, and move every rank if rank 0 says so (`module` is the
@@ -92,28 +101,114 @@ class Replanner:
             module.pipeline = self.rebuild(plan)
             transfer(old.workers.values(), module.pipeline.workers.values())
         else:
-            directory = self.policy.directory
-            if directory is None:  # rank 0's temporary folder, on every rank (one host)
-                shared = [tempfile.mkdtemp(prefix="pdcompile-replan-") if module.rank == 0
-                          else None]  # fmt: skip
-                dist.broadcast_object_list(shared, src=0)
-                directory = shared[0]
+            self._move_ranks(module, plan)
+        module.restarted()
+
+    def _move_ranks(self, module: Any, plan: Plan) -> None:
+        """Checkpoint the running plan, build `plan`'s stages and load it, on every rank; a
+        temporary folder (no `Replan.directory`) is removed after, whatever happened."""
+        directory, temporary = self.policy.directory, self.policy.directory is None
+        if temporary:  # rank 0's temporary folder, on every rank (one host)
+            shared = [tempfile.mkdtemp(prefix="pdcompile-replan-") if module.rank == 0
+                      else None]  # fmt: skip
+            dist.broadcast_object_list(shared, src=0)
+            directory = shared[0]
+        try:
+            self._save_load(module, plan, directory, temporary)
+        finally:
+            if temporary and module.rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _save_load(self, module: Any, plan: Plan, directory: str, temporary: bool) -> None:
+        """`_move_ranks` in `directory`: a failure names the move and what is left."""
+        try:
             module.save(directory)
-            old = module.pipeline
-            try:
-                module.pipeline = self.rebuild(plan)
-                module.load(directory)
-                old.close()  # its process groups: every rank moves
-            except Exception as exc:
+        except Exception as exc:
+            raise _named(exc)(
+                f"rank {module.rank}: the move to the new plan (decided after step "
+                f"{module.steps}) stopped while the ranks checkpointed the running plan into "
+                f"{directory}: {type(exc).__name__}: {exc}. No rank moved and that checkpoint "
+                "was not completed (one saved there before stays whole); restart the job from its "
+                "last checkpoint (compile(checkpoint_dir=...) resumes by itself)"
+            ) from exc
+        old = module.pipeline
+        try:
+            module.pipeline = self.rebuild(plan)
+            module.load(directory)
+            old.close()  # its process groups: every rank moves
+        except Exception as exc:
+            if temporary:  # removed by the caller: the job's own checkpoints are what is left
+                left = ("the move's temporary checkpoint is removed: restart the job from its "
+                        "last checkpoint (compile(checkpoint_dir=...) resumes by itself, on the "
+                        "plan it saved), or pass Replan(directory=...) to keep the move's")  # fmt: skip
+            else:
                 if module.rank == 0:
                     plan.save(f"{directory}.next-plan.json")
-                raise PdcompileError(
-                    f"rank {module.rank}: moving to the new plan failed ({type(exc).__name__}: "
-                    f"{exc}); the running plan's checkpoint {directory} is whole: restart the "
-                    f"job on {directory}.next-plan.json (compile(..., plan=...), then "
-                    f"load({directory!r}))"
-                ) from exc
-        module.restarted()
+                left = (f"the running plan's checkpoint {directory} is whole: restart the job on "
+                        f"{directory}.next-plan.json (compile(..., plan=...), then "
+                        f"load({directory!r}))")  # fmt: skip
+            raise _named(exc)(
+                f"rank {module.rank}: moving to the new plan failed ({type(exc).__name__}: "
+                f"{exc}); {left}"
+            ) from exc
+
+
+def resume_saved_plan(
+    module: Any, build: Callable[[Plan], Pipeline], phase: Callable[[str], Any], world_size: int
+) -> None:
+    """After `PipelinedModule.resume` (every rank): when the checkpoint was saved running
+    another plan than the one this job starts on (the closed loop had moved, or the job is
+    restarted with another plan), move onto the checkpoint's plan, as the job ran it: build its
+    stages (`build`), load the checkpoint again, and say so (`resumed_note`, logged, in
+    `explain()`). A checkpoint's plan this job cannot run (another world size or model) leaves
+    the job on its own plan, with a warning. `phase`: compile's agreement of the ranks."""
+    from pdcompile.runtime.validate import check_layout
+    from pdcompile.schedules import check_nonfinite
+
+    saved, running, path = module.saved_plan, module.pipeline.program.plan, module.resumed_from
+    if saved is None or path is None or _layout(saved) == _layout(running):
+        return
+    theirs, ours = _shapes(saved), _shapes(running)
+    try:
+        if sorted(n for s in saved.stages for n in s.nodes) != sorted(
+            n for s in running.stages for n in s.nodes
+        ):
+            raise PdcompileError("its stages hold other nodes than this model's graph")
+        check_layout(saved, world_size, world=True)
+        check_nonfinite(saved.schedule, "skip" if running.skip_nonfinite else "raise")
+    except PdcompileError as exc:
+        module.resumed_note = (f"resumed from {path} on the plan compile made ({ours}), not on "
+                               f"the one the checkpoint was saved running ({theirs}), which this "
+                               f"job cannot run: {exc}")  # fmt: skip
+        log.warning("%s", module.resumed_note)
+        return
+    old = module.pipeline
+    module.pipeline = build(saved)
+    with phase("loading the checkpoint into the plan it was saved running"):
+        module.load(path)
+        old.close()
+    module.restarted()
+    moved = module.saved_moved_at
+    if moved is not None and module.replanner is not None:  # the closed loop had decided
+        module.replanner.resumed, module.replanner.moved_at = path, moved
+    how = f"the plan the job moved to after step {moved}" if moved is not None else "its plan"
+    module.resumed_note = (f"resumed from {path} on {how} ({theirs}), as the checkpoint was "
+                           f"saved running, not on the plan compile made now ({ours})")  # fmt: skip
+    log.info("rank %d: %s", module.rank, module.resumed_note)
+
+
+def _layout(plan: Plan) -> list[Any]:
+    return [(s.nodes, s.ranks) for s in plan.stages] + [plan.schedule]
+
+
+def _shapes(plan: Plan) -> str:
+    stages = " | ".join(f"{len(s.nodes)} nodes x{s.replicas}" for s in plan.stages)
+    return f"stages {stages}, {plan.schedule}"
+
+
+def _named(exc: Exception) -> type[PdcompileError]:
+    """The class a move's failure is raised as: the cause's, if a pdcompile error."""
+    return type(exc) if isinstance(exc, PdcompileError) else PdcompileError
 
 
 def _gathered(mine: dict[int, StageTime], distributed: bool) -> list[dict[int, StageTime]]:

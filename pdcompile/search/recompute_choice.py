@@ -58,8 +58,17 @@ def host_memory(local_ranks: int, total: float | None = None) -> float:
     """`memory="auto"`: `total` (a device's memory: `compile` passes CUDA's) or, without it,
     this host's available RAM (`/proc/meminfo`'s MemAvailable, else `os.sysconf`) divided by
     the `local_ranks` sharing it, less `MARGIN`."""
+    found = f"the device's {human_bytes(total)}" if total is not None else ""
     if total is None:
-        total = _available_ram() / max(1, local_ranks)
+        ram = _available_ram()
+        total = ram / max(1, local_ranks)
+        found = f"{human_bytes(ram)} of available RAM over {max(1, local_ranks)} ranks"
+    if not (math.isfinite(total) and total > 0):
+        raise PartitionError(
+            f"memory='auto' found {found} ({total!r} bytes per rank): this host reports no "
+            "memory to plan with; pass memory= the bytes per device (e.g. memory='16GB') or None "
+            "(no limit)"
+        )
     return total * (1 - MARGIN)
 
 
@@ -86,12 +95,30 @@ def limited(cluster: Cluster, memory: Any, local_ranks: int | None = None) -> Cl
         return cluster
     if memory == AUTO:
         memory = host_memory(local_ranks or cluster.levels[0].count)
-    elif isinstance(memory, bool) or not isinstance(memory, (int, float, str)):
+    return Cluster.from_dict({**cluster.to_dict(), "memory": check_memory(memory)})
+
+
+def check_memory(memory: Any) -> float | str | None:
+    """`memory=` checked: None, "auto", or its bytes per device (a finite number > 0).
+
+    Raises:
+        PartitionError: anything else, naming `memory=` and the value.
+    """
+    if memory is None or (isinstance(memory, str) and memory == AUTO):
+        return memory
+    number = isinstance(memory, (int, float)) and not isinstance(memory, bool)
+    if not (number or isinstance(memory, str)):
         raise PartitionError(
-            f"memory must be bytes per device (a number, or a size such as '16GB') or 'auto', "
-            f"got {memory!r}"
+            f"memory must be bytes per device (a number, or a size such as '16GB'), 'auto' or "
+            f"None, got {memory!r}"
         )
-    return Cluster.from_dict({**cluster.to_dict(), "memory": parse_bytes(memory, "memory")})
+    found = parse_bytes(memory, "memory")
+    if not (math.isfinite(found) and found > 0):
+        raise PartitionError(
+            f"memory={memory!r} is {found!r} bytes per device: give a size > 0 (e.g. '16GB'), "
+            "'auto' (this host's) or None (no limit)"
+        )
+    return found
 
 
 def check_recompute(recompute: Any) -> None:
