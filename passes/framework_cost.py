@@ -44,6 +44,7 @@ import torch
 from pdcompile.errors import CostError
 from pdcompile.passes.framework_fold import count_backward, count_forward, count_grad_ops
 from pdcompile.passes.profile_cache import default_cache_dir
+from pdcompile.regular_file import read_regular_text
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def read_cached(
         return _MEASURED.get(key)
     path = cache_file(cache, key)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_regular_text(path))
         if doc.get("format") != CACHE_FORMAT or doc.get("key") != key:
             return None
         found = FrameworkCost.from_dict(doc["calibration"])

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from pdcompile.ir import OUTPUTS
+from pdcompile.regular_file import read_regular_text
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def read_cache(
     """The profile cached under `key`, or None to measure: no file, another key, an older
     format, or times that `settled(times, slowdown)` finds unsettled by today's thresholds."""
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_regular_text(path))
         if doc.get("key") != key:
             return None
         if doc.get("format") != CACHE_FORMAT:

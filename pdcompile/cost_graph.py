@@ -44,6 +44,7 @@ from pdcompile.cost_attrs import (
     split_defaults,
 )
 from pdcompile.errors import CostError
+from pdcompile.regular_file import read_regular_text
 from pdcompile.row_curves import LOSS_PARTS, anchored, check_points, check_rows, curve_at, describe
 from pdcompile.text import human_bytes, human_seconds
 
@@ -507,8 +508,13 @@ class CostGraph:
 
 
 def read_text(path: str | Path, what: str) -> str:
+    """The text of `path`, a regular file (a FIFO is refused, never opened to block).
+
+    Raises:
+        CostError: it cannot be read, is no regular file or no UTF-8 text.
+    """
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return read_regular_text(path)
     except (OSError, UnicodeDecodeError) as e:
         reason = getattr(e, "strerror", None) or e
         raise CostError(f"cannot read {what} file {path}: {reason}") from None

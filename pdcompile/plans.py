@@ -18,6 +18,7 @@ from typing import Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError, ScheduleError
+from pdcompile.regular_file import read_regular_text
 from pdcompile.replica_splits import UnevenSplit, replica_split
 from pdcompile.text import human_bytes, human_seconds
 
@@ -392,7 +393,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = read_regular_text(path)
         except (OSError, UnicodeDecodeError) as e:
             reason = getattr(e, "strerror", None) or e
             raise PartitionError(f"cannot read plan {path}: {reason}") from None

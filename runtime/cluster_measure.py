@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PartitionError
+from pdcompile.regular_file import read_regular_text
 from pdcompile.runtime.calibration import (
     PROBE,
     PROBE_BYTES,
@@ -364,7 +365,7 @@ def _read_cache(path: Path, max_age_s: float) -> dict[str, Any] | None:
     if not path.is_file():
         raise PartitionError(bad.format("not a regular file"))
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_regular_text(path))
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
             found = f"format {doc.get('format')!r} version {doc.get('version')!r}"
             raise PartitionError(bad.format(f"{found}, not {FORMAT!r} version {VERSION}"))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pdcompile.errors import ScheduleError
+from pdcompile.regular_file import read_regular_text
 
 FORMAT = "pdcompile.timeline"
 
@@ -78,7 +79,7 @@ def trace_meta(path: str | Path) -> dict[str, Any]:
         ScheduleError: as `load_trace`.
     """
     load_trace(path)  # says what is wrong with the file, if anything
-    other = json.loads(Path(path).read_text())["otherData"]
+    other = json.loads(read_regular_text(path))["otherData"]
     return {k: v for k, v in other.items() if k != "format"}
 
 
@@ -89,7 +90,7 @@ def load_trace(path: str | Path) -> list[Event]:
         ScheduleError: the file is missing, not JSON or not a pdcompile timeline (says where).
     """
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(read_regular_text(path))
         if data.get("otherData", {}).get("format") != FORMAT:
             raise ValueError("no pdcompile.timeline format marker")
         return [

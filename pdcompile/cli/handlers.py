@@ -28,6 +28,7 @@ from rich.table import Table
 from pdcompile.cli.parser import RECOMPUTE, build_parser
 from pdcompile.cli.progress import progress
 from pdcompile.errors import PartitionError, PdcompileError, SpecError
+from pdcompile.regular_file import read_regular_text
 
 
 def _leaf_modules(model: Any, names: Sequence[str]) -> list[Any]:
@@ -337,8 +338,7 @@ def _is_plan_file(path: str) -> bool:
     if not (path.endswith(".json") and os.path.isfile(path)):
         return False
     try:
-        with open(path) as f:
-            return json.load(f).get("format") == FORMAT
+        return json.loads(read_regular_text(path)).get("format") == FORMAT
     except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
