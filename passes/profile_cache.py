@@ -10,10 +10,13 @@ pass's judgement (`read_cache`'s `settled`). The file format is in docs/costs.md
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import math
 import os
+import platform
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
@@ -144,8 +147,30 @@ def cache_key(
     measured = {**{name: getattr(settings, name) for name in _KEYED}, "cached": False}
     if not settings.loaded_by:
         del measured["loaded_by"]
-    fields = [gm.code, nodes, shapes, gm.training, measured]
+    fields = [gm.code, nodes, shapes, gm.training, measured, machine(settings.device)]
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def machine(device: str) -> list[str]:
+    """What names the machine a profile was measured on, for the key (a cache folder shared
+    between machines must not serve one's times to another): the host, the CPU model and, on
+    CUDA, the device's name."""
+    names = [platform.node(), _cpu_model()]
+    if device.startswith("cuda") and torch.cuda.is_available():
+        names.append(torch.cuda.get_device_name(torch.device(device)))
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cache_file(cache: bool | str | Path, key: str) -> Path | None:
@@ -179,6 +204,11 @@ def read_cache(
         scale = float(doc["backward_scale"])
         measured_at = str(doc["measured_at"])
         datetime.fromisoformat(measured_at)
+        bad = _bad_value(times, slowdown, spread, rounds, (forward_s, backward_s, scale))
+        if bad:
+            log.warning("ignoring profile cache %s: %s, which no measurement gives; profiling "
+                        "again (the file is replaced)", path, bad)  # fmt: skip
+            return None
         if not settled(times, slowdown):
             log.info("profile cache %s holds unsettled times; measuring again", path)
             return None
@@ -199,6 +229,23 @@ def read_cache(
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("ignoring unreadable profile cache %s (%s); profiling again", path, e)
+    return None
+
+
+def _bad_value(
+    times: Times, slowdown: Times, spread: Times, rounds: Times, whole: tuple[float, ...]
+) -> str | None:
+    """The first value of a cache file no measurement gives (NaN, infinite, negative; a
+    slowdown or backward scale not > 0), said for the warning, or None."""
+    for what, table, least in (("time", times, 0), ("spread", spread, 0), ("rounds", rounds, 0),
+                               ("median / fastest", slowdown, None)):  # fmt: skip
+        for node, values in table.items():
+            for value in values:
+                low = value <= 0 if least is None else value < least
+                if not math.isfinite(value) or low:
+                    return f"node {node}'s {what} is {value!r}"
+    if not all(math.isfinite(v) and v >= 0 for v in whole) or whole[2] <= 0:
+        return f"the whole graph's times and backward scale are {list(whole)!r}"
     return None
 
 
