@@ -222,8 +222,10 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     )  # fmt: skip
     options = {k: v for k, v in row_options(plan, cost_graph).items() if k != ALTERNATIVE}
     largest = largest_node(cost_graph)
-    if largest is not None:
-        options[LARGEST] = largest
+    if largest is not None:  # at the speed of the ranks running it, as the stages' times are
+        holder = next((s for s in stages if largest[0] in s.nodes), None)
+        slowest = min(speeds[r] for r in holder.ranks) if holder is not None else 1.0
+        options[LARGEST] = [largest[0], largest[1] / slowest]
     priced = plan.with_(
         stages=tuple(stages), cluster=cluster, schedule=rules.name, num_microbatches=m,
         predicted_time=predicted, lower_bound=bound,
