@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError
+from pdcompile.runtime import manifest
 
 __all__ = ["KEEP", "AutoCheckpoint", "auto_checkpoint", "checkpoint_name", "listed"]
 
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 KEEP = 3  # checkpoints kept: the newest, and two older ones should it be damaged
 _NAME = re.compile(r"step-(\d{6,})")
+_LEFT = re.compile(r"\.(step-(\d{6,}))\.(journal|lease)")  # a save's record and lease
 
 
 def checkpoint_name(steps: int) -> str:
@@ -118,10 +119,24 @@ class AutoCheckpoint:
         path = os.path.join(self.directory, checkpoint_name(steps))
         save(path)
         if rank == 0:
-            kept = [p for _, p in listed(self.directory) if p not in self.skipped]
-            for old in kept[self.keep :]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._prune()
         return path
+
+    def _prune(self) -> None:
+        """Delete all but the newest `keep` checkpoints not skipped, each with what killed saves
+        into it left (journal, lease, staging folders), and such leftovers of older names whose
+        folder is gone; never what a live save holds (`manifest.remove`)."""
+        kept = [(s, p) for s, p in listed(self.directory) if p not in self.skipped]
+        for _, old in kept[self.keep :]:
+            manifest.remove(old)
+        if len(kept) < self.keep:
+            return
+        oldest = kept[self.keep - 1][0]
+        for name in os.listdir(self.directory):
+            match = _LEFT.fullmatch(name)
+            path = os.path.join(self.directory, match.group(1)) if match else ""
+            if match and int(match.group(2)) < oldest and not os.path.lexists(path):
+                manifest.remove(path)
 
     def resume(self, load: Callable[[str], None]) -> str | None:
         """Load the newest checkpoint that loads, through `load(path)` (every rank, together);

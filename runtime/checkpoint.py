@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.runtime import manifest
+from pdcompile.runtime.checkpoint_disk import disk_full
 from pdcompile.runtime.checkpoint_entries import (
     empty,
     encode,
@@ -106,26 +107,31 @@ def save(
         token, prepared = uuid.uuid4().hex[:8], []
         if rank == 0:
             prepared = _attempt(lambda: manifest.prepare(path, token), "preparing")
+        committed = False
         try:
             keys, token = _agree(items, problems + prepared, ranks, token)
-        except CheckpointError:
-            if rank == 0 and not prepared:
-                manifest.finish(path, token)  # refused before any file: the record goes too
+            staging = manifest.staging_path(path, token)
+            with ranks.phase("writing its files"), _dcp(path, rank, not ranks.local, True):
+                saved = dcp.save(items, checkpoint_id=staging, process_group=ranks.group,
+                                 no_dist=ranks.local)  # fmt: skip
+            # DCP's save returns once rank 0 wrote `.metadata`, after every rank reported its
+            # files written: the ranks hash them (on a shared filesystem), round robin, and
+            # rank 0 commits
+            names = sorted({".metadata", *(s.relative_path for s in saved.storage_data.values())})
+            share, mine = names[rank::world_size], {}
+            problems = _attempt(lambda: mine.update(manifest.hashes(staging, share)), "hashing")
+            shares = ranks.gather((problems, mine), "hashing its files")
+            problems = [] if rank else _commit(path, staging, token, keys, shares, world_size, step)
+            committed = not problems
+            whole = f"{path} holds the previous or the new checkpoint, whole (see its step)"
+            _agree({}, problems, ranks, what="waiting for rank 0 to commit it", outcome=whole)
+        except Exception as exc:
+            full = isinstance(exc, CheckpointError) and disk_full(path, exc, _bytes(items))
+            if rank == 0 and not prepared:  # what this save left goes; a refused one left none
+                (manifest.finish if committed else manifest.abandon)(path, token)
+            if full:
+                raise CheckpointError(f"checkpoint {path}: {full} ({exc})") from exc
             raise
-        staging = manifest.staging_path(path, token)
-        with ranks.phase("writing its files"), _dcp(path, rank, not ranks.local, writing=True):
-            saved = dcp.save(items, checkpoint_id=staging, process_group=ranks.group,
-                             no_dist=ranks.local)  # fmt: skip
-        # DCP's save returns once rank 0 wrote `.metadata`, after every rank reported its files
-        # written: the ranks hash them (on a shared filesystem), round robin, and rank 0 commits
-        names = sorted({".metadata", *(s.relative_path for s in saved.storage_data.values())})
-        mine: dict[str, tuple[int, str]] = {}
-        problems = _attempt(lambda: mine.update(manifest.hashes(staging, names[rank::world_size])),
-                            "hashing")  # fmt: skip
-        shares = ranks.gather((problems, mine), "hashing its files")
-        problems = [] if rank else _commit(path, staging, token, keys, shares, world_size, step)
-        whole = f"{path} holds the previous or the new checkpoint, whole (see its manifest's step)"
-        _agree({}, problems, ranks, what="waiting for rank 0 to commit it", outcome=whole)
     if rank == 0:
         manifest.finish(path, token)  # the previous checkpoint deleted: no rank waits for it
     log.info("rank %d: saved %d entries to %s", rank, len(items), path)
@@ -344,6 +350,10 @@ def _attempt(step: Callable[[], list[str] | None], what: str) -> list[str]:
     except (OSError, CheckpointError) as exc:  # the latter: a file that is not a regular one
         return [f"{what} failed: {type(exc).__name__}: {exc}; check the folder's permissions and "
                 "free space"]  # fmt: skip
+
+
+def _bytes(items: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in items.values())
 
 
 def _fingerprint(tensor: torch.Tensor) -> list[float]:

@@ -25,11 +25,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdcompile.errors import CheckpointError
+from pdcompile.runtime import manifest_lease as lease
 from pdcompile.runtime.manifest_format import FORMAT, MANIFEST, VERSION, Manifest
 
 __all__ = [
-    "FORMAT", "MANIFEST", "VERSION", "Manifest", "commit", "finish", "hashes", "prepare", "read",
-    "staging_path", "verify",
+    "FORMAT", "MANIFEST", "VERSION", "Manifest", "abandon", "commit", "finish", "hashes",
+    "prepare", "read", "remove", "staging_path", "verify",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -187,12 +188,32 @@ def staging_path(directory: str, token: str, kind: str = "tmp") -> str:
 
 
 def prepare(directory: str, token: str | None = None) -> list[str]:
-    """Before a save into `directory`: refuse to replace a folder that is not a checkpoint,
-    restore a previous checkpoint that a save killed between its two renames left aside, delete
-    what interrupted saves recorded, and record `token`, the save's (when given). Returns the
-    problems (empty: go ahead)."""
+    """Before a save into `directory`: refuse to replace a folder that is not a checkpoint, or
+    one another live save is writing (its lease, `runtime/manifest_lease.py`); restore a
+    previous checkpoint that a save killed between its two renames left aside, delete what
+    interrupted saves recorded, and record `token`, the save's (when given: the lease is then
+    held until `finish` or `abandon`). Returns the problems (empty: go ahead)."""
     if problems := _refusals(directory):
         return problems
+    held = lease.lease_path(directory)
+    if who := lease.take(held):
+        return [
+            f"another save into it is under way ({who}, holding {held}): two jobs are saving "
+            "into one checkpoint name; give each job its own folder (checkpoint_dir), or wait "
+            "for that save to end"
+        ]
+    try:
+        problems = _prepare(directory, token)
+    except BaseException:
+        lease.release(held)
+        raise
+    if token is None or problems:
+        lease.release(held)
+    return problems
+
+
+def _prepare(directory: str, token: str | None) -> list[str]:
+    """`prepare`, the lease held."""
     if token is not None and any(
         os.path.lexists(staging_path(directory, token, kind)) for kind in ("tmp", "old")
     ):
@@ -221,14 +242,54 @@ def commit(staging: str, directory: str, token: str) -> None:
 
 def finish(directory: str, token: str) -> None:
     """After a commit, or a save refused before it wrote a file: delete the previous checkpoint
-    and the save's record (best effort: what is left stays recorded, and the next save into
-    `directory` deletes it)."""
+    and the save's record, and give its lease back (best effort: what is left stays recorded,
+    and the next save into `directory` deletes it)."""
+    old = staging_path(directory, token, "old")
     try:
-        if os.path.lexists(old := staging_path(directory, token, "old")):
+        if os.path.lexists(old):
             shutil.rmtree(old)
         _record(directory, [t for t in _recorded(directory) if t != token or _left(directory, t)])
     except OSError as exc:
         log.warning("%s: cannot delete %s (%s): the next save into it does", directory, old, exc)
+    finally:
+        lease.release(lease.lease_path(directory))
+
+
+def abandon(directory: str, token: str) -> None:
+    """After a save that failed before its commit ended: put the previous checkpoint back if
+    the commit had moved it aside, delete the staging folder, then `finish` (best effort)."""
+    tmp, old = staging_path(directory, token), staging_path(directory, token, "old")
+    try:
+        if os.path.lexists(old) and not os.path.lexists(directory):
+            os.rename(old, directory)
+        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        log.warning("%s: cannot put back %s (%s): the next save into it does", directory, old, exc)
+    finish(directory, token)
+
+
+def remove(directory: str) -> bool:
+    """Delete the checkpoint `directory`, what interrupted saves into it left, its journal and
+    lease; False (nothing deleted) while a live save into it holds the lease."""
+    held = lease.lease_path(directory)
+    try:
+        if who := lease.take(held):
+            log.info("not deleting %s: a save into it is under way (%s)", directory, who)
+            return False
+    except CheckpointError as exc:
+        log.warning("not deleting %s: %s", directory, exc)
+        return False
+    try:
+        for token in _recorded(directory):
+            for kind in ("tmp", "old"):
+                shutil.rmtree(staging_path(directory, token, kind), ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
+        _record(directory, [t for t in _recorded(directory) if _left(directory, t)])
+    except OSError as exc:
+        log.warning("%s: cannot delete its journal (%s)", directory, exc)
+    finally:
+        lease.release(held)
+    return True
 
 
 def _refusals(directory: str) -> list[str]:

@@ -177,9 +177,9 @@ def operations(draw: st.DrawFn) -> list[tuple[str, str, str | None]]:
 
 
 def _owned(name: str, entry: str) -> bool:
-    """Whether a save into `name` may change `entry`: its folder, journal and leftovers."""
+    """Whether a save into `name` may change `entry`: its folder, journal, lease, leftovers."""
     prefix = re.escape(f".{name}.")
-    return entry in (name, f".{name}.journal") or bool(
+    return entry in (name, f".{name}.journal", f".{name}.lease") or bool(
         re.fullmatch(prefix + r"(tmp|old)-[0-9a-f]{8}", entry)
     )
 
