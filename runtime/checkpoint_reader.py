@@ -47,16 +47,20 @@ _CLASSES[("torch.serialization", "_get_layout")] = torch.serialization._get_layo
 class _Unpickler(pickle.Unpickler):
     """An unpickler that finds only the allow-listed globals and torch's dtypes."""
 
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _CLASSES:
             return _CLASSES[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise _Refused(f"{module}.{name}")
-
-
-class _Refused(Exception):
-    """A global outside the allow-list (turned into CheckpointError by `read_metadata`)."""
+        raise CheckpointError(
+            f"{self.where} names {module}.{name}, which DCP's metadata never holds: not loaded, "
+            "nothing of it ran; the file was crafted or altered (a matching manifest.json is no "
+            "signature): load a checkpoint your own jobs wrote"
+        )
 
 
 def read_metadata(path: str) -> Metadata:
@@ -70,13 +74,9 @@ def read_metadata(path: str) -> Metadata:
     where = f"checkpoint {path}: {METADATA}"
     data = read_regular(os.path.join(path, METADATA), _LIMIT)
     try:
-        metadata = _Unpickler(io.BytesIO(data)).load()
-    except _Refused as exc:
-        raise CheckpointError(
-            f"{where} names {exc}, which DCP's metadata never holds: not loaded, nothing of it "
-            "ran; the file was crafted or altered (a matching manifest.json is no signature): "
-            "load a checkpoint your own jobs wrote"
-        ) from None
+        metadata = _Unpickler(data, where).load()
+    except CheckpointError:
+        raise
     except Exception as exc:  # a truncated or malformed pickle: any error of the unpickler
         raise CheckpointError(
             f"{where} cannot be read ({type(exc).__name__}: {exc}): the file was altered; load "
