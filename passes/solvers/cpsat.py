@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
-from typing import Any
-
-from ortools.sat.python import cp_model
+from typing import TYPE_CHECKING, Any
 
 from pdcompile.cluster import Cluster
 from pdcompile.cost_graph import CostGraph
@@ -52,6 +50,9 @@ from pdcompile.passes.solvers.dp import Prefix, dp, tie_positions
 from pdcompile.passes.solvers.orders import linear_orders
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
+
+if TYPE_CHECKING:  # imported where a model is built: ortools (and pandas) take 1-2 s to load
+    from ortools.sat.python import cp_model
 
 TICKS = 10**6  # dynprog's bottleneck in ticks
 MAX_CELLS = 20_000  # nodes x devices
@@ -96,6 +97,8 @@ class _Model:
         self.params = [int(x) for x in p.params]
         self.activations = [int(x) for x in p.activations]
         self.grads = [int(x) for x in p.grad]
+        from ortools.sat.python import cp_model
+
         self.model = cp_model.CpModel()
         self._lookups: dict[tuple[str, int, int], Any] = {}
         self._build(cluster.memory)
@@ -338,6 +341,8 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     if base is not None:
         sizes = [len(s.nodes) for s in base.stages]
         cp.hint([sum(sizes[:i]) for i in range(len(sizes) + 1)], [s.replicas for s in base.stages])
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = limit
     solver.parameters.num_workers = workers

@@ -44,6 +44,7 @@ from pdcompile.cost_model import Pricing
 from pdcompile.errors import PartitionError
 from pdcompile.passes.solvers.bisection import ring_pace, solve_bisection
 from pdcompile.passes.solvers.orders import linear_orders
+from pdcompile.passes.solvers.reach import solve_reach
 from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
 from pdcompile.schedules.base import MemoryCounts
@@ -205,7 +206,9 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
     chosen = options.get("orders") or list(orders)
     pace = ring_pace(prices, rules, cluster.num_devices, microbatches)
     allowed = options.get("replica_counts")
-    fast = cluster.speed is None and cluster.memory is None and pace is not None and not allowed
+    plain = cluster.speed is None and cluster.memory is None
+    flat = plain and cluster.is_flat
+    fast = plain and pace is not None and not allowed
     best: Plan | None = None
     failure: PartitionError | None = None
     for name in chosen:
@@ -219,7 +222,9 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
         p = Prefix(cost_graph, order)
         ties = [] if rules.replicates_ties else tie_positions(cost_graph, order)
         try:
-            if fast and not ties:
+            if flat and not ties:
+                cuts = solve_reach(p, len(order), cluster, prices, rules, microbatches, allowed)
+            elif fast and not ties:
                 cuts = solve_bisection(p, len(order), cluster, prices, pace)
             else:
                 split = split_ties(len(order), ties) if ties else None
