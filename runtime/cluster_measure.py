@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -73,6 +74,10 @@ SPEED_SPREAD = 0.15
 PAIRS_PER_LEVEL = 2
 LINK_CHANGE = 1.5  # a cached link measured again this much faster or slower is re-measured
 REPEATS = 10
+# the bandwidth is the rate of a stream of probes lasting about this long: a link's burst
+# allowance (a token bucket, a switch's buffer) then adds little to it
+STREAM_S = 0.05
+STREAM_MAX = 64  # probes in the stream at most (256 MiB)
 
 
 def host_name() -> str:
@@ -276,6 +281,12 @@ def _link(
     packing = 2 * extra / cache_bandwidth if cache_bandwidth else 0.0  # and unpacking
     moving = large - tiny - packing
     bandwidth = extra / moving if moving > 0 else PROBE_BYTES / large
+    # one probe may fit in the link's burst allowance: a stream of them shows the sustained rate
+    count = min(STREAM_MAX, math.ceil(STREAM_S * bandwidth / PROBE_BYTES))
+    if count > 1:
+        streamed = _stream(comm, rank, src, dst, PROBE_BYTES // 4, count)
+        moving = streamed - tiny - count * packing
+        bandwidth = count * extra / moving if moving > 0 else bandwidth
     return max(tiny / 2 - host_s, 0.0), bandwidth
 
 
@@ -312,6 +323,34 @@ def _round_trip(
                            dtype=torch.float64, device=comm.device)  # fmt: skip
     dist.broadcast(fastest, src)
     return float(fastest[0])
+
+
+def _stream(comm: DistributedComm, rank: int, src: int, dst: int, rows: int, count: int) -> float:
+    """Seconds from `src` sending `count` messages of `rows` float32 values back to back to
+    `dst` until `dst`'s one-value answer to the last is back, on every rank."""
+    payload, answer = [torch.zeros(rows, device=comm.device)], [torch.zeros(1, device=comm.device)]
+    first = 1000  # keys apart from the round trips' (microbatch numbers from 0)
+    outs = [("act", first + i, src, dst) for i in range(count)]
+    back = ("grad", first, dst, src)
+    if rank == src:
+        comm.expect(dst, back, [PROBE], 1)
+    elif rank == dst:
+        for key in outs:
+            comm.expect(src, key, [PROBE], rows)
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == src:
+        for key in outs:
+            comm.send(dst, key, payload, [PROBE], rows)
+        comm.recv(dst, back, [PROBE], 1)
+    elif rank == dst:
+        for key in outs:
+            comm.recv(src, key, [PROBE], rows)
+        comm.send(src, back, answer, [PROBE], 1)
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=comm.device)
+    comm.flush()
+    dist.broadcast(seconds, src)
+    return float(seconds[0])
 
 
 def _speeds(
