@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from pdcompile.codegen.staged_program import Channel, StagedProgram
-from pdcompile.errors import LossError, PartitionError
+from pdcompile.errors import LossError
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.loss_check import checked_loss
 from pdcompile.runtime.memory_probe import MemoryProbe
@@ -101,7 +101,9 @@ class StageWorker:
         self.params = dict(module.named_parameters())
         self.slots = WeightSlots(module)  # runs it on a weight version's copies
         self.optimizer = _make_optimizer(optimizer, self.params, program, stage)
-        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        # a stage without parameters (a ReLU alone) has nothing to schedule either
+        schedules = lr_scheduler and not isinstance(self.optimizer, NoParameters)
+        self.scheduler = lr_scheduler(self.optimizer) if schedules else None
         self.clip_grad_norm = clip_grad_norm
         self.autocast = autocast
         self.evaluating = False
@@ -445,20 +447,35 @@ class StageWorker:
             self.saved_buffers = [b.detach().clone() for b in self.module.buffers()]
 
 
+class NoParameters:
+    """The optimizer of a stage holding no parameters (a stage of an activation alone, which a
+    plan with more stages than weighted layers has): its steps do nothing, and it holds no state,
+    as a checkpoint or a move reads it (`param_groups`, `state`, `state_dict`)."""
+
+    param_groups: list[dict[str, Any]] = []
+    state: dict[Any, Any] = {}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 def _make_optimizer(
     factory: OptimizerFactory, params: dict[str, nn.Parameter], program: StagedProgram, stage: int
-) -> torch.optim.Optimizer:
-    try:
-        return factory(list(params.values()))
-    except ValueError as exc:
-        if params:
-            raise
-        nodes = program.signatures[stage].nodes
-        raise PartitionError(
-            f"stage {stage} holds no parameters (its nodes: {', '.join(nodes[:6])}), and the "
-            f"optimizer refuses an empty list ({exc}); plan fewer stages (a smaller cluster) or "
-            "with a solver that balances compute (solver='dynprog')"
-        ) from exc
+) -> torch.optim.Optimizer | NoParameters:
+    """The stage's optimizer; `NoParameters` for a stage without parameters (the user's
+    optimizers refuse an empty list)."""
+    if not params:
+        return NoParameters()
+    return factory(list(params.values()))
 
 
 def _as_channel(value: Any, channel: Channel) -> Any:

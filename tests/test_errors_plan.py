@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import pdcompile
@@ -107,19 +106,3 @@ def test_truncated_plan_cost_graph_and_profile_files_say_where(mlp, tmp_path: Pa
     profile.write_text("\n".join([*lines[:3], lines[3][:40]]))  # cut in the 4th line
     with pytest.raises(CostError, match=rf"{re.escape(str(profile))}:4: malformed node line"):
         CostGraph.from_pipedream(profile)
-
-
-class _Tail(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(torch.relu(self.fc(x)) * 2 + 1).softmax(-1).log()
-
-
-def test_a_stage_without_parameters_is_a_partition_error() -> None:
-    x = torch.randn(8, 8)
-    with pytest.raises(PartitionError, match="stage 1 holds no parameters .* plan fewer stages"):
-        pdcompile.compile(_Tail(), (x,), loss_fn=F.nll_loss, optimizer=SGD, cluster="2",
-                          solver="uniform", profile=False)  # fmt: skip

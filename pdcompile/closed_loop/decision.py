@@ -86,11 +86,14 @@ def _checked_directory(directory: Any) -> str:
     if not isinstance(path, str):
         raise CheckpointError(f"Replan.directory must be a text path, got {directory!r}")
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise CheckpointError(f"Replan.directory={path!r} is a file: the move checkpoints the "
-                              "running plan into a folder; give a new folder's path, or None")  # fmt: skip
-    if os.path.isdir(path) and os.listdir(path) and not os.path.lexists(os.path.join(path, MANIFEST)):
         raise CheckpointError(
-            f"Replan.directory={path!r} holds {sorted(os.listdir(path))[:3]}, which are not a "
+            f"Replan.directory={path!r} is a file: the move checkpoints the running plan into a "
+            "folder; give a new folder's path, or None"
+        )
+    held = os.listdir(path) if os.path.isdir(path) else []
+    if held and MANIFEST not in held:
+        raise CheckpointError(
+            f"Replan.directory={path!r} holds {sorted(held)[:3]}, which are not a "
             "checkpoint's files, and the move replaces the whole folder: give a new or empty "
             "folder, or None"
         )
@@ -205,8 +208,8 @@ def check_measured(cost_graph: CostGraph, plan: Plan, measured: Mapping[int, Sta
     unknown = [n for n in nodes if n not in cost_graph.graph]
     unplanned = [n for n in cost_graph.graph if n not in set(nodes)]
     if unknown or unplanned:
-        parts = [f"hold {len(unknown)} nodes the graph lacks, e.g. {unknown[:3]}"] if unknown else []
-        parts += [f"miss {len(unplanned)} of its nodes, e.g. {unplanned[:3]}"] if unplanned else []
+        parts = [f"hold {len(unknown)} nodes the graph lacks, e.g. {unknown[:3]}"] * bool(unknown)
+        parts += [f"miss {len(unplanned)} of its nodes, e.g. {unplanned[:3]}"] * bool(unplanned)
         raise PartitionError(
             f"the running plan is not a plan of this cost graph: its stages {' and '.join(parts)}"
             "; measure a run of this model, or give its costs (the CostGraph its plan was made "

@@ -124,12 +124,13 @@ class Replanner:
         try:
             module.save(directory)
         except Exception as exc:
-            raise _named(exc)(
+            raise _named(
+                exc,
                 f"rank {module.rank}: the move to the new plan (decided after step "
                 f"{module.steps}) stopped while the ranks checkpointed the running plan into "
                 f"{directory}: {type(exc).__name__}: {exc}. No rank moved and that checkpoint "
                 "was not completed (one saved there before stays whole); restart the job from its "
-                "last checkpoint (compile(checkpoint_dir=...) resumes by itself)"
+                "last checkpoint (compile(checkpoint_dir=...) resumes by itself)",
             ) from exc
         old = module.pipeline
         try:
@@ -140,16 +141,18 @@ class Replanner:
             if temporary:  # removed by the caller: the job's own checkpoints are what is left
                 left = ("the move's temporary checkpoint is removed: restart the job from its "
                         "last checkpoint (compile(checkpoint_dir=...) resumes by itself, on the "
-                        "plan it saved), or pass Replan(directory=...) to keep the move's")  # fmt: skip
+                        "plan it saved), or pass Replan(directory=...) to keep the move's "
+                        "checkpoint")  # fmt: skip
             else:
                 if module.rank == 0:
                     plan.save(f"{directory}.next-plan.json")
                 left = (f"the running plan's checkpoint {directory} is whole: restart the job on "
                         f"{directory}.next-plan.json (compile(..., plan=...), then "
                         f"load({directory!r}))")  # fmt: skip
-            raise _named(exc)(
+            raise _named(
+                exc,
                 f"rank {module.rank}: moving to the new plan failed ({type(exc).__name__}: "
-                f"{exc}); {left}"
+                f"{exc}); {left}",
             ) from exc
 
 
@@ -206,9 +209,9 @@ def _shapes(plan: Plan) -> str:
     return f"stages {stages}, {plan.schedule}"
 
 
-def _named(exc: Exception) -> type[PdcompileError]:
-    """The class a move's failure is raised as: the cause's, if a pdcompile error."""
-    return type(exc) if isinstance(exc, PdcompileError) else PdcompileError
+def _named(exc: Exception, message: str) -> PdcompileError:
+    """A move's failure: `message` as the cause's class, if a pdcompile error."""
+    return (type(exc) if isinstance(exc, PdcompileError) else PdcompileError)(message)
 
 
 def _gathered(mine: dict[int, StageTime], distributed: bool) -> list[dict[int, StageTime]]:
