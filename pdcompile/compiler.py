@@ -24,7 +24,6 @@ import functools
 import hashlib
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -48,6 +47,8 @@ from pdcompile.errors import (
 )
 from pdcompile.plans import Plan
 from pdcompile.schedules import PipelineSchedule
+
+AFTER_TIMEOUT_S = 2.0  # how long a rank that timed out waits to agree on a phase
 
 
 def compile(  # noqa: A001 - the public name API.md gives it
@@ -190,6 +191,8 @@ def compile(  # noqa: A001 - the public name API.md gives it
         )
     auto = isinstance(schedule, str) and schedule == AUTO  # chosen with the plan, below
     autosave = auto_checkpoint(checkpoint_dir, checkpoint_every)
+    if autosave is not None:  # the resume's listing is bounded by the step timeout
+        autosave.timeout_s = timeout
     if not auto:
         schedule = get_schedule(schedule).name
         check_nonfinite(schedule, nonfinite)
@@ -216,7 +219,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
             plan = Plan.load(plan)
     except Exception as exc:
         if distributed:
-            _check_fingerprints(exc, rank, world_size)  # tells the other ranks, raises exc
+            _check_fingerprints(exc, rank, world_size, startup_timeout)  # tells the others
         raise
     # what ranks must agree on in a given plan (not, e.g., how long solving it took)
     given = [(s.nodes, s.ranks) for s in plan.stages] + [plan.schedule] if plan else None
@@ -228,17 +231,20 @@ def compile(  # noqa: A001 - the public name API.md gives it
                    checkpoint_every=checkpoint_every, memory=str(memory),
                    recompute=recompute)  # fmt: skip
     if distributed:
-        _check_fingerprints(_fingerprint(gm, options), rank, world_size, (gm, options))
+        _check_fingerprints(_fingerprint(gm, options), rank, world_size, startup_timeout,
+                            (gm, options))  # fmt: skip
     if measure and distributed and world_size > 1 and plan is None:  # before any load
         from pdcompile.runtime.cluster_measure import measure_cluster
 
         cluster = _collective(rank, "measuring the cluster", lambda: measure_cluster(
-            rank, world_size, device, timeout_s=startup_timeout))  # fmt: skip
+            rank, world_size, device, timeout_s=startup_timeout), startup_timeout)  # fmt: skip
     failure: Exception | None = None
     on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     # while rank 0 profiles, the other ranks on its machine train, as in the run (profile_load)
-    load = ProfileLoad(rank, world_size, distributed and plan is None and profile and not on_meta)
-    if plan is None and rank == 0:
+    load = ProfileLoad(rank, world_size, distributed and plan is None and profile and not on_meta,
+                       startup_timeout)  # fmt: skip
+    planning = plan is None and rank == 0
+    if planning:
         try:
             cluster = cluster or Cluster([(world_size, DEFAULT_BANDWIDTH)])
             with load.profiling() as loaded_by:
@@ -258,13 +264,17 @@ def compile(  # noqa: A001 - the public name API.md gives it
             if not distributed:
                 raise
             failure = exc
-    else:
+    # a loading rank waits for the plan within the same startup_timeout (not once more)
+    waiting = time.monotonic()
+    if not planning:
         load.serve(example_step(model, inputs, example_kwargs, loss_fn, example_targets),
                    startup_timeout)  # fmt: skip
-    shared = _share_plan(plan, failure, rank) if distributed else None
+    left = max(1.0, startup_timeout - (time.monotonic() - waiting))
+    shared = _share_plan(plan, failure, rank, left) if distributed else None
     # from here on every rank runs each phase, then the ranks agree on how it ended: a rank
     # that fails makes every other rank raise its error by name, not a peer's closed connection
-    phase = functools.partial(_agreement, rank, world_size if distributed else 1)
+    phase = functools.partial(_agreement, rank, world_size if distributed else 1,
+                              timeout_s=startup_timeout)  # fmt: skip
     with phase("preparing the plan"):
         if shared is not None:  # rank 0's too: every rank runs the plan as it travelled
             plan = Plan.from_json(shared)
@@ -469,29 +479,25 @@ def _fingerprint(gm: torch.fx.GraphModule, options: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _collective(rank: int, what: str, run: Callable[[], Any]) -> Any:
-    """Run a start-up collective and return what it returns; a timeout or a dead rank becomes
-    `PipelineTimeoutError`, naming the peer when the backend's message does ("another rank"
-    when it does not: gloo names a closed connection by its address only)."""
-    start = time.monotonic()
-    try:
-        return run()
-    except RuntimeError as exc:  # DistBackendError and the like
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        named = sorted({int(r) for r in re.findall(r"\brank (\d+)", reason)} - {rank})
-        peer = f"rank {named[0]}" if len(named) == 1 else "another rank"
-        raise PipelineTimeoutError(
-            f"rank {rank} gave up {what} after waiting {time.monotonic() - start:.1f} s: "
-            f"{reason}; {peer} died, hangs, or did not call pdcompile.compile (the wait is "
-            "bounded by startup_timeout; that rank's own log says why)"
-        ) from exc
+def _collective(
+    rank: int, what: str, run: Callable[[], Any], timeout_s: float, tag: str | None = None
+) -> Any:
+    """Run a start-up collective for at most `timeout_s` and return what it returns; a timeout
+    or a dead rank becomes `PipelineTimeoutError` naming the ranks that never arrived, or the
+    rank holding a store that stopped answering ("another rank" when none can be told:
+    `runtime.bounded.collective`)."""
+    from pdcompile.runtime.bounded import collective
+
+    return collective(rank, what, run, timeout_s, tag, "did not call pdcompile.compile")
 
 
 @contextlib.contextmanager
-def _agreement(rank: int, world_size: int, what: str) -> Iterator[None]:
+def _agreement(rank: int, world_size: int, what: str, timeout_s: float = 900.0) -> Iterator[None]:
     """Run a phase of `compile` on every rank, then agree on how it ended (one
-    `all_gather_object`, also after a failure: so a phase must not start a collective after a
-    point where it can fail on one rank only). On one rank (`world_size` 1) just the phase.
+    `all_gather_object` within `timeout_s`, also after a failure: so a phase must not start a
+    collective after a point where it can fail on one rank only; after a `PipelineTimeoutError`,
+    a rank at fault is gone: the others wait `AFTER_TIMEOUT_S` only, to hear of another
+    failure). On one rank (`world_size` 1) just the phase.
 
     Raises:
         PdcompileError: on every other rank when a rank failed the phase: of the failure's
@@ -509,9 +515,11 @@ def _agreement(rank: int, world_size: int, what: str) -> Iterator[None]:
         failure = exc
     everyone: list[str | None] = [None] * world_size
     sent = None if failure is None else f"{type(failure).__name__}: {failure}"
+    if isinstance(failure, PipelineTimeoutError):
+        timeout_s = min(timeout_s, AFTER_TIMEOUT_S)
     try:
         _collective(rank, f"agreeing on {what}",
-                    lambda: dist.all_gather_object(everyone, sent))  # fmt: skip
+                    lambda: dist.all_gather_object(everyone, sent), timeout_s)  # fmt: skip
     except PipelineTimeoutError:
         if failure is None:
             raise
@@ -538,13 +546,14 @@ def _relayed(text: str, message: str) -> PdcompileError:
     return PdcompileError(message)
 
 
-def _share_plan(plan: Plan | None, failure: Exception | None, rank: int) -> str:
+def _share_plan(plan: Plan | None, failure: Exception | None, rank: int, timeout_s: float) -> str:
     """Rank 0's plan on every rank, as JSON (read in an agreed phase: `Plan.from_json` checks
-    it); rank 0's planning error stops every rank."""
+    it), within `timeout_s`; rank 0's planning error stops every rank."""
     mine = plan.to_json() if plan is not None else None  # rank 0 has one, the others None
     shared = [("error", f"{type(failure).__name__}: {failure}") if failure else mine]
     what = "sending the plan to the other ranks" if rank == 0 else "receiving the plan from rank 0"
-    _collective(rank, what, lambda: dist.broadcast_object_list(shared, src=0))
+    _collective(rank, what, lambda: dist.broadcast_object_list(shared, src=0), timeout_s,
+                "the plan")  # fmt: skip
     if failure is not None:
         raise failure
     if isinstance(shared[0], tuple):
@@ -556,6 +565,7 @@ def _check_fingerprints(
     mine: str | Exception,
     rank: int,
     world_size: int,
+    timeout_s: float,
     capture: tuple[torch.fx.GraphModule, dict[str, Any]] | None = None,
 ) -> None:
     """Compare every rank's fingerprint with rank 0's; `mine` is this rank's error if it could
@@ -567,7 +577,7 @@ def _check_fingerprints(
     everyone: list[str | None] = [None] * world_size
     sent = mine if isinstance(mine, str) else f"error: {type(mine).__name__}: {mine}"
     _collective(rank, "comparing graph fingerprints",
-                lambda: dist.all_gather_object(everyone, sent))  # fmt: skip
+                lambda: dist.all_gather_object(everyone, sent), timeout_s)  # fmt: skip
     if isinstance(mine, Exception):
         raise mine
     failed = [(r, text) for r, text in enumerate(everyone) if text.startswith("error: ")]
@@ -582,7 +592,7 @@ def _check_fingerprints(
         summaries: list[Any] = [None] * world_size
         summary = describe(*capture) if capture is not None else None
         _collective(rank, "comparing graphs",
-                    lambda: dist.all_gather_object(summaries, summary))  # fmt: skip
+                    lambda: dist.all_gather_object(summaries, summary), timeout_s)  # fmt: skip
         why = ""
         if summaries[0] is not None and summaries[differ[0]] is not None:
             why = ": " + first_difference(differ[0], summaries[differ[0]], summaries[0])

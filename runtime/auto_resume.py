@@ -96,6 +96,7 @@ class AutoCheckpoint:
     every: int
     keep: int = KEEP
     skipped: set[str] = field(default_factory=set)
+    timeout_s: float = 300.0  # how long ranks wait for rank 0's listing (compile's `timeout`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
@@ -158,6 +159,10 @@ class AutoCheckpoint:
         mine = listed(self.directory)
         if not (dist.is_available() and dist.is_initialized()):
             return mine
-        shared = [mine if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
+        from pdcompile.runtime.bounded import collective
+
+        rank, shared = dist.get_rank(), [mine if dist.get_rank() == 0 else None]
+        what = "receiving the checkpoint listing from rank 0" if rank else "sharing the listing"
+        collective(rank, what, lambda: dist.broadcast_object_list(shared, src=0), self.timeout_s,
+                   "the checkpoint listing", culprit="failed before resuming")  # fmt: skip
         return shared[0]

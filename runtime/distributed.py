@@ -34,6 +34,7 @@ from pdcompile.codegen.staged_program import Channel
 from pdcompile.errors import PipelineTimeoutError, StageCommError
 from pdcompile.runtime import wire
 from pdcompile.runtime.action_costs import COALESCE_MAX_BYTES
+from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.comm import Key, LocalComm
 from pdcompile.runtime.watchdog import peers, start_watchdog
 
@@ -162,14 +163,12 @@ class DistributedComm:
         # talks over two connections, one per direction, and a send no longer shares its
         # connection with the peer's messages coming the other way (an MLP's sends took 0.9 ms
         # each in the pipeline with one connection, 0.3 ms with two: docs/runtime.md).
-        world = list(range(dist.get_world_size()))
-        self._p2p = [dist.new_group(world, timeout=self._timeout) for _ in range(2)]
+        self._p2p: list[Any] = []
         self._groups: dict[tuple[int, ...], Any] = {}  # None: a group without this rank
-        for group in groups:
-            members = tuple(sorted(group))
-            if members not in self._groups:
-                handle = dist.new_group(list(members), timeout=self._timeout)
-                self._groups[members] = handle if rank in members else None
+        # making a group meets through the store, which gloo does not bound: `timeout_s` does
+        collective(rank, "creating the executor's process groups",
+                   lambda: self._make_groups(groups), timeout_s,
+                   culprit="failed before building its executor")  # fmt: skip
         # (work, tensor, peer, what, key) of sends not known to be complete, oldest first. gloo
         # completes a send only once its receive is posted, and says so only to a `wait`: the
         # executor waits on those it knows posted (`settle`); NCCL's are polled at each send.
@@ -195,6 +194,15 @@ class DistributedComm:
         groups = [g for g in [*self._p2p, *self._groups.values()] if g is not None]
         self._release = weakref.finalize(self, _release, rank, groups, self._closed, True)
         self._release.atexit = False
+
+    def _make_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
+        world = list(range(dist.get_world_size()))
+        self._p2p = [dist.new_group(world, timeout=self._timeout) for _ in range(2)]
+        for group in groups:
+            members = tuple(sorted(group))
+            if members not in self._groups:
+                handle = dist.new_group(list(members), timeout=self._timeout)
+                self._groups[members] = handle if self.rank in members else None
 
     def expect(self, peer: int, key: Key, channels: Sequence[Channel], rows: int) -> None:
         """Post the receive of a message now, so that its sender's send completes as soon as

@@ -11,7 +11,9 @@ it is, a collective: the ranks exchange their host names); rank 0 profiles insid
 `load.profiling()`, which yields how many ranks load it and tells them to stop when it ends,
 even on an error; the others call `load.serve(step, timeout_s)`. An inactive load has no
 loading ranks: both return at once. The signal goes through the process group's store, so the
-loading ranks never block in a collective rank 0 is not in.
+loading ranks never block in a collective rank 0 is not in; a helper thread watches for it, so
+a store that stops answering (it lives in rank 0's process without torchrun) never blocks them
+past `timeout_s` either.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -29,6 +32,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from pdcompile.runtime.bounded import collective
+
 logger = logging.getLogger(__name__)
 
 _ROUNDS = itertools.count()  # every rank makes its ProfileLoads in the same order
@@ -38,11 +43,15 @@ _PREFIX = "pdcompile/profiled"
 class ProfileLoad:
     """Which ranks load rank 0's machine while it profiles, and the signal that stops them."""
 
-    def __init__(self, rank: int, world_size: int, active: bool = True) -> None:
+    def __init__(
+        self, rank: int, world_size: int, active: bool = True, timeout_s: float = 900.0
+    ) -> None:
         self.rank, self.loaders, self._key = rank, [], ""
         if active:
             hosts: list[str | None] = [None] * world_size
-            dist.all_gather_object(hosts, socket.gethostname())
+            collective(rank, "sharing host names for the loaded profile",
+                       lambda: dist.all_gather_object(hosts, socket.gethostname()), timeout_s,
+                       culprit="did not call pdcompile.compile")  # fmt: skip
             self.loaders = [r for r in range(1, world_size) if hosts[r] == hosts[0]]
             self._key = f"{_PREFIX}/{next(_ROUNDS)}"
 
@@ -59,18 +68,35 @@ class ProfileLoad:
         """A loading rank's: run `step` until rank 0 is done profiling; whether its signal
         ended the load. The load is best effort: after `timeout_s`, or when the store or `step`
         fails (logged), the rank goes on to receive the plan, whose broadcast reports a rank 0
-        that never sends it. Ranks that do not load return False at once."""
+        that never sends it (within what is left of the same timeout: compile). Ranks that do
+        not load return False at once."""
         if self.rank not in self.loaders:
             return False
         store = dist.distributed_c10d._get_default_store()
         deadline = time.monotonic() + timeout_s
+        done, failed = threading.Event(), []
+
+        def watch() -> None:  # a thread: the store may block (held by a stopped rank 0)
+            try:
+                while time.monotonic() < deadline:
+                    if store.check([self._key]):
+                        done.set()
+                        return
+                    time.sleep(0.01)
+            except Exception as exc:
+                failed.append(exc)
+
+        threading.Thread(target=watch, name="pdcompile profile signal", daemon=True).start()
         try:
-            while not (done := store.check([self._key])) and time.monotonic() < deadline:
+            while not done.is_set() and not failed and time.monotonic() < deadline:
                 step()
-            return done
         except Exception as exc:  # a load that fails only ends the load
             logger.warning("rank %d stopped training while rank 0 profiles: %s", self.rank, exc)
             return False
+        if failed:
+            logger.warning("rank %d stopped training while rank 0 profiles: %s", self.rank,
+                           failed[0])  # fmt: skip
+        return done.is_set()
 
 
 def example_step(

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +53,15 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 90,
     allow_failures: bool = False,
+    wait_for: Sequence[int] | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, init_file, *args)` on `world_size` spawned ranks.
 
     Returns:
         the values the ranks returned, by rank; with `allow_failures`, a `RankOutcome` per rank
         (a rank that exited without reporting has error "exit" and its exit code as message).
+        With `wait_for`, only those ranks are awaited: the others are killed once they have
+        reported, those that had not with error "unfinished" (a rank stopped by a test).
 
     Raises:
         RankFailed: a rank failed (unless `allow_failures`: then the others run to their end) or
@@ -81,23 +84,26 @@ def run_ranks(
         for process in processes:
             process.start()
         try:
-            outcomes = _collect(processes, results, timeout_s, allow_failures)
+            awaited = set(range(world_size) if wait_for is None else wait_for)
+            outcomes = _collect(processes, results, timeout_s, allow_failures, awaited)
         finally:
             for process in processes:
                 if process.is_alive():
                     process.kill()
                 process.join(timeout=10)
+    for rank in range(world_size):
+        outcomes.setdefault(rank, RankOutcome(rank, error="unfinished", message="killed"))
     if allow_failures:
         return [outcomes[rank] for rank in range(world_size)]
     return [outcomes[rank].value for rank in range(world_size)]
 
 
 def _collect(
-    processes: list[Any], results: Any, timeout_s: float, allow_failures: bool
+    processes: list[Any], results: Any, timeout_s: float, allow_failures: bool, awaited: set[int]
 ) -> dict[int, RankOutcome]:
     outcomes: dict[int, RankOutcome] = {}
     deadline = time.monotonic() + timeout_s
-    while len(outcomes) < len(processes):
+    while not awaited <= set(outcomes):
         try:
             outcome = pickle.loads(results.get(timeout=0.2))
             outcomes[outcome.rank] = outcome
@@ -117,7 +123,7 @@ def _collect(
                 if not allow_failures:
                     raise RankFailed(f"rank {rank} exited with code {code} without a result")
         if time.monotonic() > deadline:
-            missing = sorted(set(range(len(processes))) - set(outcomes))
+            missing = sorted(awaited - set(outcomes))
             raise RankFailed(
                 f"ranks {missing} did not finish within {timeout_s:g} s (killed); finished: "
                 + "; ".join(_describe(o) for o in outcomes.values())

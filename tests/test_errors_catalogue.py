@@ -43,6 +43,9 @@ ALLOWED = {
     # raised inside a try that turns it into PipelineTimeoutError / ScheduleError at once
     ("runtime/distributed.py", "RuntimeError"): "converted at once",
     ("runtime/timeline.py", "ValueError"): "converted at once",
+    ("runtime/bounded.py", "Expired"): "converted at once (PipelineTimeoutError)",
+    # an OSError, which each loader turns into its own named error (a cache: ignored)
+    ("pdcompile/regular_file.py", "NotRegularFile"): "converted by the loaders",
 }
 
 

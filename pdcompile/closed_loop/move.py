@@ -26,6 +26,7 @@ from pdcompile.closed_loop.decision import Decision, Replan, StageTime, decide, 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import PdcompileError
 from pdcompile.plans import Plan
+from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.checkpoint_entries import transfer
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.pipeline import Pipeline
@@ -67,7 +68,7 @@ class Replanner:
             since = module.step_start(1 if self.policy.after_steps > 1 else 0)
             events = [e for w in pipeline.workers.values() for e in w.timeline
                       if e.start >= since]  # fmt: skip
-        measured = _merge(_gathered(measured_stage_times(events), distributed))
+        measured = _merge(_gathered(measured_stage_times(events), module, distributed))
         decision: Decision | str | None = None
         if module.rank == 0:
             try:
@@ -77,7 +78,9 @@ class Replanner:
                 decision = f"{type(exc).__name__}: {exc}"
         if distributed:
             shared = [decision]
-            dist.broadcast_object_list(shared, src=0)
+            _bounded(module, "receiving the re-plan decision from rank 0" if module.rank else
+                     "sending the re-plan decision", "the re-plan decision",
+                     lambda: dist.broadcast_object_list(shared, src=0))  # fmt: skip
             decision = shared[0]
         if isinstance(decision, str):
             raise PdcompileError(f"rank 0 could not re-plan from the measured stages: {decision}")
@@ -111,7 +114,8 @@ class Replanner:
         if temporary:  # rank 0's temporary folder, on every rank (one host)
             shared = [tempfile.mkdtemp(prefix="pdcompile-replan-") if module.rank == 0
                       else None]  # fmt: skip
-            dist.broadcast_object_list(shared, src=0)
+            _bounded(module, "sharing the move's folder", "the move's folder",
+                     lambda: dist.broadcast_object_list(shared, src=0))  # fmt: skip
             directory = shared[0]
         try:
             self._save_load(module, plan, directory, temporary)
@@ -214,12 +218,22 @@ def _named(exc: Exception, message: str) -> PdcompileError:
     return (type(exc) if isinstance(exc, PdcompileError) else PdcompileError)(message)
 
 
-def _gathered(mine: dict[int, StageTime], distributed: bool) -> list[dict[int, StageTime]]:
+def _gathered(
+    mine: dict[int, StageTime], module: Any, distributed: bool
+) -> list[dict[int, StageTime]]:
     if not distributed:
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    _bounded(module, "sharing the measured stage times", None,
+             lambda: dist.all_gather_object(everyone, mine))  # fmt: skip
     return everyone
+
+
+def _bounded(module: Any, what: str, tag: str | None, run: Callable[[], Any]) -> Any:
+    """A collective of the re-plan within the step timeout (the default group's is the start-up
+    one), naming the ranks that never reached it (`runtime.bounded.collective`)."""
+    timeout_s = module.pipeline.comm.timeout_s
+    return collective(module.rank, what, run, timeout_s, tag, culprit="failed before the re-plan")
 
 
 def _merge(parts: list[dict[int, StageTime]]) -> dict[int, StageTime]:
