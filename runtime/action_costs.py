@@ -51,6 +51,9 @@ from pdcompile.plans import Plan
 # the runtime all-reduces a gradient tensor of more bytes in place; the others of a stage are
 # flattened into one buffer, reduced, and copied back (runtime/distributed.py)
 COALESCE_MAX_BYTES = 2**20
+# the smaller gradients of a replicated stage are reduced in buckets of up to this many bytes,
+# started while the backward runs (runtime/grad_buckets.py; DDP's default)
+BUCKET_BYTES = 25 * 2**20
 LOSS_BYTES = 32 + 16  # what a loss message's sender writes: the wire preamble and two float64
 
 

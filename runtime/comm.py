@@ -11,7 +11,7 @@ ranks and both shapes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +51,13 @@ class Comm(Protocol):
     ) -> None:
         """Sum (or average) `tensors` in place over the ranks of `group` (every member calls
         it; the result may land only when the last member has called)."""
+        ...
+
+    def start_all_reduce(
+        self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any
+    ) -> Callable[[], None]:
+        """Start summing `tensors` in place over the ranks of `group`; the returned function
+        waits until this rank has the sum (leave the tensors alone until then)."""
         ...
 
     def flush(self) -> None:
@@ -139,3 +146,15 @@ class LocalComm:
                 total /= len(group)
             for p in parts:
                 p.copy_(total)
+
+    def start_all_reduce(
+        self, tensors: Sequence[torch.Tensor], group: tuple[int, ...], key: Any
+    ) -> Callable[[], None]:
+        """As `all_reduce`: the sum lands in every member's tensors when the last one starts
+        (the local executor runs a collective's members before any goes past it)."""
+        self.all_reduce(tensors, group, key)
+        return _nothing
+
+
+def _nothing() -> None:
+    """Nothing left to wait for."""

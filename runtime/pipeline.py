@@ -23,6 +23,7 @@ import torch
 from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import BatchError
 from pdcompile.ir import accept_constants
+from pdcompile.runtime.grad_buckets import overlap_triggers
 from pdcompile.runtime.microbatches import Batch, input_dims, split_batch
 from pdcompile.runtime.rank_workers import RankWorkers
 from pdcompile.runtime.stream import RankStream
@@ -99,6 +100,11 @@ class Pipeline:
         for (rank, stage), worker in self.workers.items():
             by_rank.setdefault(rank, {})[stage] = worker
         self.ranks = {rank: RankWorkers(rank, mine) for rank, mine in sorted(by_rank.items())}
+        if not self.streaming:  # replicas reduce their gradients from the last backward on
+            for (rank, stage), microbatch in overlap_triggers(self.schedule.actions).items():
+                if (rank, stage) in self.workers:
+                    group = tuple(program.plan.stages[stage].ranks)
+                    self.workers[(rank, stage)].overlap_reduction(group, microbatch)
         self.steps = 0  # train steps run
         self.started = 0  # streaming: microbatches given since the last flush
         # streaming: actions every rank has done since the stream (re)started (each call, every

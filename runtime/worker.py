@@ -26,6 +26,7 @@ import torch.nn as nn
 from pdcompile.codegen.staged_program import Channel, StagedProgram
 from pdcompile.errors import LossError
 from pdcompile.runtime.comm import Comm, gradient_channels
+from pdcompile.runtime.grad_buckets import GradBuckets
 from pdcompile.runtime.loss_check import checked_loss
 from pdcompile.runtime.memory_probe import MemoryProbe
 from pdcompile.runtime.microbatches import Batch, Microbatch
@@ -145,6 +146,16 @@ class StageWorker:
         spec = program.plan.stages[stage].recompute
         split = rules.items_per_microbatch == 3
         self.recompute = Recompute(module, spec, stage=stage, split=split) if spec else None
+        # the replicas' gradient sum, started from the backward of `trigger` (grad_buckets.py)
+        self.buckets: GradBuckets | None = None
+        self.trigger = -1
+
+    def overlap_reduction(self, group: tuple[int, ...], microbatch: int) -> None:
+        """Start the replicas' gradient sum in buckets from the backward of `microbatch` (this
+        replica's last of each step), overlapped with the rest of it (`runtime/grad_buckets.py`;
+        the pipeline decides where it is safe)."""
+        self.buckets = GradBuckets(self.untied, self.comm, group, ("replicas", self.stage))
+        self.trigger = microbatch
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -304,8 +315,15 @@ class StageWorker:
             if self.last:
                 state.loss = self.loss_fn(state.outputs, mb.target) * mb.weight
         tensors, grads = self._roots(state)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        armed = self.buckets is not None and k == self.trigger
+        if armed:
+            self.buckets.arm()
+        try:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        finally:
+            if armed:
+                self.buckets.disarm()
         if self.streaming and not self.stash:
             self.versions.collect(weights)  # a copy of its own: its gradients go now
         state.outputs, state.grads, state.loss = None, [], None
@@ -367,7 +385,10 @@ class StageWorker:
         # of their gradients; the others' microbatch losses are weighted by their share of the
         # step: the sum is the mean
         average = a.tie < 0 and self.rules.update_per_microbatch
-        self.comm.all_reduce(tensors, a.group, a.collective, average=average)
+        if a.tie < 0 and self.buckets is not None:  # started from the last backward
+            self.buckets.finish()
+        else:
+            self.comm.all_reduce(tensors, a.group, a.collective, average=average)
         if a.tie < 0 and self.buffers:  # buffers are not averaged: the replicas take the first's
             if self.comm.rank != a.group[0]:
                 for b in self.buffers:
