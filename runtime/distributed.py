@@ -326,6 +326,18 @@ class DistributedComm:
 
         Returns when this rank has the result (a group of one rank returns at once).
         """
+        self.start_all_reduce(tensors, group, key, average)()
+
+    def start_all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: tuple[int, ...],
+        key: Any,
+        average: bool = False,
+    ) -> Callable[[], None]:
+        """Start `all_reduce` without waiting: every reduction is posted at once, and the
+        returned function waits for them (with the timeout) and completes the tensors. Leave
+        them alone until then (`runtime/grad_buckets.py` starts buckets from the backward)."""
         members = tuple(sorted(group))
         handle = self._groups.get(members)
         if handle is None:
@@ -335,7 +347,7 @@ class DistributedComm:
                 "DistributedComm on every rank"
             )
         if len(members) == 1 or not tensors:
-            return
+            return _done
         # a large tensor in place: flattening it would copy it twice through a fresh buffer, whose
         # first touch faults a page per 4 KiB (34 MB: 26 ms to flatten, 28 ms to all-reduce here)
         whole, by_dtype = [], {}
@@ -345,49 +357,54 @@ class DistributedComm:
             else:
                 by_dtype.setdefault(t.dtype, []).append(t)
         what = f"all-reducing {key}"
+        finishes = []
         with torch.no_grad():
             for tensor in whole:
                 work = self._start(dist.all_reduce, tensor, members, what, group=handle,
                                    async_op=True)  # fmt: skip
-                self._wait(work, tensor, members, what)
-                if average:
-                    tensor /= len(members)
+                finishes.append((tensor, None, [(work, tensor)]))
             for parts in by_dtype.values():
                 flat = torch.cat([t.reshape(-1) for t in parts]).to(self.device)
                 small = flat.nbytes <= EXCHANGE_MAX_BYTES
                 if self._gloo and len(members) <= EXCHANGE_MAX and small:
-                    flat = self._exchange(flat, members, handle, what)
+                    works, theirs = self._start_exchange(flat, members, handle, what)
+                    finishes.append((flat, parts, works, theirs))
                 else:
                     work = self._start(dist.all_reduce, flat, members, what, group=handle,
                                        async_op=True)  # fmt: skip
-                    self._wait(work, flat, members, what)
-                if average:
-                    flat /= len(members)
-                offset = 0
-                for part in parts:
-                    part.copy_(flat[offset : offset + part.numel()].view_as(part))
-                    offset += part.numel()
+                    finishes.append((flat, parts, [(work, flat)]))
 
-    def _exchange(
+        def wait() -> None:
+            with torch.no_grad():
+                for flat, parts, works, *theirs in finishes:
+                    for work, tensor in works:
+                        self._wait(work, tensor, members, what)
+                    if theirs:  # the exchange: every member adds the same parts in rank order
+                        flat = _rank_ordered_sum(flat, theirs[0], members, self.rank)
+                    if average:
+                        flat /= len(members)
+                    offset = 0
+                    for part in parts or ():
+                        part.copy_(flat[offset : offset + part.numel()].view_as(part))
+                        offset += part.numel()
+
+        return wait
+
+    def _start_exchange(
         self, flat: torch.Tensor, members: tuple[int, ...], group: Any, what: str
-    ) -> torch.Tensor:
-        """The sum of `flat` over `members`: each member sends its tensor to every other and
-        adds them all in rank order, so every member gets the same bits. On gloo this is one
-        message each way: 0.27-0.30 ms for a 64 KiB tensor between two ranks here, where gloo's
-        all-reduce took 0.40-1.65 ms (`benchmarks/allreduce.py`)."""
+    ) -> tuple[list[tuple[Any, torch.Tensor]], dict[int, torch.Tensor]]:
+        """Start the exchange that sums `flat` over `members`: each member sends its tensor to
+        every other, and (`_rank_ordered_sum`, once the works are done) adds them all in rank
+        order, so every member gets the same bits. On gloo this is one message each way:
+        0.27-0.30 ms for a 64 KiB tensor between two ranks here, where gloo's all-reduce took
+        0.40-1.65 ms (`benchmarks/allreduce.py`)."""
         peers = [m for m in members if m != self.rank]
         theirs = {m: torch.empty_like(flat) for m in peers}
         works = [(self._start(dist.irecv, theirs[m], members, what, src=m, group=group), theirs[m])
                  for m in peers]  # fmt: skip
         works += [(self._start(dist.isend, flat, members, what, dst=m, group=group), flat)
                   for m in peers]  # fmt: skip
-        for work, tensor in works:
-            self._wait(work, tensor, members, what)
-        parts = [flat if m == self.rank else theirs[m] for m in members]
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        return total
+        return works, theirs
 
     @property
     def buffer_bytes(self) -> int:
@@ -500,3 +517,18 @@ def _release(rank: int, groups: Sequence[Any], closed: threading.Event, collecte
 def _world_groups() -> Any:
     """The process groups torch.distributed holds (destroying one twice raises)."""
     return dist.distributed_c10d._world.pg_map
+
+
+def _done() -> None:
+    """Nothing to wait for."""
+
+
+def _rank_ordered_sum(
+    flat: torch.Tensor, theirs: dict[int, torch.Tensor], members: tuple[int, ...], rank: int
+) -> torch.Tensor:
+    """The sum of this rank's `flat` and the others' (`theirs`), added in rank order."""
+    parts = [flat if m == rank else theirs[m] for m in members]
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
