@@ -43,15 +43,13 @@ from pdcompile.schedules import PipelineSchedule
 
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-12
-MAX_PROBES = 15
-# Measured costs (2-core CPU, numpy): per numpy call of a round, and per element of the
-# searchsorted queries (log N comparisons each); they pick the limits tested per round.
-CALL_COST_S = 6e-6
-ELEMENT_COST_S = 4e-9
 
 
 class _Tables:
-    """The limit-independent arrays: W_r and the offsets W_r[j] - c_r cut[j], per replica count."""
+    """The limit-independent arrays, per replica count r: W_r, the offsets W_r[j] - c_r cut[j]
+    and their running maximum over j (a stage from some j <= J meets T up to the last k with
+    W_r[k] <= max_{j <= J} offset_r[j] + T, so the running maximum of the ends is one
+    `searchsorted` of sorted queries)."""
 
     def __init__(
         self,
@@ -75,64 +73,89 @@ class _Tables:
         c = prices.transfer_s(1.0, bandwidth, rs)
         compute, grads, cut = p.compute[: n + 1], p.grad[: n + 1], p.cut[: n + 1]
         self.w = a * compute + b * grads  # (R, N + 1), nondecreasing along each row
-        self.base = self.w - c * cut  # a stage from j meets T up to the last k: w[k] <= base[j] + T
+        self.base = self.w - c * cut
+        self.running = np.maximum.accumulate(self.base, axis=1)
         self.whole = self.w[:, n] - self.w[:, 0]  # one stage on r replicas, cut[0] = 0
-        self.calls = len(self.replicas) + self.total  # numpy calls per round
-        self.elements = len(self.replicas) * (n + 1) * math.log2(n + 2)  # per limit
+        # the counts r <= u, per u; and where row r starts in a flattened (R, N + 1) table
+        self.usable = np.searchsorted(self.replicas, np.arange(self.total + 1), side="right")
+        self.rows = np.arange(len(self.replicas))[:, None] * (n + 1)
 
 
-def _ends(t: _Tables, limits: np.ndarray) -> np.ndarray:
-    """K[s, i, j]: the last end a stage from j on `replicas[i]` meets `limits[s]` at."""
-    ends = np.empty((len(limits), len(t.replicas), t.n + 1), dtype=np.int64)
-    for i, w in enumerate(t.w):
-        ends[:, i] = np.searchsorted(w, t.base[i] + limits[:, None], side="right") - 1
-    return ends
+class _Probe:
+    """The tables at one limit: best[i, J], the last end a stage from some j <= J on
+    `replicas[i]` meets the limit at (-1: none), and reach[u], the longest prefix stages
+    within the limit cover with at most u devices."""
+
+    def __init__(self, limit: float, best: np.ndarray, reach: np.ndarray) -> None:
+        self.limit, self.best, self.reach = limit, best, reach
+
+    def fits(self, n: int) -> bool:
+        return bool(self.reach[-1] >= n)
 
 
-def _reach(t: _Tables, best: np.ndarray) -> np.ndarray:
-    """reach[u, s]: the longest prefix covered with at most u devices under `limits[s]`, from
-    `best` = the running maximum of `_ends` along j."""
-    num = best.shape[0]
-    reach = np.zeros((t.total + 1, num), dtype=np.int64)
-    rows = np.arange(num)[:, None]
-    for u in range(1, t.total + 1):
-        count = int(np.searchsorted(t.replicas, u, side="right"))  # counts r <= u
+def _probe(t: _Tables, limit: float, below: _Probe | None = None, above: _Probe | None = None
+           ) -> _Probe:  # fmt: skip
+    """The tables at `limit`. Both grow with the limit, so between a probe `below` it and one
+    `above` it only the entries where those two differ are computed: the ends by a vectorised
+    bisection between theirs, the reach values in order of u."""
+    if below is None or above is None:
+        best = np.empty((len(t.replicas), t.n + 1), dtype=np.int64)
+        for i, w in enumerate(t.w):
+            best[i] = np.searchsorted(w, t.running[i] + limit, side="right") - 1
+        reach = np.zeros(t.total + 1, dtype=np.int64)
+        steps: Any = range(1, t.total + 1)
+    else:
+        best = below.best.copy()
+        flat = best.ravel()
+        at = np.flatnonzero(flat != above.best.ravel())
+        if len(at):
+            # the last k in [low, high] with w[i, k] <= running[i, j] + limit; low meets it
+            low, high = flat[at], above.best.ravel()[at]
+            row = at // (t.n + 1)
+            query = t.running.ravel()[at] + limit
+            w = t.w.ravel()
+            while True:
+                open_ = low < high
+                if not open_.any():
+                    break
+                mid = (low + high + 1) // 2
+                ok = w[row * (t.n + 1) + np.maximum(mid, 0)] <= query
+                low = np.where(open_ & ok, mid, low)
+                high = np.where(open_ & ~ok, mid - 1, high)
+            flat[at] = low
+        reach = below.reach.copy()
+        steps = np.flatnonzero(below.reach != above.reach)
+    table = best.ravel()
+    for u in steps:
+        count = t.usable[u]
         if count == 0:
             continue
-        before = reach[u - t.replicas[:count]].T  # (limit, r)
-        reached = best[rows, np.arange(count)[None, :], before].max(axis=1)
-        reach[u] = np.maximum(reach[u - 1], reached)
-        if (reach[u] >= t.n).all():
-            reach[u + 1 :] = reach[u]
-            break
-    return reach
+        back = reach[u - t.replicas[:count]] + t.rows[:count, 0]
+        reach[u] = max(reach[u - 1], table[back].max())
+    return _Probe(limit, best, np.minimum(reach, t.n))
 
 
-def _fits(t: _Tables, limits: np.ndarray) -> np.ndarray:
-    """Whether stages <= each limit cover all n positions on the cluster's devices."""
-    best = np.maximum.accumulate(_ends(t, limits), axis=2)
-    return _reach(t, best)[-1] >= t.n
-
-
-def _cover(t: _Tables, limit: float) -> list[tuple[int, int, int]]:
-    """Stages (start, end, replicas) of a cover under `limit` on the fewest devices."""
-    ends = _ends(t, np.array([limit]))[0]
-    best = np.maximum.accumulate(ends, axis=1)
-    reach = _reach(t, best[None])[:, 0]
+def _cover(t: _Tables, probe: _Probe) -> tuple[list[tuple[int, int, int]], float]:
+    """Stages (start, end, replicas) of a cover under `limit` on the fewest devices, from its
+    probe, and the least limit it meets (its bottleneck)."""
+    limit, reach, best = probe.limit, probe.reach, probe.best
     stages = []
+    bottleneck = 0.0
     e = t.n
     while e > 0:
         u = int(np.searchsorted(reach, e, side="left"))  # reach[u] >= e > reach[u - 1]
-        for i, r in enumerate(t.replicas[t.replicas <= u]):
+        for i, r in enumerate(t.replicas[: t.usable[u]]):
             start = int(reach[u - r])
             if best[i, start] >= e:  # some j <= start reaches e: the latest such
-                j = int(np.flatnonzero(ends[i, : start + 1] >= e)[-1])
+                ends = np.searchsorted(t.w[i], t.base[i, : start + 1] + limit, side="right") - 1
+                j = int(np.flatnonzero(ends >= e)[-1])
                 stages.append((j, e, int(r)))
+                bottleneck = max(bottleneck, float(t.w[i, e] - t.base[i, j]))
                 e = j
                 break
         else:  # pragma: no cover - reach[u] came from one of the counts above
             raise AssertionError("reach table inconsistent")
-    return stages[::-1]
+    return stages[::-1], bottleneck
 
 
 def solve_reach(
@@ -146,28 +169,34 @@ def solve_reach(
 ) -> list[tuple[int, int, int]]:
     """Stages (start, end, replicas) with the least bottleneck (to `TOLERANCE` relative) on a
     flat homogeneous `cluster`, stages priced by `prices`, replica counts from
-    `replica_counts` (default: 1 to the devices)."""
+    `replica_counts` (default: 1 to the devices).
+
+    The search keeps the best cover found and a limit that fails, halving the bracket; a
+    cover that fits lowers the upper end to its own bottleneck. Each probe computes only what
+    differs between the tables at the two ends (`_probe`), so once the bracket is narrow a probe
+    costs little whatever the devices.
+    """
     counts = replica_counts or range(1, cluster.num_devices + 1)
     t = _Tables(p, n, cluster, prices, schedule, microbatches, counts)
     total_compute = float(p.compute[n])
     lo = total_compute / cluster.num_devices * (1 - 1e-9)  # no plan beats perfect balance
     hi = float(t.whole.min()) * (1 + TOLERANCE) + 1e-300  # one stage fits
-    if lo <= 0 and _fits(t, np.array([0.0]))[0]:
-        return _cover(t, 0.0)  # nothing to balance (data sources only)
-    start = max((hi - lo) / hi, TOLERANCE)
-    while hi - lo > TOLERANCE * hi:
-        probes = min(  # a round shrinks the bracket (probes + 1)-fold
-            range(1, MAX_PROBES + 1),
-            key=lambda s: (CALL_COST_S * t.calls + ELEMENT_COST_S * s * t.elements) / math.log(s + 1),
-        )
-        limits = np.linspace(lo, hi, probes + 2)[1:-1]
-        fits = _fits(t, limits)
-        first = int(fits.argmax()) if fits.any() else probes  # feasibility grows with the limit
-        hi = float(limits[first]) if first < probes else hi
-        lo = float(limits[first - 1]) if first > 0 else lo
-        width = max((hi - lo) / hi, TOLERANCE)
+    below = _probe(t, max(lo, 0.0))
+    if below.fits(n):  # nothing to balance (data sources only), or lo was not below
+        return _cover(t, below)[0]
+    above = _probe(t, hi)
+    stages, bound = _cover(t, above)
+    start = max((bound - lo) / bound, TOLERANCE)
+    while bound - lo > TOLERANCE * bound:
+        probe = _probe(t, (lo + bound) / 2, below, above)
+        if probe.fits(n):
+            stages, value = _cover(t, probe)
+            above, bound = probe, min(probe.limit, value)
+        else:
+            below, lo = probe, probe.limit
+        width = max((bound - lo) / bound, TOLERANCE)
         done = math.log(start / width) / math.log(start / TOLERANCE) if start > TOLERANCE else 1
         log.info("bottleneck within %.0e, goal %.0e", width, TOLERANCE,
                  extra={"progress": min(done, 1.0)})  # fmt: skip
         note(f"bottleneck within {width:.0e}, goal {TOLERANCE:.0e}", min(done, 1.0))
-    return _cover(t, hi)
+    return stages

@@ -28,7 +28,12 @@ from pdcompile.plans import Plan
 from pdcompile.progress import each
 from pdcompile.schedules import get_schedule, schedules
 from pdcompile.schedules.registry import SCHEDULES
-from pdcompile.search.microbatch_count import SEARCH_KEY, divisors, fastest_fitting
+from pdcompile.search.microbatch_count import (
+    SEARCH_KEY,
+    divisors,
+    fastest_fitting,
+    shared_scaling,
+)
 from pdcompile.text import human_bytes, human_seconds
 
 AUTO = "auto"
@@ -108,26 +113,10 @@ def plan_auto(
     start = time.perf_counter()
     found: list[tuple[int, Plan, list[warnings.WarningMessage]]] = []
     rows: list[dict[str, Any]] = []
-    for name, chunks in each(candidates(allow_async), "schedules", _candidate):
-        row: dict[str, Any] = {"schedule": name, "chunks": chunks}
-        mine: list[tuple[Plan, list[warnings.WarningMessage]]] = []
-        reasons = []
-        for counts in layouts(devices, chunks, replica_counts):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    result = planner(cost_graph, cluster, schedule=name, chunks=chunks,
-                                     replica_counts=counts, **kwargs)  # fmt: skip
-                except PartitionError as exc:
-                    reasons.append(str(exc))
-                    continue
-            mine.append((result, list(caught)))
-        if not mine:
-            rows.append({**row, "skipped": reasons[0]})
-            continue
-        result, caught = mine[fastest_fitting([p for p, _ in mine])]
-        found.append((len(rows), result, caught))
-        rows.append({**row, **_row(result)})
+    with shared_scaling():  # every schedule plans the same microbatch sizes
+        for name, chunks in each(candidates(allow_async), "schedules", _candidate):
+            tried = layouts(devices, chunks, replica_counts)
+            _plan_candidate(planner, cost_graph, cluster, name, chunks, tried, kwargs, found, rows)
     if not found:
         reasons = "; ".join(f"{r['schedule']} (chunks={r['chunks']}): {r['skipped']}" for r in rows)
         raise PartitionError(f"schedule='auto': no schedule could be planned: {reasons}")
@@ -140,6 +129,39 @@ def plan_auto(
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     options = {**best.options, AUTO: rows}
     return best.with_(options=options, solve_time_s=time.perf_counter() - start)
+
+
+def _plan_candidate(
+    planner: Callable[..., Plan],
+    cost_graph: CostGraph,
+    cluster: Cluster | str | int,
+    name: str,
+    chunks: int,
+    layouts_: list[tuple[int, ...] | None],
+    kwargs: dict[str, Any],
+    found: list[tuple[int, Plan, list[warnings.WarningMessage]]],
+    rows: list[dict[str, Any]],
+) -> None:
+    """Plan one candidate schedule over its replica layouts, adding it to `found` and `rows`."""
+    row: dict[str, Any] = {"schedule": name, "chunks": chunks}
+    mine: list[tuple[Plan, list[warnings.WarningMessage]]] = []
+    reasons = []
+    for counts in layouts_:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = planner(cost_graph, cluster, schedule=name, chunks=chunks,
+                                 replica_counts=counts, **kwargs)  # fmt: skip
+            except PartitionError as exc:
+                reasons.append(str(exc))
+                continue
+        mine.append((result, list(caught)))
+    if not mine:
+        rows.append({**row, "skipped": reasons[0]})
+        return
+    result, caught = mine[fastest_fitting([p for p, _ in mine])]
+    found.append((len(rows), result, caught))
+    rows.append({**row, **_row(result)})
 
 
 def _candidate(candidate: tuple[str, int]) -> str:
