@@ -93,6 +93,14 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
+def _bit_matrix(masks: list[int], width: int) -> np.ndarray:
+    """Row i: the bits of masks[i] as booleans, bit 0 first, `width` columns."""
+    size = max((width + 7) // 8, 1)
+    raw = b"".join(mask.to_bytes(size, "little") for mask in masks)
+    rows = np.frombuffer(raw, dtype=np.uint8).reshape(len(masks), size)
+    return np.unpackbits(rows, axis=1, bitorder="little")[:, :width].astype(bool)
+
+
 def _build_states(cost_graph: CostGraph) -> _States:
     """PipeDream's input/sink removal, antichain DAG, state order and per-state sums."""
     g = cost_graph.graph
@@ -132,18 +140,25 @@ def _build_states(cost_graph: CostGraph) -> _States:
 
     augmented_cache: dict[tuple[int, ...], list[int]] = {}
     deaugmented_cache: dict[tuple[int, ...], list[int]] = {}
+    needed_cache: dict[int, int] = {}
+
+    def needed(a: int) -> int:
+        # a's predecessors with an output outside a and its predecessors: depends on a alone
+        if a not in needed_cache:
+            inside = preds[a] | (1 << a)
+            needed_cache[a] = sum(1 << p for p in _bits(preds[a]) if out_mask[p] & ~inside)
+        return needed_cache[a]
 
     def augment(antichain: list[int]) -> list[int]:
         # the antichain plus the predecessors whose outputs are still needed after the cut
         key = tuple(sorted(antichain))
         if key not in augmented_cache:
-            extra = set()
+            extra = 0
             for a in antichain:
-                inside = preds[a] | (1 << a)
-                extra.update(p for p in _bits(preds[a]) if out_mask[p] & ~inside)
+                extra |= needed(a)
             # PipeDream lists `extra` in the order of a set of strings (PYTHONHASHSEED-dependent
-            # when it has two or more); file order here
-            augmented_cache[key] = sorted(extra) + antichain
+            # when it has two or more); file order here (_bits is ascending)
+            augmented_cache[key] = _bits(extra) + antichain
         return augmented_cache[key]
 
     def deaugment(augmented: list[int]) -> list[int]:
@@ -218,9 +233,7 @@ def _build_states(cost_graph: CostGraph) -> _States:
     for s in states:
         for t in adjacency[s]:
             ancestors[position[t]] |= ancestors[position[s]] | (1 << position[s])
-    pred = np.zeros((n, n), dtype=bool)
-    for j, mask in enumerate(ancestors):
-        pred[j, _bits(mask)] = True
+    pred = _bit_matrix(ancestors, n)
 
     attrs = [g.nodes[name] for name in names]
     time = [a["forward_s"] + a["backward_s"] for a in attrs]
@@ -233,14 +246,19 @@ def _build_states(cost_graph: CostGraph) -> _States:
         for x in augmented_of[s]:
             mask |= preds[x] | (1 << x)
         closure.append(mask)
-    members = [_bits(mask) for mask in closure]
+    members = [np.flatnonzero(row) for row in _bit_matrix(closure, len(names))]
+
+    def sums(values: list[float]) -> np.ndarray:
+        column = np.array(values, dtype=float)
+        return np.array([math.fsum(column[m].tolist()) for m in members], dtype=float)
+
     return _States(
         names=names,
         closure=closure,
         pred=pred,
-        compute=np.array([math.fsum(time[x] for x in m) for m in members]),
-        activation=np.array([math.fsum(activation[x] for x in m) for m in members], dtype=float),
-        parameter=np.array([math.fsum(parameter[x] for x in m) for m in members], dtype=float),
+        compute=sums(time),
+        activation=sums(activation),
+        parameter=sums(parameter),
         output=np.array([math.fsum(output[x] for x in augmented_of[s]) for s in states]),
         removed_inputs=inputs,
     )
