@@ -291,12 +291,13 @@ def compile(  # noqa: A001 - the public name API.md gives it
         if on_meta and policy is not None:
             raise PartitionError("replan= with a model on the meta device is not supported yet")
 
-    def executor(plan: Plan, schedule: str) -> Any:
+    def executor(plan: Plan, schedule: str, wait_s: float = startup_timeout) -> Any:
         """The executor of `plan` under `schedule` on this process: codegen, then this rank's
         stages (every rank agreeing after each: the executor's process groups are collectives,
-        which a rank that failed before them would leave the others waiting in)."""
+        which a rank that failed before them would leave the others waiting in, for at most
+        `wait_s`: a re-plan's move, in training, waits `timeout`)."""
         clip, skip = clip_grad_norm is not None, nonfinite == "skip"
-        with phase("generating its stage modules"):
+        with phase("generating its stage modules", timeout_s=wait_s):
             program = codegen(gm, plan)
             if on_meta:
                 mine = [s.index for s in plan.stages if not distributed or rank in s.ranks]
@@ -307,7 +308,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
                         loss_fn=loss_fn, optimizer=optimizer, clip_grad_norm=clip_grad_norm,
                         lr_scheduler=lr_scheduler, autocast=autocast,
                         vertical_sync=vertical_sync, nonfinite=nonfinite)  # fmt: skip
-        with phase("building its executor"):
+        with phase("building its executor", timeout_s=wait_s):
             if distributed:
                 return DistributedPipeline(program, rank=rank, device=device,
                                            timeout_s=timeout, **settings)  # fmt: skip
@@ -319,7 +320,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
             mine = None  # rank 0 decides
             if rank == 0:
                 mine = CostGraph.load(costs) if isinstance(costs, str) else costs
-            replanner = Replanner(policy, mine, lambda new: executor(new, schedule),
+            replanner = Replanner(policy, mine, lambda new: executor(new, schedule, timeout),
                                   {"solver": solver, "schedule": schedule})  # fmt: skip
     module = PipelinedModule(executor(plan, schedule), rank=rank, replanner=replanner,
                              checkpoint=autosave)  # fmt: skip

@@ -453,10 +453,17 @@ class PipelinedModule:
         since = self._measured[-steps][0] if steps and recorded >= steps else float("-inf")
         events = [e for w in self.pipeline.workers.values() for e in w.timeline if e.start >= since]
         if isinstance(self.pipeline, DistributedPipeline):
-            dist.barrier()
-            mine = (socket.gethostname(), time.perf_counter(), events)
+            from pdcompile.runtime.bounded import collective
+
             everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+
+            def gather() -> None:
+                dist.barrier()
+                mine = (socket.gethostname(), time.perf_counter(), events)
+                dist.all_gather_object(everyone, mine)
+
+            collective(self.rank, "gathering the trace", gather, self.pipeline.comm.timeout_s,
+                       culprit="did not call save_trace")  # fmt: skip
             host0, mark0, _ = everyone[0]
             offset = {host0: 0.0}
             for host, mark, _ in everyone:

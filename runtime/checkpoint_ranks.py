@@ -114,8 +114,14 @@ def ranks_of(path: str, verb: str, group: Any, timeout_s: float | None) -> Itera
     if ranks.local or timeout_s is None:
         yield ranks
         return
-    with ranks.phase("meeting the other ranks"):
-        ranks.group = dist.new_group(timeout=timedelta(seconds=timeout_s), backend="gloo")
+    from pdcompile.runtime.bounded import collective
+
+    with ranks.phase("meeting the other ranks"):  # through the store, which gloo does not bound
+        ranks.group = collective(
+            ranks.rank, f"{verb} checkpoint {path} (meeting the other ranks)",
+            lambda: dist.new_group(timeout=timedelta(seconds=timeout_s), backend="gloo"),
+            timeout_s, "checkpoint group", culprit=f"did not start {verb} it",
+        )  # fmt: skip
     try:
         yield ranks
     finally:

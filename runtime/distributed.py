@@ -166,9 +166,8 @@ class DistributedComm:
         self._p2p: list[Any] = []
         self._groups: dict[tuple[int, ...], Any] = {}  # None: a group without this rank
         # making a group meets through the store, which gloo does not bound: `timeout_s` does
-        collective(rank, "creating the executor's process groups",
-                   lambda: self._make_groups(groups), timeout_s,
-                   culprit="failed before building its executor")  # fmt: skip
+        collective(rank, "creating process groups", lambda: self._make_groups(groups), timeout_s,
+                   culprit="failed before creating them")  # fmt: skip
         # (work, tensor, peer, what, key) of sends not known to be complete, oldest first. gloo
         # completes a send only once its receive is posted, and says so only to a `wait`: the
         # executor waits on those it knows posted (`settle`); NCCL's are polled at each send.
