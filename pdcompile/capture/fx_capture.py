@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -70,9 +71,49 @@ def failing_submodule(model: nn.Module, error: BaseException) -> str | None:
 class _Tracer(fx.Tracer):
     def __init__(self, policy: LeafPolicy, inputs: BoundInputs) -> None:
         super().__init__()
-        self.record_stack_traces = True
+        # fx's own recording (record_stack_traces) symbolises through torch._C._profiler, which
+        # imports torch._dynamo and torch._inductor (1-7 s of a cold start); create_node records
+        # the same frames with the standard library instead
+        self.record_stack_traces = False
         self.policy = policy
         self.inputs = inputs
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            frames = traceback.StackSummary.extract(
+                traceback.walk_stack(sys._getframe(1)), lookup_lines=False
+            )
+            frames.reverse()  # outermost first, as fx records them
+            user = _user_frames(frames)
+            if user:
+                node.stack_trace = "".join(user.format()).strip()
+        return node
+
+
+_TORCH = os.path.dirname(os.path.abspath(fx.__file__))[: -len(os.sep + "fx")]
+# torch.fx's filter (fx.experimental.symbolic_shapes.uninteresting_files) by path: calling it
+# imports torch._dynamo and torch._inductor to read their modules' file names
+_SKIPPED = {os.path.join(_TORCH, *p.split("/")) for p in (
+    "__init__.py", "_compile.py", "fx/_symbolic_trace.py", "fx/interpreter.py",
+    "fx/experimental/recording.py", "fx/experimental/sym_node.py",
+    "fx/experimental/symbolic_shapes.py", "export/_trace.py", "_inductor/sizevars.py",
+    "_library/custom_ops.py", "_library/fake_impl.py", "_logging/_internal.py",
+    "_logging/structured.py", "_subclasses/fake_tensor.py", "_subclasses/meta_utils.py",
+)} | {"<string>"}  # fmt: skip
+_SKIPPED_DIRS = tuple(os.path.join(_TORCH, d) + os.sep for d in ("_dynamo", "_higher_order_ops"))
+
+
+def _user_frames(frames: traceback.StackSummary) -> traceback.StackSummary:
+    """fx's `_filter_traceback_frames`: the frames from the first `forward` on, less torch's
+    tracing machinery."""
+    first = next((i for i, f in enumerate(frames) if f.name == "forward"), None)
+    if first is None:
+        return traceback.StackSummary()
+    return traceback.StackSummary.from_list([
+        f for f in frames[first:]
+        if f.filename not in _SKIPPED and not f.filename.startswith(_SKIPPED_DIRS)
+    ])  # fmt: skip
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.policy.is_leaf(m, module_qualified_name)
