@@ -36,6 +36,7 @@ from pdcompile.runtime import wire
 from pdcompile.runtime.action_costs import COALESCE_MAX_BYTES
 from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.comm import Key, LocalComm
+from pdcompile.runtime.message_pool import MessagePool
 from pdcompile.runtime.watchdog import peers, start_watchdog
 
 __all__ = ["DistributedComm", "init_process_group", "message_tag"]
@@ -187,6 +188,9 @@ class DistributedComm:
         self._watchdog: threading.Thread | None = None
         # messages between two stages of this rank: handed over, never on the wire
         self._own = LocalComm(rank)
+        # message buffers reused on the CPU (glibc's heap grew by ~250 MiB a rank with a fresh
+        # buffer per message: runtime/message_pool.py); CUDA's caching allocator reuses its own
+        self._pool = MessagePool() if self.device.type == "cpu" else None
         # a comm collected unclosed still releases its groups (a loop of compiles that never
         # closes ran out of descriptors after ~40); close() runs the same release at once.
         # Not at exit: the process releases everything then, and the default group may be gone
@@ -230,7 +234,10 @@ class DistributedComm:
         lay = wire.layout(tuple(channels), rows)
         tag, what = message_tag(key), f"sending {describe_key(key)}"
         try:
-            buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer)
+            out = self._pool.take(lay.size) if self._pool is not None else None
+            buffer, error = wire.pack(values, lay, key, self.device, self.rank, peer, out)
+            if out is not None and buffer is not out:  # an error message instead
+                self._pool.give(out)
         except Exception as exc:  # the peer waits for this message: it gets the error instead
             error = StageCommError(
                 f"rank {self.rank} could not pack its {describe_key(key)} for rank {peer}: "
@@ -299,6 +306,9 @@ class DistributedComm:
         work, buffer, lay, what = posted
         self._wait(work, buffer, peer, what)
         values = wire.unpack(buffer, lay, key)
+        if self._pool is not None:  # the stage keeps the values: copied out of the reused buffer
+            values = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+            self._pool.give(buffer)
         logger.debug("rank %d: %s from rank %d", self.rank, what, peer)
         return values
 
@@ -306,7 +316,10 @@ class DistributedComm:
         self, peer: int, key: Key, channels: Sequence[Channel], rows: int
     ) -> tuple[Any, torch.Tensor, wire.Layout, str]:
         lay = wire.layout(tuple(channels), rows)
-        buffer = torch.empty(lay.size, dtype=torch.uint8, device=self.device)
+        if self._pool is not None:
+            buffer = self._pool.take(lay.size)
+        else:
+            buffer = torch.empty(lay.size, dtype=torch.uint8, device=self.device)
         what = f"receiving {describe_key(key)}"
         tag = message_tag(key)
         group = self._p2p[self.rank > peer]
@@ -428,6 +441,8 @@ class DistributedComm:
                 send = pending.popleft()
                 if posted(send[2], send[4]):
                     self._wait(*send[:4])
+                    if self._pool is not None:  # complete: the buffer is free again
+                        self._pool.give(send[1])
                 else:
                     self._sends.append(send)
         finally:

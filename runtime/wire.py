@@ -78,14 +78,21 @@ def key_checksum(key: tuple) -> int:
 
 
 def pack(
-    values: Sequence[Any], lay: Layout, key: tuple, device: torch.device, src: int, dst: int
+    values: Sequence[Any],
+    lay: Layout,
+    key: tuple,
+    device: torch.device,
+    src: int,
+    dst: int,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, StageCommError | None]:
-    """The message of `values`, or, if one does not fit its channel, the error message and the
-    error (the sender raises it after sending)."""
+    """The message of `values` (in `out`, a buffer of `lay.size` bytes, when given), or, if one
+    does not fit its channel, the error message and the error (the sender raises it after
+    sending)."""
     error = _mismatch(values, lay, src, dst)
     if error is not None:
         return error_message(lay, key, str(error), device), error
-    buffer = torch.empty(lay.size, dtype=torch.uint8, device=device)
+    buffer = torch.empty(lay.size, dtype=torch.uint8, device=device) if out is None else out
     _preamble(buffer, key, status=0, length=0)
     for slot, value in zip(lay.slots, values, strict=True):
         if slot.dtype is None:
