@@ -16,7 +16,7 @@ from test_replan import CLUSTER, _compile, _sgd, _shape, case, costs, synthetic
 
 import pdcompile
 from pdcompile import CheckpointError, PartitionError, Replan
-from pdcompile.closed_loop.move import Replanner
+from pdcompile.closed_loop.move import Replanner, check_folder
 
 STEPS = 6
 NAN_STEP = 1  # its targets hold a NaN: nonfinite="skip" skips it
@@ -41,10 +41,12 @@ def test_bad_policies_are_refused_at_construction(tmp_path) -> None:
         ({"directory": 123}, CheckpointError, "directory must be a folder"),
         ({"directory": ""}, CheckpointError, "directory must be a folder"),
         ({"directory": tmp_path / "file"}, CheckpointError, "is a file"),
-        ({"directory": tmp_path / "full"}, CheckpointError, "notes.txt"),
     ]:
         with pytest.raises(error, match=words):
             Replan(**kwargs)
+    # a folder of other files: refused when compile makes the re-planner, before training
+    with pytest.raises(CheckpointError, match="notes.txt"):
+        check_folder(Replan(directory=tmp_path / "full").directory)
     assert Replan(directory=tmp_path / "new").directory == str(tmp_path / "new")
 
 

@@ -26,7 +26,6 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CheckpointError, PartitionError
 from pdcompile.evaluation import evaluate
 from pdcompile.plans import Plan
-from pdcompile.runtime.manifest_format import MANIFEST
 from pdcompile.schedules.actions import COMPUTE
 from pdcompile.stage_sums import node_sums
 from pdcompile.text import human_seconds
@@ -77,7 +76,8 @@ def _checked_directory(directory: Any) -> str:
     """`Replan.directory` as a path a move can save into (checked now, not at the move).
 
     Raises:
-        CheckpointError: not a path, empty, a file, or a folder holding other files.
+        CheckpointError: not a path, empty, or a file (a folder holding other files is refused
+            when the `Replanner` is made: `move.check_folder`).
     """
     if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
         raise CheckpointError(f"Replan.directory must be a folder's path (str) or None (a fresh "
@@ -89,13 +89,6 @@ def _checked_directory(directory: Any) -> str:
         raise CheckpointError(
             f"Replan.directory={path!r} is a file: the move checkpoints the running plan into a "
             "folder; give a new folder's path, or None"
-        )
-    held = os.listdir(path) if os.path.isdir(path) else []
-    if held and MANIFEST not in held:
-        raise CheckpointError(
-            f"Replan.directory={path!r} holds {sorted(held)[:3]}, which are not a "
-            "checkpoint's files, and the move replaces the whole folder: give a new or empty "
-            "folder, or None"
         )
     return path
 

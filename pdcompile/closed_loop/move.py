@@ -13,6 +13,7 @@ schedule starts again. In one process the move hands the state over in memory, b
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -24,14 +25,31 @@ import torch.distributed as dist
 
 from pdcompile.closed_loop.decision import Decision, Replan, StageTime, decide, measured_stage_times
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PdcompileError
+from pdcompile.errors import CheckpointError, PdcompileError
 from pdcompile.plans import Plan
 from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.checkpoint_entries import transfer
 from pdcompile.runtime.executor import DistributedPipeline
+from pdcompile.runtime.manifest_format import MANIFEST
 from pdcompile.runtime.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
+
+
+def check_folder(directory: str | None) -> None:
+    """Refuse a `Replan.directory` holding files that are not a checkpoint's: the move replaces
+    the whole folder.
+
+    Raises:
+        CheckpointError: the folder holds other files.
+    """
+    held = os.listdir(directory) if directory is not None and os.path.isdir(directory) else []
+    if held and MANIFEST not in held:
+        raise CheckpointError(
+            f"Replan.directory={directory!r} holds {sorted(held)[:3]}, which are not a "
+            "checkpoint's files, and the move replaces the whole folder: give a new or empty "
+            "folder, or None"
+        )
 
 
 @dataclass
@@ -48,6 +66,9 @@ class Replanner:
     move_s: float = 0.0  # seconds the move took on this rank (checkpoint, build, load)
 
     resumed: str | None = None  # a checkpoint of the plan this job moved to, resumed on it
+
+    def __post_init__(self) -> None:
+        check_folder(self.policy.directory)
 
     def due(self, steps: int) -> bool:
         """Whether the job decides after `steps` train steps: once, at the first step from
