@@ -11,8 +11,9 @@ tensors (a tied tensor's copies included, each counted at its gradient's size):
                                                        send_s defaults to message_s)
     recv          message_s, after the message arrives (unpacked as views of the buffer)
     transfer      alpha + bytes / bandwidth           (the bytes share the link; docs/simulator.md)
-    copy          2 * P / B + n * t                   (a weight version kept: `push`; `2bw`'s
-                                                       `step`; `simulated_weights` says when)
+    copy          2 * P / B + n * t                   (a `step` while a version kept by `push`
+                                                       shares the live weights, which move
+                                                       apart; `simulated_weights` says when)
     step          the stage's measured `optimizer_s` (the optimizer's step timed on tensors of
                   the stage's sizes: `analyze(optimizer=...)`) where the plan has it, else
                   (2 * W - G) / B + n * t             (read weights, gradients and state; write

@@ -18,27 +18,24 @@ on a CPU); the smaller ones are flattened together into buckets of up to `BUCKET
 collectives in the same order (gloo and NCCL match them by order); a bucket ready before the one
 ahead of it waits for it.
 
-`overlap_triggers` decides where this is safe, from a rank's actions of one step: the stage's
-backwards are fused (`B`: a split backward's `W` adds some gradients by hand, without hooks), and
-no other collective of the rank runs over the same ranks between the stage's last backward and
-its `allreduce` (the bucket's collectives would interleave with it differently on each rank).
-Elsewhere the `allreduce` action starts every bucket itself and waits for them together. The
+`overlap_triggers` (`runtime/reduce_overlap.py`, torch-free: the simulator prices the same)
+decides where this is safe. Elsewhere the `allreduce` action starts every bucket itself and
+waits for them together. The
 streaming schedules (`pipedream`, `2bw`) reduce at the action: their gradients live on weight
 versions until `collect`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from pdcompile.runtime.action_costs import BUCKET_BYTES, COALESCE_MAX_BYTES
 from pdcompile.runtime.comm import Comm
-from pdcompile.schedules import Action
 
-__all__ = ["GradBuckets", "overlap_triggers", "plan_buckets"]
+__all__ = ["GradBuckets", "plan_buckets"]
 
 
 def plan_buckets(
@@ -127,45 +124,6 @@ class GradBuckets:
         self.ready = [0] * len(self.buckets)
         for wait in waits:
             wait()
-
-
-def overlap_triggers(actions: Mapping[int, Sequence[Action]]) -> dict[tuple[int, int], int]:
-    """(rank, stage) -> the microbatch whose backward starts the stage's buckets on that rank,
-    for the replicated stages of a synchronous step (`actions`: every rank's) where that is safe
-    on every replica (docs in the module): each replica must issue its collectives in the same
-    order."""
-    local = {rank: _local_triggers(mine) for rank, mine in actions.items()}
-    triggers = {}
-    for rank, mine in actions.items():
-        for a in mine:
-            if a.kind == "allreduce" and a.tie < 0 and a.stage in local[rank]:
-                if all(a.stage in local.get(m, {}) for m in a.group):
-                    triggers[(rank, a.stage)] = local[rank][a.stage]
-    return triggers
-
-
-def _local_triggers(actions: Sequence[Action]) -> dict[int, int]:
-    """stage -> its last backward's microbatch, where one rank's own actions allow it."""
-    triggers = {}
-    for i, a in enumerate(actions):
-        if a.kind != "allreduce" or a.tie >= 0 or len(a.group) < 2:
-            continue
-        mine = [j for j, b in enumerate(actions[:i]) if b.stage == a.stage
-                and b.kind in ("B", "I", "W")]  # fmt: skip
-        if not mine or actions[mine[-1]].kind != "B":
-            continue
-        members = set(a.group)
-        others = [
-            b for b in actions[mine[-1] : i]
-            if b.is_collective and set(b.group) == members and b.collective != a.collective
-        ]  # fmt: skip
-        shared = [  # another stage of the rank reducing over the same ranks: hooks interleave
-            b for b in actions if b.kind == "allreduce" and b.tie < 0 and b.stage != a.stage
-            and set(b.group) == members
-        ]  # fmt: skip
-        if not others and not shared:
-            triggers[a.stage] = actions[mine[-1]].microbatch
-    return triggers
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

@@ -23,9 +23,9 @@ import torch
 from pdcompile.codegen.staged_program import StagedProgram
 from pdcompile.errors import BatchError
 from pdcompile.ir import accept_constants
-from pdcompile.runtime.grad_buckets import overlap_triggers
 from pdcompile.runtime.microbatches import Batch, input_dims, split_batch
 from pdcompile.runtime.rank_workers import RankWorkers
+from pdcompile.runtime.reduce_overlap import overlap_triggers
 from pdcompile.runtime.stream import RankStream
 from pdcompile.runtime.validate import validate_schedule
 from pdcompile.runtime.worker import StageWorker

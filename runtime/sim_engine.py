@@ -21,6 +21,7 @@ from pdcompile.runtime.action_costs import (
     stage_costs,
     tie_costs,
 )
+from pdcompile.runtime.reduce_overlap import overlap_triggers
 from pdcompile.runtime.simulated_weights import SimulatedWeights
 from pdcompile.runtime.timeline import Event
 from pdcompile.schedules import Action, Schedule, get_schedule
@@ -96,6 +97,9 @@ class Engine:
         self.bound = math.inf
         # memory per rank and per (rank, stage): weights, activations in flight, weight copies
         rules = get_schedule(plan.schedule)
+        # replicas reducing from their last backward: when each is halfway through it
+        self.triggers = {} if rules.streaming else overlap_triggers(self.actions)
+        self.reduce_ready: dict[tuple[int, int], float] = {}
         self.kept = {s.index: s.activation_bytes for s in plan.stages}
         # what a split backward's I leaves for its W (of the activations; recomputing, of
         # those I's forward made again) and what a recomputing backward holds while it runs
@@ -198,6 +202,8 @@ class Engine:
                 if kind == "F" and self.last_compute.get(rank) in ("B", "W"):
                     end += self.costs[stage].reload_s  # the backward pushed the weights out
                 self.last_compute[rank] = kind
+                if kind == "B" and self.triggers.get((rank, stage)) == a.microbatch:
+                    self.reduce_ready[(rank, stage)] = (now + end) / 2
                 self._record(rank, a, now, end)
                 # activations are kept from a forward to the end of its backward (split: W's
                 # share of them until W); the gradients it adds are there at its end; a
@@ -327,7 +333,11 @@ class Engine:
             self.clock[rank] = now
             return False
         del self.gathering[a.collective]
-        if a.kind == "allreduce":
+        if a.kind == "allreduce" and a.tie < 0 and (a.group[0], a.stage) in self.triggers:
+            # started from the replicas' last backwards (runtime/reduce_overlap.py)
+            start = max(self.reduce_ready.pop((m, a.stage), now) for m in a.group)
+            end = max(now, start + self.costs[a.stage].allreduce_s)
+        elif a.kind == "allreduce":
             end = now + (self.ties[a.tie] if a.tie >= 0 else self.costs[a.stage].allreduce_s)
         else:  # a clip's norm or a check's flag: one number, after each member's own work
             own = self.clip_s if a.kind == "clip" else dict.fromkeys(self.clip_s, 0.0)

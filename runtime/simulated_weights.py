@@ -3,14 +3,18 @@ gradients are held, and what each action's work on them costs. Torch-free.
 
 Which versions exist is the worker's own bookkeeping (`runtime/version_book.py`), run on the
 same actions. Under the streaming schedules a forward runs on a stashed weight version: `push`
-copies the live weights when its version is not kept yet, and a version is dropped once no
-microbatch in flight uses it and a newer one exists. Backwards accumulate into the gradients of
-the weights they ran on (autograd keeps the first ones as they are); those of a copy move to
-the live weights when it is dropped or at the next `step`, which also updates the weights and
-drops every gradient. A schedule that keeps the previous weights first copies the weights its
-step updates: the next step computes on them.
+keeps the live weights as a new version when its version is not kept yet (sharing their storage:
+free), and a version is dropped once no microbatch in flight uses it and a newer one exists. A
+`step` copies the weights once (`copy_s`) when a version sharing them is still kept (the live
+weights move to other storage before the update: `runtime/weight_versions.py`). Backwards
+accumulate into the gradients of the weights they ran on (autograd keeps the first ones as they
+are); those of a copy move to the live weights when it is dropped or at the next `step`, which
+also updates the weights and drops every gradient. A schedule that keeps the previous weights
+first keeps the weights its step updates (the next step computes on them), which the same copy
+moves apart.
 
-Memory: `copies` is the bytes of the weight copies held, `grads` those of the gradients (a set
+Memory: `copies` is the bytes of the weight versions held (counted from `push`, as the memory
+probe counts a version sharing the live weights' storage), `grads` those of the gradients (a set
 per holder: the live weights and each copy a backward ran on), which appear with a backward
 (`backward`) and go at the update (`step`: the optimizer's `zero_grad` frees them).
 """
@@ -39,6 +43,7 @@ class SimulatedWeights:
         self.holding: set[int] = set()  # versions whose copies hold gradients
         self.live_holds = False  # whether the live weights hold gradients
         self.copies = 0
+        self.shared: set[int] = set()  # versions on the live weights' storage
 
     @property
     def grads(self) -> int:
@@ -62,7 +67,9 @@ class SimulatedWeights:
     def push(self, microbatch: int) -> float:
         version, new, dropped = self.book.push(microbatch)
         self.version_of[microbatch] = version
-        return (self._keep() if new else 0.0) + self._drop(dropped)
+        if new:
+            self._keep(version)
+        return self._drop(dropped)
 
     def pop(self, microbatch: int) -> float:
         return self._drop(self.book.pop(self.version_of.pop(microbatch)))
@@ -70,20 +77,26 @@ class SimulatedWeights:
     def step(self) -> float:
         seconds = sum(self._collect(version) for version in sorted(self.holding))
         new, dropped = self.book.before_update()
-        seconds += self._drop(dropped) + (self._keep() if new else 0.0)
+        seconds += self._drop(dropped)
+        if new:
+            self._keep(self.book.updates)
+        if any(v in self.book.users for v in self.shared):  # the live weights move apart
+            seconds += self.costs.copy_s
+        self.shared.clear()
         self.book.after_update()
         self.live_holds = False  # the optimizer's zero_grad drops them
         return seconds + self.costs.step_s
 
-    def _keep(self) -> float:
+    def _keep(self, version: int) -> None:
         self.copies += self.copy_bytes
-        return self.costs.copy_s
+        self.shared.add(version)
 
     def _drop(self, versions: list[int]) -> float:
         seconds = 0.0
         for version in versions:
             seconds += self._collect(version)
             self.copies -= self.copy_bytes
+            self.shared.discard(version)
         return seconds
 
     def _collect(self, version: int) -> float:

@@ -6,6 +6,14 @@ and its backward runs through the same copy, where autograd accumulates the grad
 versions exist and when they go is `runtime/version_book.py`'s bookkeeping (the simulator
 runs the same); a dropped version's gradients move to the live weights, as every copy's do
 before an update (`collect`).
+
+A new version copies nothing: its tensors are new leaves on the live weights' storage. Only an
+update changes the live weights, so just before one (`before_update`), if a version sharing
+their storage is still in use, the live parameters move to other storage holding the same values
+(`p.data = ...`: one copy, into the storage of a version dropped earlier when there is one), and
+the version keeps the old: the one copy per update the old code made at `push`, now into reused
+storage (a version still kept while it is the newest counts as in use: a later microbatch may
+compute on it).
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ class WeightVersions:
             rules, num_microbatches, vertical=vertical, replicas=replicas or [], stage=stage
         )
         self.copies: dict[int, Weights] = {}  # updates -> weights
+        self.shared: set[int] = set()  # versions on the live weights' storage
+        self.spare: list[Weights] = []  # dropped versions' tensors, storage for the next copy
 
     @property
     def updates(self) -> int:
@@ -64,7 +74,7 @@ class WeightVersions:
         """The version `microbatch` (numbered within the stream) computes on, now in use."""
         version, new, dropped = self.book.push(microbatch)
         if new:
-            self.copies[version] = copy_weights(self.params)
+            self._share(version)
         self._drop(dropped)
         return version
 
@@ -89,25 +99,29 @@ class WeightVersions:
         new, dropped = self.book.before_update()
         self._drop(dropped)
         if new:
-            self.copies[self.book.updates] = copy_weights(self.params)
+            self._share(self.book.updates)
+        self._unshare()
 
     def after_update(self) -> None:
         if self.book.after_update():
-            self.copies[self.book.updates] = copy_weights(self.params)
+            self._share(self.book.updates)
 
     def begin_stream(self) -> None:
         """A stream (re)starts: microbatch numbers count from 0 again."""
         fresh, dropped = self.book.begin_stream()
         for u in dropped:
             self.copies.pop(u, None)
+            self.shared.discard(u)
         if fresh:
-            self.copies[self.book.updates] = copy_weights(self.params)
+            self._share(self.book.updates)
 
     def restart(self) -> None:
         """The live weights changed from outside (a checkpoint loaded): start again from them."""
         self.copies.clear()
+        self.shared.clear()
+        self.spare.clear()
         if self.book.restart():
-            self.copies[self.book.updates] = copy_weights(self.params)
+            self._share(self.book.updates)
 
     @property
     def previous(self) -> Weights:
@@ -133,4 +147,30 @@ class WeightVersions:
 
     def _drop(self, versions: list[int]) -> None:
         for u in versions:
-            self.collect(self.copies.pop(u))
+            weights = self.copies.pop(u)
+            self.collect(weights)
+            if u in self.shared:
+                self.shared.discard(u)
+            elif not self.spare:  # one set is all a copy needs
+                self.spare.append(weights)
+
+    def _share(self, version: int) -> None:
+        """Keep `version`: new leaves on the live weights' storage (no copy)."""
+        self.copies[version] = {
+            n: p.data.requires_grad_(p.requires_grad) for n, p in self.params.items()
+        }
+        self.shared.add(version)
+
+    def _unshare(self) -> None:
+        """An update comes: the live weights move to other storage holding their values, where
+        a version still in use shares theirs (which it keeps)."""
+        if not any(u in self.copies for u in self.shared):
+            self.shared.clear()
+            return
+        spare = self.spare.pop() if self.spare else {}
+        with torch.no_grad():
+            for name, p in self.params.items():
+                into = spare.get(name)
+                fresh = torch.empty_like(p) if into is None else into.detach()
+                p.data = fresh.copy_(p.detach())
+        self.shared.clear()

@@ -15,8 +15,9 @@ from spawn import run_ranks
 
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
-from pdcompile.runtime.grad_buckets import overlap_triggers, plan_buckets
+from pdcompile.runtime.grad_buckets import plan_buckets
 from pdcompile.runtime.local import LocalPipeline
+from pdcompile.runtime.reduce_overlap import overlap_triggers
 from pdcompile.schedules import build_schedule
 
 MB = 2**20

@@ -166,7 +166,12 @@ def test_replicated_stage_averages_with_a_ring_allreduce():
     reduce = [e for e in sim.timeline if e.kind == "allreduce"]
     assert sorted(e.rank for e in reduce) == [0, 1]
     ring = 2 * (2 - 1) / 2 * 500 / bandwidth
-    assert {round(e.end, 9) for e in reduce} == {round(max(e.start for e in reduce) + ring, 9)}
+    # the reduction starts when both replicas are halfway through their last backward
+    # (runtime/reduce_overlap.py), and the action ends at the later of its start and its end
+    halfway = max((e.start + e.end) / 2 for e in sim.timeline if e.rank in (0, 1)
+                  and e.kind == "B" and e.microbatch in (2, 3))  # fmt: skip
+    expected = max(max(e.start for e in reduce), halfway + ring)
+    assert {round(e.end, 9) for e in reduce} == {round(expected, 9)}
     busy = [sum(e.duration for e in sim.timeline if e.rank == r and e.kind in "FB")
             for r in range(3)]  # fmt: skip
     assert busy == pytest.approx([2 * (F + B), 2 * (F + B), 4 * (F + B)])
@@ -336,18 +341,20 @@ def test_replica_allreduce_is_a_ring_with_latency_and_flattening():
     runtime = RuntimeCosts(1000.0, 0.01, collective_s=fixed)
     cluster = Cluster([(3, bandwidth, alpha)], runtime=runtime)
     plan = equal_plan([2, 1], cluster=cluster, size=0, grad_bytes=grad, tensors=TENSORS)
-    reduce = [e for e in simulate(plan, num_microbatches=4).timeline if e.kind == "allreduce"]
     ring = 2 * alpha + fixed + 2 * (1 / 2) * grad / bandwidth + 4 * grad / 1000.0 + TENSORS * 0.01
-    assert sorted(e.rank for e in reduce) == [0, 1]
-    assert [e.end for e in reduce] == pytest.approx([max(e.start for e in reduce) + ring] * 2)
     # the backend's own bound: the slower of it and the link moves the bytes
-    for bound, moved in ((100.0, 100.0), (5000.0, bandwidth)):
-        slowed = dataclasses.replace(runtime, collective_bandwidth=bound)
+    for bound, moved in ((None, bandwidth), (100.0, 100.0), (5000.0, bandwidth)):
+        slowed = dataclasses.replace(runtime, collective_bandwidth=bound) if bound else runtime
         bounded = plan.with_(cluster=Cluster([(3, bandwidth, alpha)], runtime=slowed))
-        reduce = [e for e in simulate(bounded, num_microbatches=4).timeline
-                  if e.kind == "allreduce"]  # fmt: skip
-        expected = ring - grad / bandwidth + grad / moved
-        assert reduce[0].end - max(e.start for e in reduce) == pytest.approx(expected)
+        timeline = simulate(bounded, num_microbatches=4).timeline
+        reduce = [e for e in timeline if e.kind == "allreduce"]
+        assert sorted(e.rank for e in reduce) == [0, 1]
+        # started when both replicas are halfway through their last backward (reduce_overlap.py)
+        halfway = max((e.start + e.end) / 2 for e in timeline
+                      if e.rank in (0, 1) and e.kind == "B" and e.microbatch in (2, 3))  # fmt: skip
+        seconds = ring - grad / bandwidth + grad / moved
+        expected = max(max(e.start for e in reduce), halfway + seconds)
+        assert [e.end for e in reduce] == pytest.approx([expected] * 2)
     with pytest.raises(PartitionError, match="collective_bandwidth must be a positive number"):
         RuntimeCosts(collective_bandwidth=0.0)
 

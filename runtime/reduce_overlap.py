@@ -1,0 +1,63 @@
+"""Where a replicated stage may start reducing its gradients from its last backward of the step
+(`runtime/grad_buckets.py`), and how the simulator prices it. Torch-free.
+
+A stage qualifies on a synchronous schedule when, on every replica, its backwards are fused (`B`:
+a split backward's `W` adds some gradients by hand, outside autograd's accumulation, which the
+hooks would miss) and no other collective of the rank runs over the same ranks between the
+stage's last backward and its `allreduce`, nor another stage of the rank reduces over them: the
+buckets' collectives would interleave with those differently on each rank, and gloo and NCCL
+match collectives by order.
+
+The simulator (`runtime/sim_engine.py`) prices the overlap simply: the gradients become final
+from the last layer to the first while the last backward runs, so on average a bucket starts
+halfway through it. The all-reduce (`allreduce_s`, as before) starts when every replica is
+halfway through its last backward, and the `allreduce` action ends at the later of its own start
+and that reduction's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pdcompile.schedules import Action
+
+__all__ = ["overlap_triggers"]
+
+
+def overlap_triggers(actions: Mapping[int, Sequence[Action]]) -> dict[tuple[int, int], int]:
+    """(rank, stage) -> the microbatch whose backward starts the stage's buckets on that rank,
+    for the replicated stages of a synchronous step (`actions`: every rank's) where that is safe
+    on every replica (docs in the module): each replica must issue its collectives in the same
+    order."""
+    local = {rank: _local_triggers(mine) for rank, mine in actions.items()}
+    triggers = {}
+    for rank, mine in actions.items():
+        for a in mine:
+            if a.kind == "allreduce" and a.tie < 0 and a.stage in local[rank]:
+                if all(a.stage in local.get(m, {}) for m in a.group):
+                    triggers[(rank, a.stage)] = local[rank][a.stage]
+    return triggers
+
+
+def _local_triggers(actions: Sequence[Action]) -> dict[int, int]:
+    """stage -> its last backward's microbatch, where one rank's own actions allow it."""
+    triggers = {}
+    for i, a in enumerate(actions):
+        if a.kind != "allreduce" or a.tie >= 0 or len(a.group) < 2:
+            continue
+        mine = [j for j, b in enumerate(actions[:i]) if b.stage == a.stage
+                and b.kind in ("B", "I", "W")]  # fmt: skip
+        if not mine or actions[mine[-1]].kind != "B":
+            continue
+        members = set(a.group)
+        others = [
+            b for b in actions[mine[-1] : i]
+            if b.is_collective and set(b.group) == members and b.collective != a.collective
+        ]  # fmt: skip
+        shared = [  # another stage of the rank reducing over the same ranks: hooks interleave
+            b for b in actions if b.kind == "allreduce" and b.tie < 0 and b.stage != a.stage
+            and set(b.group) == members
+        ]  # fmt: skip
+        if not others and not shared:
+            triggers[a.stage] = actions[mine[-1]].microbatch
+    return triggers
