@@ -68,29 +68,6 @@ def failing_submodule(model: nn.Module, error: BaseException) -> str | None:
     return found
 
 
-class _Tracer(fx.Tracer):
-    def __init__(self, policy: LeafPolicy, inputs: BoundInputs) -> None:
-        super().__init__()
-        # fx's own recording (record_stack_traces) symbolises through torch._C._profiler, which
-        # imports torch._dynamo and torch._inductor (1-7 s of a cold start); create_node records
-        # the same frames with the standard library instead
-        self.record_stack_traces = False
-        self.policy = policy
-        self.inputs = inputs
-
-    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        node = super().create_node(*args, **kwargs)
-        if not node.stack_trace:
-            frames = traceback.StackSummary.extract(
-                traceback.walk_stack(sys._getframe(1)), lookup_lines=False
-            )
-            frames.reverse()  # outermost first, as fx records them
-            user = _user_frames(frames)
-            if user:
-                node.stack_trace = "".join(user.format()).strip()
-        return node
-
-
 _TORCH = os.path.dirname(os.path.abspath(fx.__file__))[: -len(os.sep + "fx")]
 # torch.fx's filter (fx.experimental.symbolic_shapes.uninteresting_files) by path: calling it
 # imports torch._dynamo and torch._inductor to read their modules' file names
@@ -114,6 +91,29 @@ def _user_frames(frames: traceback.StackSummary) -> traceback.StackSummary:
         f for f in frames[first:]
         if f.filename not in _SKIPPED and not f.filename.startswith(_SKIPPED_DIRS)
     ])  # fmt: skip
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, policy: LeafPolicy, inputs: BoundInputs) -> None:
+        super().__init__()
+        # fx's own recording (record_stack_traces) symbolises through torch._C._profiler, which
+        # imports torch._dynamo and torch._inductor (1-7 s of a cold start); create_node records
+        # the same frames with the standard library instead
+        self.record_stack_traces = False
+        self.policy = policy
+        self.inputs = inputs
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            frames = traceback.StackSummary.extract(
+                traceback.walk_stack(sys._getframe(1)), lookup_lines=False
+            )
+            frames.reverse()  # outermost first, as fx records them
+            user = _user_frames(frames)
+            if user:
+                node.stack_trace = "".join(user.format()).strip()
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.policy.is_leaf(m, module_qualified_name)
