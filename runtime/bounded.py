@@ -133,23 +133,30 @@ def _at_fault(rank: int, key: str, reason: str, culprit: str, patient: bool) -> 
     may still arrive)."""
     world_size = dist.get_world_size()
     absent = _absent(key, world_size, LOOK_S if patient else 0.0)
+    host = store_host()
+    if absent == "gone" and host is not None and rank != host:
+        return (f"rank {host} exited (its process held the rendezvous store, now gone; it may "
+                "have stopped after another rank failed: its log says)")  # fmt: skip
+    if absent == "gone":
+        absent = None
     if absent:
         absent = [r for r in absent if r != rank]
         if absent:
             names = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
             return f"{names} never arrived (died, hangs, or {culprit})"
-    elif absent is None and store_host() is not None and rank != store_host():
-        return (f"rank {store_host()} hangs or died (its process holds the rendezvous store, "
-                "which no longer answers)")  # fmt: skip
+    elif absent is None and host is not None and rank != host:
+        return (f"rank {host} hangs (its process holds the rendezvous store, which no longer "
+                "answers)")  # fmt: skip
     named = sorted({int(r) for r in re.findall(r"\brank (\d+)", reason)} - {rank})
     if len(named) == 1:
         return f"rank {named[0]} died or hangs"
     return "another rank died or hangs"
 
 
-def _absent(key: str, world_size: int, patience_s: float) -> list[int] | None:
+def _absent(key: str, world_size: int, patience_s: float) -> list[int] | str | None:
     """The ranks whose arrival at `key` the store lacks, looked at again for up to `patience_s`
-    while some are missing; None when the store does not answer within `LOOK_S`."""
+    while some are missing; None when the store does not answer within `LOOK_S`, "gone" when it
+    fails (its process exited)."""
     store = _default_store()
     if store is None:
         return []
@@ -160,8 +167,10 @@ def _absent(key: str, world_size: int, patience_s: float) -> list[int] | None:
         try:
             absent = within(left, lambda: [r for r in range(world_size)
                                            if not store.check([f"{key}/{r}"])])  # fmt: skip
-        except Exception:  # Expired, or the store's own failure
+        except Expired:
             return absent
+        except Exception:  # the store's connection: its process is gone
+            return absent if absent is not None else "gone"
         if not absent or time.monotonic() + 0.2 > deadline:
             return absent
         time.sleep(0.2)
