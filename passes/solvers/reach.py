@@ -144,17 +144,17 @@ def _cover(t: _Tables, probe: _Probe) -> tuple[list[tuple[int, int, int]], float
     e = t.n
     while e > 0:
         u = int(np.searchsorted(reach, e, side="left"))  # reach[u] >= e > reach[u - 1]
-        for i, r in enumerate(t.replicas[: t.usable[u]]):
-            start = int(reach[u - r])
-            if best[i, start] >= e:  # some j <= start reaches e: the latest such
-                ends = np.searchsorted(t.w[i], t.base[i, : start + 1] + limit, side="right") - 1
-                j = int(np.flatnonzero(ends >= e)[-1])
-                stages.append((j, e, int(r)))
-                bottleneck = max(bottleneck, float(t.w[i, e] - t.base[i, j]))
-                e = j
-                break
-        else:  # pragma: no cover - reach[u] came from one of the counts above
-            raise AssertionError("reach table inconsistent")
+        # reach[u] came from one of these counts: some j <= its start reaches e (the latest)
+        i, r, start = next(
+            (i, r, int(reach[u - r]))
+            for i, r in enumerate(t.replicas[: t.usable[u]])
+            if best[i, int(reach[u - r])] >= e
+        )
+        ends = np.searchsorted(t.w[i], t.base[i, : start + 1] + limit, side="right") - 1
+        j = int(np.flatnonzero(ends >= e)[-1])
+        stages.append((j, e, int(r)))
+        bottleneck = max(bottleneck, float(t.w[i, e] - t.base[i, j]))
+        e = j
     return stages[::-1], bottleneck
 
 
