@@ -31,7 +31,7 @@ from pdcompile import zoo
 from pdcompile.codegen.stage_segments import cut_stage
 from pdcompile.ir import OUTPUTS
 from pdcompile.pipelined_module import PipelinedModule
-from pdcompile.runtime import recompute, wire
+from pdcompile.runtime import recompute
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
@@ -256,11 +256,6 @@ def kept_bytes(cut: pdcompile.StagedProgram, stage: int, segments: bool) -> int:
     return total
 
 
-def message_bytes(cut: pdcompile.StagedProgram, stage: int) -> int:
-    """The buffer of the message bringing a microbatch's inputs to `stage` (`runtime/wire.py`)."""
-    return wire.layout(cut.channels_to(stage), ROWS // M).size
-
-
 def measured(kind: str, mode: bool | str) -> dict:
     """The memory probe's reading over 2 steps on the local executor, by rank."""
     _, _, x, y = _case()
@@ -349,8 +344,8 @@ def test_recomputation_changes_no_parameter_on_gloo_ranks() -> None:
         for rank in (0, 1):
             (plain, plain_memory), (got, memory) = per_rank[rank][i]
             assert_same_parameters(got, plain, f"{kind}, recompute {mode}, rank {rank}")
-            if kind == "1f1b":  # rank 1's inputs: views of the message they came in
-                cut = _cut(kind)
-                kept = kept_bytes(cut, 0, False) if rank == 0 else message_bytes(cut, 1)
+            if kind == "1f1b":  # rank 1's inputs: copied out of the pooled message buffer
+                cut = _cut(kind)  # (runtime/message_pool.py), so their own bytes
+                kept = kept_bytes(cut, rank, False)
                 assert memory.peak.activations == (2 - rank) * kept
                 assert 10 * memory.peak.activations < plain_memory.peak.activations

@@ -126,7 +126,7 @@ def run_seeded_ranks(names: list[str], timeout_s: float) -> list[dict]:
             else:
                 os.environ["PYTHONHASHSEED"] = saved
         try:
-            outcomes = _collect(processes, queue, timeout_s, allow_failures=False)
+            outcomes = _collect(processes, queue, timeout_s, allow_failures=False, awaited={0, 1})
         finally:
             for process in processes:
                 if process.is_alive():

@@ -49,6 +49,10 @@ from pdcompile.planning import SEARCH, make_plan, register_solver
 from pdcompile.plans import Plan
 from pdcompile.schedules.base import MemoryCounts
 
+# the reach tables grow with the devices (a Python step per device count): past this many
+# devices bisection over prefix ends is faster (100,000 devices: seconds against minutes)
+REACH_DEVICES = 4096
+
 
 class Prefix:
     """Prefix sums over one order, and the bytes crossing each cut."""
@@ -222,7 +226,7 @@ def dp(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> Plan
         p = Prefix(cost_graph, order)
         ties = [] if rules.replicates_ties else tie_positions(cost_graph, order)
         try:
-            if flat and not ties:
+            if flat and not ties and (cluster.num_devices <= REACH_DEVICES or not fast):
                 cuts = solve_reach(p, len(order), cluster, prices, rules, microbatches, allowed)
             elif fast and not ties:
                 cuts = solve_bisection(p, len(order), cluster, prices, pace)
