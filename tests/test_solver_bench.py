@@ -109,7 +109,12 @@ def test_load_instance_reads_every_kind_of_input(tmp_path) -> None:
     assert chain.name == "chain:12" and chain.cost_graph == synthetic_chain(12, 0)
     (dag,) = load_instance("dag:30:5")
     assert dag.cost_graph == synthetic_dag(30, 5)
-    assert [i.name for i in load_instance(str(DATA))] == ["gnmt", "nasnetalarge", "resnet50", "vgg16"]
+    assert [i.name for i in load_instance(str(DATA))] == [
+        "gnmt",
+        "nasnetalarge",
+        "resnet50",
+        "vgg16",
+    ]
     (vgg,) = load_instance(str(DATA / "vgg16"))
     assert vgg.cost_graph == CostGraph.from_pipedream(DATA / "vgg16" / "graph.txt")
     assert load_instance(str(DATA / "vgg16" / "graph.txt"))[0].name == "vgg16"
