@@ -19,7 +19,7 @@ from pdcompile.plan_words import step_warning
 from pdcompile.plans import Plan
 from pdcompile.runtime import memory_probe
 from pdcompile.runtime.executor import DistributedPipeline
-from pdcompile.runtime.microbatches import batch_rows, input_dims
+from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 from pdcompile.search.microbatch_count import counts_table
@@ -102,7 +102,7 @@ class PipelinedModule:
         loss = self.pipeline.train_step(args, targets, kwargs)
         for probe in self._probes.values():
             probe.end_step()
-        rows = batch_rows(args, kwargs, input_dims(self.pipeline.program.input_specs))
+        rows = batch_rows(args, kwargs, self.pipeline.input_dims)
         self._measured.append((start, time.perf_counter() - start, rows))
         if self._scored is None:
             planned = self.pipeline.program.plan

@@ -86,6 +86,7 @@ class Pipeline:
         num_microbatches: int,
     ) -> None:
         self.program = program
+        self.input_dims = input_dims(program.input_specs)  # read once, split by every step
         self.rules = get_schedule(schedule)
         self.kind = self.rules.name
         self.streaming = self.rules.streaming
@@ -131,7 +132,7 @@ class Pipeline:
         check_batch(self.program, args, kwargs, self._input_device())
         weighted = not self.rules.update_per_microbatch  # else a microbatch is a whole update
         batch = split_batch(args, kwargs or {}, targets, self.num_microbatches, weighted=weighted,
-                            dims=input_dims(self.program.input_specs))  # fmt: skip
+                            dims=self.input_dims)  # fmt: skip
         first = self.started if self.streaming else 0
         for worker in self.workers.values():
             worker.add_microbatches(batch, first, self.steps)
@@ -155,7 +156,7 @@ class Pipeline:
         kwargs = accept_constants(self.program.constants, kwargs or {}, self.program.model_name)
         check_batch(self.program, args, kwargs, self._input_device())
         batch = split_batch(args, kwargs or {}, None, self.num_microbatches, weighted=False,
-                            dims=input_dims(self.program.input_specs))  # fmt: skip
+                            dims=self.input_dims)  # fmt: skip
         if self._forward is None:
             ranks = [stage.ranks for stage in self.program.plan.stages]
             self._forward = forward_schedule(ranks, program_edges(self.program), batch.size)

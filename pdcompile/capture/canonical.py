@@ -35,13 +35,14 @@ def canonicalize(gm: fx.GraphModule) -> None:
     nodes = list(old.nodes)
     deps = _dependencies(gm, nodes)
     order = _order(nodes, deps)
-    if order == nodes and not _renumbered(order):
+    names = _names(order)
+    if order == nodes and all(n.name == name for n, name in zip(order, names, strict=True)):
         return
     graph = fx.Graph(owning_module=gm, tracer_cls=old._tracer_cls,
                      tracer_extras=old._tracer_extras)  # fmt: skip
     graph._codegen = old._codegen  # the old graph is dropped: its output spec moves over
     env: dict[fx.Node, fx.Node] = {}
-    for node, name in zip(order, _names(order), strict=True):
+    for node, name in zip(order, names, strict=True):
         new = graph.create_node(node.op, node.target, fx.map_arg(node.args, env.__getitem__),
                                 fx.map_arg(node.kwargs, env.__getitem__), name=name,
                                 type_expr=node.type)  # fmt: skip
@@ -128,10 +129,6 @@ def _order(nodes: list[fx.Node], deps: dict[fx.Node, list[fx.Node]]) -> list[fx.
         if node.op != "output":
             emit(node)
     return order + output
-
-
-def _renumbered(order: list[fx.Node]) -> bool:
-    return any(n.name != name for n, name in zip(order, _names(order), strict=True))
 
 
 def _names(order: list[fx.Node]) -> list[str]:
