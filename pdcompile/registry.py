@@ -1,9 +1,12 @@
 """Named plugins of one kind (solvers, schedules, cost models): registered by a decorator, the
-built-in ones imported on first use, listed with the first line of their docstrings."""
+built-in ones found by listing their package and imported on first use, listed with the first
+line of their docstrings. A new solver or schedule file in its package registers itself: no
+registry line names it."""
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
@@ -13,17 +16,31 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """`kind` names what is registered ("solver"); `builtins` are the modules that register
-    the built-in ones; `error` is raised for an unknown name; `aliases` maps old names to the
-    registered ones (a renamed built-in: "dp" -> "dynprog"), used where no item has the name."""
+    """`kind` names what is registered ("solver"); every module of `package` (and of the
+    packages of the modules in `order`) is imported on first use, so that the built-in ones
+    register themselves; `order` lists some of those modules first in `builtins` (the order
+    `schedule="auto"` breaks ties in; discovery needs no list); `error` is raised for an
+    unknown name; `aliases` maps old names to the registered ones (a renamed built-in: "dp" ->
+    "dynprog"), used where no item has the name."""
 
     def __init__(
-        self, kind: str, builtins: tuple[str, ...], error: type[PdcompileError],
-        aliases: dict[str, str] | None = None,
+        self, kind: str, order: tuple[str, ...], error: type[PdcompileError],
+        aliases: dict[str, str] | None = None, *, package: str | None = None,
     ) -> None:  # fmt: skip
-        self.kind, self.builtins, self.error = kind, builtins, error
+        self.kind, self.order, self.error = kind, tuple(order), error
+        found = (package,) if package else ()
+        self.packages = tuple(dict.fromkeys((*found, *(m.rpartition(".")[0] for m in order))))
         self.aliases = dict(aliases or {})
         self._items: dict[str, T] = {}
+        self._modules: tuple[str, ...] | None = None  # every module found, once listed
+
+    @property
+    def builtins(self) -> tuple[str, ...]:
+        """The modules of the built-in ones: those of `order` first, then the others found in
+        the packages, by name."""
+        self._load()
+        assert self._modules is not None
+        return self.order + tuple(sorted(set(self._modules) - set(self.order)))
 
     def add(self, name: str, item: T) -> None:
         """Register `item` under `name` (a name registered again is replaced)."""
@@ -70,5 +87,14 @@ class Registry(Generic[T]):
         return self.canonical(name) in self._items
 
     def _load(self) -> None:
-        for module in self.builtins:
+        """Import every module of the packages (once), and those of `order`."""
+        if self._modules is not None:
+            return
+        found = list(self.order)
+        for package in self.packages:
+            path = importlib.import_module(package).__path__
+            found += [f"{package}.{m.name}" for m in pkgutil.iter_modules(path)
+                      if not m.name.startswith("_")]  # fmt: skip
+        for module in dict.fromkeys(found):
             importlib.import_module(module)
+        self._modules = tuple(dict.fromkeys(found))

@@ -1,12 +1,12 @@
 """Where a replicated stage may start reducing its gradients from its last backward of the step
 (`runtime/grad_buckets.py`), and how the simulator prices it. Torch-free.
 
-A stage qualifies on a synchronous schedule when, on every replica, its backwards are fused (`B`:
-a split backward's `W` adds some gradients by hand, outside autograd's accumulation, which the
-hooks would miss) and no other collective of the rank runs over the same ranks between the
-stage's last backward and its `allreduce`, nor another stage of the rank reduces over them: the
-buckets' collectives would interleave with those differently on each rank, and gloo and NCCL
-match collectives by order.
+A stage qualifies on a synchronous schedule when, on every replica, its last backward part adds
+its gradients through autograd's accumulation (the action table's `autograd_gradients`: a fused
+`B`; a split backward's `W` adds some by hand, which the hooks would miss) and no other
+collective of the rank runs over the same ranks between the stage's last backward and its
+`allreduce`, nor another stage of the rank reduces over them: the buckets' collectives would
+interleave with those differently on each rank, and gloo and NCCL match collectives by order.
 
 The simulator (`runtime/sim_engine.py`) prices the overlap simply: the gradients become final
 from the last layer to the first while the last backward runs, so on average a bucket starts
@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from pdcompile.schedules import Action
+from pdcompile.schedules.action_kinds import ALLREDUCE, is_compute, kind
 
 __all__ = ["overlap_triggers"]
 
@@ -33,7 +34,7 @@ def overlap_triggers(actions: Mapping[int, Sequence[Action]]) -> dict[tuple[int,
     triggers = {}
     for rank, mine in actions.items():
         for a in mine:
-            if a.kind == "allreduce" and a.tie < 0 and a.stage in local[rank]:
+            if a.kind == ALLREDUCE and a.tie < 0 and a.stage in local[rank]:
                 if all(a.stage in local.get(m, {}) for m in a.group):
                     triggers[(rank, a.stage)] = local[rank][a.stage]
     return triggers
@@ -43,11 +44,11 @@ def _local_triggers(actions: Sequence[Action]) -> dict[int, int]:
     """stage -> its last backward's microbatch, where one rank's own actions allow it."""
     triggers = {}
     for i, a in enumerate(actions):
-        if a.kind != "allreduce" or a.tie >= 0 or len(a.group) < 2:
+        if a.kind != ALLREDUCE or a.tie >= 0 or len(a.group) < 2:
             continue
         mine = [j for j, b in enumerate(actions[:i]) if b.stage == a.stage
-                and b.kind in ("B", "I", "W")]  # fmt: skip
-        if not mine or actions[mine[-1]].kind != "B":
+                and is_compute(b.kind) and not kind(b.kind).starts]  # fmt: skip
+        if not mine or not kind(actions[mine[-1]].kind).autograd_gradients:
             continue
         members = set(a.group)
         others = [
@@ -55,7 +56,7 @@ def _local_triggers(actions: Sequence[Action]) -> dict[int, int]:
             if b.is_collective and set(b.group) == members and b.collective != a.collective
         ]  # fmt: skip
         shared = [  # another stage of the rank reducing over the same ranks: hooks interleave
-            b for b in actions if b.kind == "allreduce" and b.tie < 0 and b.stage != a.stage
+            b for b in actions if b.kind == ALLREDUCE and b.tie < 0 and b.stage != a.stage
             and set(b.group) == members
         ]  # fmt: skip
         if not others and not shared:

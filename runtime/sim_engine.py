@@ -25,7 +25,19 @@ from pdcompile.runtime.reduce_overlap import overlap_triggers
 from pdcompile.runtime.simulated_weights import SimulatedWeights
 from pdcompile.runtime.timeline import Event
 from pdcompile.schedules import Action, Schedule, get_schedule
-from pdcompile.schedules.actions import COMPUTE
+from pdcompile.schedules.action_kinds import (
+    ALLREDUCE,
+    CLIP,
+    KINDS,
+    POP,
+    PUSH,
+    RECV,
+    SEND,
+    STEP,
+    TABLE,
+    ActionKind,
+    needs_microbatch,
+)
 
 
 class _Link:
@@ -63,10 +75,9 @@ class Engine:
         self.plan, self.schedule = plan, schedule
         cluster = plan.cluster
         self.actions = schedule.actions
-        self.seconds = {(s.index, "F"): s.forward_s for s in plan.stages}
-        self.seconds |= {(s.index, "B"): s.backward_s for s in plan.stages}
-        self.seconds |= {(s.index, "I"): s.backward_input_s for s in plan.stages}
-        self.seconds |= {(s.index, "W"): s.backward_weight_s for s in plan.stages}
+        # a compute kind's seconds: the stage's field the action table names
+        self.seconds = {(s.index, row.letter): getattr(s, row.seconds)
+                        for s in plan.stages for row in TABLE if row.is_compute}  # fmt: skip
         self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
         self.costs = stage_costs(plan, cluster)
         self.ties = tie_costs(plan, cluster)
@@ -86,7 +97,7 @@ class Engine:
         self.latency: dict[tuple[int, int], float] = {}  # rank pair -> seconds per message
         self.position = dict.fromkeys(self.actions, 0)
         self.clock = dict.fromkeys(self.actions, 0.0)  # when each rank last stopped
-        self.last_compute: dict[int, str] = {}  # "F" or "B": what each rank computed last
+        self.last_compute: dict[int, ActionKind] = {}  # what each rank computed last
         self.heap: list[tuple[float, int, int, Any, int]] = []
         self.sequence = 0
         self.arrived: dict[tuple, float] = {}
@@ -186,43 +197,14 @@ class Engine:
         actions, position, bound = self.actions[rank], self.position, self.bound
         while position[rank] < len(actions):
             a = actions[position[rank]]
-            kind, stage = a.kind, a.stage
-            if a.microbatch >= bound and (
-                kind in ("F", "push") or (kind in ("send", "recv") and a.stream == "act")
-            ):
+            letter, stage = a.kind, a.stage
+            if a.microbatch >= bound and needs_microbatch(letter, a.stream):
                 break  # the next call gives this minibatch
-            if kind in COMPUTE:
-                end = now + self.seconds[(stage, kind)]
-                weights = self.weights[(rank, stage)]
-                grads = weights.grads
-                if kind == "F":
-                    end += weights.forward()
-                elif kind != "I":  # the weights' gradients accumulate (I leaves them to W)
-                    end += weights.backward(a.microbatch)
-                if kind == "F" and self.last_compute.get(rank) in ("B", "W"):
-                    end += self.costs[stage].reload_s  # the backward pushed the weights out
-                self.last_compute[rank] = kind
-                if kind == "B" and self.triggers.get((rank, stage)) == a.microbatch:
-                    self.reduce_ready[(rank, stage)] = (now + end) / 2
-                self._record(rank, a, now, end)
-                # activations are kept from a forward to the end of its backward (split: W's
-                # share of them until W); the gradients it adds are there at its end; a
-                # recomputing backward (I) holds the forward's activations again while it runs
-                again = self.recomputed[stage]
-                if kind == "F":
-                    self._use(rank, stage, now, self.kept[stage])
-                elif kind == "B":
-                    self._use(rank, stage, now, again, transient=again)
-                    change = weights.grads - grads - self.kept[stage] - again
-                    self._use(rank, stage, end, change, transient=-again)
-                elif kind == "I":
-                    self._use(rank, stage, now, again)
-                    self._use(rank, stage, end, self.kept_for_w[stage] - self.kept[stage] - again)
-                else:
-                    self._use(rank, stage, end, weights.grads - grads - self.kept_for_w[stage])
-                self._push(end, RESUME, rank)
+            row = KINDS[letter]
+            if row.computes:
+                self._compute(rank, a, row, now)
                 return
-            if kind == "recv":
+            if letter == RECV:
                 message = (a.peer, rank, *a.key)
                 arrival = self.arrived.pop(message, None)
                 if arrival is None:
@@ -234,21 +216,53 @@ class Engine:
                 if not self._gather(rank, a, now):
                     break
                 return
-            elif kind == "send":
+            elif letter == SEND:
                 end = now + (self.send_s[a.key[2:]] if a.peer != rank else 0.0)
                 if end > now:  # packed and posted: the transfer starts after
                     self._push(end, TRANSFER, (rank, a))
                 else:
                     self._transfer(rank, a, now)
-            elif kind == "clip":  # one stage's own norm (`pipedream`: clipped per stage)
+            elif letter == CLIP:  # one stage's own norm (`pipedream`: clipped per stage)
                 end = now + self.costs[stage].clip_s
             else:
-                end = now + self._version(rank, a, now) if kind in ("push", "pop", "step") else now
+                end = now + self._version(rank, a, now) if letter in (PUSH, POP, STEP) else now
             self._record(rank, a, now, end)
             if end > now:
                 self._push(end, RESUME, rank)
                 return
         self.clock[rank] = now
+
+    def _compute(self, rank: int, a: Action, row: ActionKind, now: float) -> None:
+        """Run a compute action (its seconds, and the runtime's work on the weights), and
+        hold what the action table says it holds: a forward's activations from its start; a
+        backward part's changes at its end (the activations it frees, the weight gradient's
+        part a split backward's I leaves, the gradients it adds), a recomputing one holding
+        the forward's activations again while it runs."""
+        stage = a.stage
+        end = now + self.seconds[(stage, a.kind)]
+        weights = self.weights[(rank, stage)]
+        grads = weights.grads
+        if row.starts:
+            end += weights.forward()
+        elif row.accumulates:  # the weights' gradients accumulate (I leaves them to W)
+            end += weights.backward(a.microbatch)
+        last = self.last_compute.get(rank)
+        if row.starts and last is not None and last.accumulates:
+            end += self.costs[stage].reload_s  # the backward pushed the weights out
+        self.last_compute[rank] = row
+        if row.autograd_gradients and self.triggers.get((rank, stage)) == a.microbatch:
+            self.reduce_ready[(rank, stage)] = (now + end) / 2
+        self._record(rank, a, now, end)
+        full, part = row.holds
+        held = full * self.kept[stage] + part * self.kept_for_w[stage]
+        if row.starts:
+            self._use(rank, stage, now, held)
+        else:
+            again = self.recomputed[stage] if row.recomputes else 0
+            inside = again if row.recompute_inside else 0
+            self._use(rank, stage, now, again, transient=inside)
+            self._use(rank, stage, end, weights.grads - grads + held - again, transient=-inside)
+        self._push(end, RESUME, rank)
 
     def _record(self, rank: int, a: Action, start: float, end: float) -> None:
         self.events.append(Event(rank, a.kind, a.stage, a.microbatch, start, end, a.peer))
@@ -333,14 +347,14 @@ class Engine:
             self.clock[rank] = now
             return False
         del self.gathering[a.collective]
-        if a.kind == "allreduce" and a.tie < 0 and (a.group[0], a.stage) in self.triggers:
+        if a.kind == ALLREDUCE and a.tie < 0 and (a.group[0], a.stage) in self.triggers:
             # started from the replicas' last backwards (runtime/reduce_overlap.py)
             start = max(self.reduce_ready.pop((m, a.stage), now) for m in a.group)
             end = max(now, start + self.costs[a.stage].allreduce_s)
-        elif a.kind == "allreduce":
+        elif a.kind == ALLREDUCE:
             end = now + (self.ties[a.tie] if a.tie >= 0 else self.costs[a.stage].allreduce_s)
         else:  # a clip's norm or a check's flag: one number, after each member's own work
-            own = self.clip_s if a.kind == "clip" else dict.fromkeys(self.clip_s, 0.0)
+            own = self.clip_s if a.kind == CLIP else dict.fromkeys(self.clip_s, 0.0)
             start = max(since + own[member] for member, since in arrivals)
             end = start + scalar_allreduce_s(a.group, self.plan.cluster)
         for member, since in arrivals:
@@ -354,7 +368,7 @@ class Engine:
         gradients they free (a copy is made while the gradients are still held)."""
         weights = self.weights[(rank, a.stage)]
         copies, grads = weights.copies, weights.grads
-        seconds = getattr(weights, a.kind)(*(() if a.kind == "step" else (a.microbatch,)))
+        seconds = getattr(weights, a.kind)(*(() if a.kind == STEP else (a.microbatch,)))
         self._use(rank, a.stage, now, weights.copies - copies)
         self._use(rank, a.stage, now, weights.grads - grads)
         return seconds

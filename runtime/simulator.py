@@ -30,7 +30,7 @@ from pdcompile.runtime.sim_engine import Engine
 from pdcompile.runtime.timeline import Event, to_chrome_trace
 from pdcompile.runtime.validate import check_layout, check_num_microbatches
 from pdcompile.schedules import PipelineSchedule, Schedule, build_schedule, get_schedule
-from pdcompile.schedules.actions import COMPUTE
+from pdcompile.schedules.action_kinds import is_compute
 
 __all__ = ["MAX_ACTIONS", "Simulation", "simulate"]
 
@@ -47,7 +47,7 @@ class Simulation:
     `timeline`: every action of every rank (seconds from 0); `time_per_step`: seconds per
     `train_step` (synchronous schedules: one step's span; streaming ones: the last,
     steady-state call); `bubble_fraction[rank]`: the share of that span the rank spends
-    outside `F` and `B`; `memory[rank]`: (time, bytes in use) after each change;
+    outside compute (`F`, `B`, `I`, `W`); `memory[rank]`: (time, bytes in use) after each change;
     `peak_memory[rank]`: its maximum; `stage_memory[stage]`: the peak of that stage's own
     share of its rank (the largest over its replicas); `held_memory[rank]`: the peak without
     what a recomputing backward holds inside it only (what a CPU run's memory probe can see:
@@ -137,7 +137,7 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     calls = rules.steady_calls(replicas, m)
     # a replica of stage s runs its items in the endless stream's order while r_s w_s more
     # microbatches follow the last one the calls give (then the finite schedule's drain starts)
-    ahead = max(r * rules.warmup(replicas, s, m) for s, r in enumerate(replicas))
+    ahead = max(r * w for r, w in zip(replicas, rules.warmups(replicas, m), strict=True))
     steps = calls + -(-ahead // m) + 1
     _check_size(plan, rules, steps)
     engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates, num_steps=steps))
@@ -208,7 +208,7 @@ def _result(engine: Engine, start: dict[int, float], end: dict[int, float]) -> S
     span = max(end[r] - start[r] for r in engine.actions)
     busy = dict.fromkeys(engine.actions, 0.0)
     for e in engine.events:
-        if e.kind in COMPUTE and e.start >= start[e.rank]:
+        if is_compute(e.kind) and e.start >= start[e.rank]:
             busy[e.rank] += e.end - e.start
     count = max(engine.actions) + 1
     bubble = [1.0 - busy[r] / span if span > 0 and r in busy else 0.0 for r in range(count)]

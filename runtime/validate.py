@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcompile.errors import PartitionError, ScheduleError
 from pdcompile.schedules import Action, Schedule
+from pdcompile.schedules.action_kinds import COMPUTE, RECV, SEND, kind
 from pdcompile.schedules.base import MAX_MICROBATCHES
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def check_layout(plan: Plan, num_devices: int, *, world: bool = False) -> None:
 def _message(rank: int, a: Action) -> tuple:
     """The identity of a message, the same for its send and its receive: sending and receiving
     rank, then the action's key."""
-    src, dst = (rank, a.peer) if a.kind == "send" else (a.peer, rank)
+    src, dst = (rank, a.peer) if a.kind == SEND else (a.peer, rank)
     return (src, dst, *a.key)
 
 
@@ -97,39 +98,37 @@ def _fail(schedule: Schedule, why: str, mark: dict[int, int]) -> ScheduleError:
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise `ScheduleError` with a rank-by-step grid (`!` marks the bad step) unless every send
-    has its receive, every forward its backward after it on the same rank (fused, or `I` then
-    `W`), each rank runs only its own stages, and the schedule runs to the end without
-    deadlock."""
+    has its receive, every compute item the items it needs of its microbatch before it on the
+    same rank (a backward after its forward, `W` after its `I`: the action table's `needs`),
+    every microbatch a stage starts also ends there (a fused backward, or a `W`), each rank
+    runs only its own stages, and the schedule runs to the end without deadlock."""
     sends, recvs = Counter(), Counter()
     where: dict[tuple, tuple[int, int]] = {}
     for rank, actions in schedule.actions.items():
         stages = schedule.stages_of(rank)
-        done: dict[str, set[tuple[int, int]]] = {"F": set(), "I": set()}
+        done: dict[str, set[tuple[int, int]]] = {letter: set() for letter in COMPUTE}
         for i, a in enumerate(actions):
             if a.stage not in stages:
                 raise _fail(schedule, f"rank {rank} runs stage {a.stage} at step {i}", {rank: i})
-            if a.kind in ("send", "recv"):
+            row = kind(a.kind)
+            if a.kind in (SEND, RECV):
                 key = _message(rank, a)
-                (sends if a.kind == "send" else recvs)[key] += 1
+                (sends if a.kind == SEND else recvs)[key] += 1
                 where.setdefault(key, (rank, i))
-            elif a.kind in ("F", "I"):
-                done[a.kind].add((a.stage, a.microbatch))
-            if a.kind in ("B", "I", "W") and (a.stage, a.microbatch) not in done["F"]:
-                raise _fail(
-                    schedule,
-                    f"rank {rank} runs {a} before F{a.microbatch} (stage {a.stage})",
-                    {rank: i},
-                )
-            if a.kind == "W" and (a.stage, a.microbatch) not in done["I"]:
-                raise _fail(
-                    schedule,
-                    f"rank {rank} runs {a} before I{a.microbatch} (stage {a.stage})",
-                    {rank: i},
-                )
-        forwards = Counter((a.stage, a.microbatch) for a in actions if a.kind == "F")
-        backwards = Counter((a.stage, a.microbatch) for a in actions if a.kind in ("B", "W"))
-        if schedule.training and forwards != backwards:
-            missing = sorted((forwards - backwards) | (backwards - forwards))
+            if not row.is_compute:
+                continue
+            for need in row.needs:
+                if (a.stage, a.microbatch) not in done[need]:
+                    raise _fail(
+                        schedule,
+                        f"rank {rank} runs {a} before {need}{a.microbatch} (stage {a.stage})",
+                        {rank: i},
+                    )
+            done[a.kind].add((a.stage, a.microbatch))
+        started = Counter((a.stage, a.microbatch) for a in actions if kind(a.kind).starts)
+        ended = Counter((a.stage, a.microbatch) for a in actions if kind(a.kind).ends)
+        if schedule.training and started != ended:
+            missing = sorted((started - ended) | (ended - started))
             raise _fail(schedule, f"rank {rank}: (stage, microbatch) {missing} lack F or B", {})
     for key in sorted(set(sends) | set(recvs)):
         if sends[key] != 1 or recvs[key] != 1:
@@ -154,7 +153,7 @@ def _run(schedule: Schedule) -> None:
         for rank, actions in schedule.actions.items():
             while position[rank] < len(actions):
                 a = actions[position[rank]]
-                if a.kind == "recv" and _message(rank, a) not in sent:
+                if a.kind == RECV and _message(rank, a) not in sent:
                     break
                 if a.is_collective:
                     key = a.collective
@@ -163,7 +162,7 @@ def _run(schedule: Schedule) -> None:
                         released.add(key)
                     if key not in released:
                         break
-                if a.kind == "send":
+                if a.kind == SEND:
                     sent.add(_message(rank, a))
                 position[rank] += 1
                 moved = True

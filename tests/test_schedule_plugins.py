@@ -29,12 +29,12 @@ from pdcompile.runtime import validate_schedule
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.schedules import PipelineSchedule, build_schedule, register_schedule
+from pdcompile.schedules import WarmupSchedule, build_schedule, register_schedule
 from pdcompile.schedules.builder import compute_order
 
 
 @register_schedule("1f1b-deep")
-class DeepWarmup(PipelineSchedule):
+class DeepWarmup(WarmupSchedule):
     """1F1B with one more warm-up forward per stage (more in flight, the same result)."""
 
     def warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
@@ -42,7 +42,7 @@ class DeepWarmup(PipelineSchedule):
 
 
 @register_schedule("1f1b-split")
-class SplitBackward(PipelineSchedule):
+class SplitBackward(WarmupSchedule):
     """1F1B whose backwards are split: each input-gradient part I at once, every weight part W
     at the end of the step."""
 

@@ -26,7 +26,8 @@ from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CheckpointError, PartitionError
 from pdcompile.evaluation import evaluate
 from pdcompile.plans import Plan
-from pdcompile.schedules.actions import COMPUTE
+from pdcompile.schedules.action_kinds import is_compute
+from pdcompile.schedules.action_kinds import kind as action_kind
 from pdcompile.stage_sums import node_sums
 from pdcompile.text import human_seconds
 
@@ -150,17 +151,17 @@ def measured_stage_times(events: Iterable[Any]) -> dict[int, StageTime]:
     forward: dict[int, list[float]] = {}
     backward: dict[int, list[float]] = {}
     waiting: dict[tuple[int, int, int], int] = {}  # an I's place in `backward`, until its W
-    computed = [e for e in events if _checked(e).kind in COMPUTE and e.microbatch >= 0]
+    computed = [e for e in events if is_compute(_checked(e).kind) and e.microbatch >= 0]
     for e in sorted(computed, key=lambda e: e.start):
-        seconds, key = e.end - e.start, (e.stage, e.rank, e.microbatch)
-        if e.kind == "F":
+        seconds, key, row = e.end - e.start, (e.stage, e.rank, e.microbatch), action_kind(e.kind)
+        if row.starts:
             forward.setdefault(e.stage, []).append(seconds)
             continue
         mine = backward.setdefault(e.stage, [])
-        if e.kind == "W" and key in waiting:
+        if row.ends and key in waiting:  # the last part of a backward begun earlier (W)
             mine[waiting.pop(key)] += seconds
             continue
-        if e.kind == "I":
+        if not row.ends:  # a first part (I): the part that ends the microbatch adds to it
             waiting[key] = len(mine)
         mine.append(seconds)
     return {
@@ -179,7 +180,7 @@ def _checked(event: Any) -> Any:
     problem = None
     if not (isinstance(kind, str) and whole(stage) and whole(microbatch)):
         problem = "its kind is no text, or its stage or microbatch no integer"
-    elif kind in COMPUTE and microbatch >= 0:
+    elif is_compute(kind) and microbatch >= 0:
         if not (number(start) and number(end) and math.isfinite(start) and math.isfinite(end)):
             problem = "its start or end is no finite number of seconds"
         elif end < start:

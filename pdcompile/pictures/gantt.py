@@ -17,24 +17,17 @@ from typing import Any
 
 from pdcompile.errors import PdcompileError
 from pdcompile.runtime.timeline import Event, shifted
-from pdcompile.schedules.actions import COMPUTE
+from pdcompile.schedules.action_kinds import TABLE, is_compute
 
-# kind -> (legend label, colour); kinds not listed (push, pop) are drawn grey, unlabelled
-KINDS = {
-    "F": ("forward", "#4c72b0"),
-    "B": ("backward", "#55a868"),
-    "I": ("backward, input part", "#8cc79b"),
-    "W": ("backward, weight part", "#2f7a45"),
-    "send": ("send (communication)", "#dd8452"),
-    "recv": ("idle: waiting for a message", "#e4e4e4"),
-    "allreduce": ("all-reduce (communication)", "#c44e52"),
-    "clip": ("clip", "#8172b3"),
-    "step": ("optimizer step", "#937860"),
-}
+# kind -> (legend label, colour), from the action table; kinds without a colour (push, pop,
+# check) are drawn grey, unlabelled
+KINDS = {row.letter: (row.label, row.colour) for row in TABLE if row.colour}
 OTHER = "#bbbbbb"
-IDLE = ("recv",)  # kinds drawn as idle: hatched, in the legend after a blank "idle" box
+# kinds drawn as idle: hatched, in the legend after a blank "idle" box
+IDLE = tuple(row.letter for row in TABLE if row.drawn_as_idle)
 _HATCH = ("////", "#9a9a9a")  # the idle boxes' hatching and its colour
-_COMM = ("send", "recv")  # drawn as thin boxes at the bottom of a row: they may overlap compute
+# kinds drawn as thin boxes at the bottom of a row: they may overlap compute
+_COMM = tuple(row.letter for row in TABLE if row.thin)
 _FORMATS = (".png", ".svg")
 _FONT = 7  # points, of the microbatch numbers
 _WIDTH_IN = 12  # figure width, inches
@@ -59,7 +52,7 @@ def bubble_fraction(events: Iterable[Event], span: float | None = None) -> float
     events = list(events)
     if span is None and events:
         span = max(e.end for e in events) - min(e.start for e in events)
-    busy = sum(e.duration for e in events if e.kind in COMPUTE)
+    busy = sum(e.duration for e in events if is_compute(e.kind))
     return min(1.0, max(0.0, 1.0 - busy / span)) if span else 0.0
 
 
@@ -140,7 +133,7 @@ def _draw_panel(
     kinds: set[str] = set()
     labels = []
     for y, (rank, mine) in enumerate(rows(events).items()):
-        stages = sorted({e.stage for e in mine if e.kind in COMPUTE})  # several: chunks
+        stages = sorted({e.stage for e in mine if is_compute(e.kind)})  # several: chunks
         stage = f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages)) or '?'}"
         labels.append(f"rank {rank} ({stage})\nbubble {bubble_fraction(mine, span):.0%}")
         for kind in dict.fromkeys(e.kind for e in mine):
@@ -153,7 +146,7 @@ def _draw_panel(
         for e in mine:
             text = str(e.microbatch)
             fits = e.duration / longest * width_pt > 0.7 * _FONT * (len(text) + 1)
-            if e.kind in COMPUTE and e.microbatch >= 0 and fits:
+            if is_compute(e.kind) and e.microbatch >= 0 and fits:
                 ax.text((e.start + e.duration / 2) * per_s, y, text, ha="center", va="center",
                         fontsize=_FONT, color="white")  # fmt: skip
     ax.set_yticks(range(len(labels)), labels, fontsize=8)

@@ -1,7 +1,8 @@
 """A schedule is data: every rank's ordered actions. Torch-free.
 
-Kinds: `F`/`B` (forward/backward of one microbatch at one stage; a split backward is `I`, the
-gradients with respect to the stage's inputs, then `W`, those with respect to its weights),
+Kinds (their rules in one table: `action_kinds.py`): `F`/`B` (forward/backward of one
+microbatch at one stage; a split backward is `I`, the gradients with respect to the stage's
+inputs, then `W`, those with respect to its weights),
 `send`/`recv` (activations `act` forward or gradients `grad` backward, to or from one peer rank),
 `allreduce` (the replicas of a stage average their gradients), `clip` (scale the gradients to a
 largest norm: over every rank for the synchronous schedules, an all-reduce over `group`; per stage,
@@ -17,8 +18,17 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pdcompile.errors import ScheduleError
+from pdcompile.schedules.action_kinds import (
+    ACT,
+    ALLREDUCE,
+    COMPUTE,
+    RECV,
+    SEND,
+    is_compute,
+    kind,
+)
 
-COMPUTE = ("F", "B", "I", "W")  # the kinds that compute: forward, backward, its two parts
+__all__ = ["COMPUTE", "Action", "Schedule"]
 
 
 class Action(NamedTuple):
@@ -46,19 +56,19 @@ class Action(NamedTuple):
     def key(self) -> tuple[str, int, int, int]:
         """A message's key, the same for its send and its receive: (stream, microbatch, source
         stage, destination stage) of the channels it belongs to; gradients travel them back."""
-        downstream = (self.stream == "act") == (self.kind == "send")  # at the channels' source
+        downstream = (self.stream == ACT) == (self.kind == SEND)  # at the channels' source
         pair = (self.stage, self.peer_stage) if downstream else (self.peer_stage, self.stage)
         return (self.stream, self.microbatch, *pair)
 
     @property
     def is_collective(self) -> bool:
         """Whether the ranks of `group` take part in it together."""
-        return self.kind in ("allreduce", "clip", "check") and bool(self.group)
+        return kind(self.kind).collective and bool(self.group)
 
     @property
     def collective(self) -> tuple:
         """What identifies a collective across the ranks that take part in it."""
-        if self.kind in ("clip", "check"):
+        if self.kind != ALLREDUCE:  # a clip's norm or a check's flag
             return (self.kind, self.microbatch, self.group)
         if self.tie >= 0:
             return ("tie", self.tie, self.microbatch, self.group)
@@ -66,13 +76,13 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         mb = "" if self.microbatch < 0 else str(self.microbatch)
-        if self.kind in ("F", "B", "I", "W"):
+        if is_compute(self.kind):
             return f"{self.kind}{mb}"
-        if self.kind == "send":
+        if self.kind == SEND:
             return f"{self.stream}{mb}>{self.peer}"
-        if self.kind == "recv":
+        if self.kind == RECV:
             return f"{self.stream}{mb}<{self.peer}"
-        if self.kind == "allreduce":
+        if self.kind == ALLREDUCE:
             return f"T{self.tie}.{mb}" if self.tie >= 0 else f"AR{mb}"
         return f"{self.kind}{mb}"
 

@@ -1,26 +1,46 @@
-"""What a schedule is: the rules of one kind of pipeline schedule, in one object. Torch-free.
+"""What a schedule is: a narrow contract, one object per kind. Torch-free.
 
 A schedule (a `PipelineSchedule` subclass registered by name, one file each in this package)
-turns a plan's layout (the ranks of each stage, the stage pairs that exchange tensors, the
-microbatches) into every rank's ordered actions (`builder.build_schedule`), and owns every rule
-of its kind: the order of one replica's forwards and backwards (its warm-up), which microbatch
-counts it accepts, whether its steps are synchronous or stream across calls with stashed weight
-versions, which version a microbatch computes on, how its updates are clipped. Everything else
-(memory in flight, step time, bubble, messages) is derived from the actions it builds
-(`derived.py`, the simulator), never re-stated elsewhere. Nothing outside a schedule's own file
-tests its name.
+has a required core and two optional parts:
+
+- the core: its `name` (given by `register_schedule`), what it accepts (`check`,
+  `check_layout`: the microbatch counts and layouts it runs), every rank's order of compute
+  items (`rank_orders`, the one method without a default) and where its stages sit
+  (`chunk_rank`, `default_chunks`, `auto_chunks`);
+- a weight policy (`weights`, a `WeightPolicy`: streaming, weight versions, round size, clip
+  group), synchronous by default;
+- closed forms (`closed_forms`, a `ClosedForms`: step time, bubble, memory counts on equal
+  stages), none by default: the memory counts are then derived by walking its orders, and a
+  subclass never inherits another kind's formulas.
+
+Everything else is derived here from those, and never overridden: the accepted microbatch
+counts, the streams' look-ahead, the solvers' memory counts, and, in the builder and the
+simulator, every rank's actions, memory in flight, step time and bubble. Nothing outside a
+schedule's own file tests its name; the kinds of actions are in `action_kinds.py`.
 """
 
 from __future__ import annotations
 
+import abc
+import functools
+import itertools
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, final
 
 from pdcompile.errors import ScheduleError
+from pdcompile.schedules.action_kinds import compute_kinds, kind
+from pdcompile.schedules.closed_forms import SPLIT, ClosedForms, split_parts
+from pdcompile.schedules.memory_walk import Walked, walk
+from pdcompile.schedules.placement import ENDLESS, Item, Placement
+from pdcompile.schedules.weight_policy import SYNCHRONOUS, WeightPolicy
+
+__all__ = ["MAX_MICROBATCHES", "SPLIT", "MemoryCounts", "PipelineSchedule", "split_parts"]
 
 MAX_MICROBATCHES = 1 << 16  # a documented cap: plans and simulations of more are refused
-SPLIT = 0.5  # a stage's input-gradient part I takes this share of its backward_s, W the rest
+# the weight policy's names: a schedule gives them in its `weights`, not as its own attributes
+POLICY = ("streaming", "update_per_microbatch", "vertical_sync", "keeps_previous",
+          "replicates_ties", "round_size", "weight_version", "version", "clip_group")  # fmt: skip
 
 
 class MemoryCounts(NamedTuple):
@@ -56,51 +76,56 @@ class MemoryCounts(NamedTuple):
         )
 
 
-def split_parts(backward_s: float, weight_s: float | None = None) -> tuple[float, float]:
-    """(I, W): the input- and weight-gradient parts of a fused backward of `backward_s`
-    seconds, W being `weight_s` (None: the share 1 - `SPLIT`, as the simulator prices them)."""
-    w = (1 - SPLIT) * backward_s if weight_s is None else weight_s
-    return backward_s - w, w
-
-
-class PipelineSchedule:
-    """The rules of one schedule kind. Subclasses override what differs from these defaults
-    (a synchronous schedule with PipeDream's warm-up: 1F1B's order).
+class PipelineSchedule(abc.ABC):
+    """The rules of one schedule kind: a required core, an optional weight policy and optional
+    closed forms (docs in the module).
 
     Attributes:
         name: the registered name (set by `register_schedule`).
         meaning: what one `train_step` does, for `PipelinedModule.explain()`.
-        streaming: microbatches stay in flight across `train_step` calls (no flush between
-            steps); each forward stashes a weight version (`push`) its backward drops (`pop`).
-        update_per_microbatch: each microbatch is a minibatch with its own update (its loss is
-            not weighted by its share of the batch; replicas average their gradients).
-        vertical_sync: accepts `vertical_sync=True` (`weight_version` honours it).
-        keeps_previous: an update first keeps a copy of the weights it changes (the next step
-            computes on them: 2BW's two versions).
-        replicates_ties: a stage holding a copy of a tied tensor may have several replicas.
+        items_per_microbatch: compute items per microbatch and stage in its orders: 2 (F, B)
+            or 3 (F and a split backward's I and W: `action_kinds.compute_kinds`).
+        default_chunks: stages per rank `plan()` cuts for this schedule by default.
+        weights: its weight policy (default: synchronous).
+        closed_forms: its formulas, or None (derived by walking its orders).
     """
 
     name: str = ""
     meaning: str = ""
-    streaming: bool = False
-    update_per_microbatch: bool = False
-    vertical_sync: bool = False
-    keeps_previous: bool = False
-    replicates_ties: bool = True
+    items_per_microbatch: int = 2
+    default_chunks: int = 1
+    weights: WeightPolicy = SYNCHRONOUS
+    closed_forms: ClosedForms | None = None
 
-    @property
-    def synchronous(self) -> bool:
-        """One update per `train_step` from all its microbatches (so a step can be skipped on
-        every rank, and clipping is global)."""
-        return not self.streaming
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "closed_forms" not in vars(cls):
+            cls.closed_forms = None  # a kind's formulas are its own: never inherited
+        given = [n for n in POLICY if n in vars(cls)]
+        if given:
+            raise ScheduleError(
+                f"{cls.__name__} defines {', '.join(given)}: a schedule's weight rules belong "
+                "in its weight policy; subclass pdcompile.schedules.WeightPolicy and set "
+                "`weights = YourPolicy()` on the schedule"
+            )
 
-    # -- microbatches ---------------------------------------------------------------------
+    # -- the required core --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def rank_orders(self, placement: Placement) -> Mapping[int, Sequence[Item]]:
+        """Every rank's compute in order, as (kind, stage, microbatch) items over the stages
+        of `placement` it runs a replica of: each of its microbatches (`placement.mine`) of
+        each of those stages once per compute kind (`compute_kinds`), in an order the
+        messages allow (a forward after the forwards feeding it, a backward after those it
+        receives gradients from). A streaming schedule's orders may be endless (`total` is
+        `ENDLESS`): any `Sequence` computing its items when indexed."""
 
     def check(
         self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
     ) -> None:
         """Raise `ScheduleError` unless this schedule runs `num_microbatches` per step on
-        stages with `replicas` (`ties`: per tied tensor, the stages using it)."""
+        stages with `replicas` (`ties`: per tied tensor, the stages using it). Default: any
+        count from 1 to `MAX_MICROBATCHES`."""
         if not replicas or any(r < 1 for r in replicas):
             raise ScheduleError(f"replica counts must be >= 1 per stage, got {list(replicas)}")
         if not 1 <= num_microbatches <= MAX_MICROBATCHES:
@@ -108,6 +133,36 @@ class PipelineSchedule:
                 f"num_microbatches must be between 1 and {MAX_MICROBATCHES}, got {num_microbatches}"
             )
 
+    def check_layout(  # noqa: B027 (a default: any placement)
+        self, ranks: Sequence[Sequence[int]], num_microbatches: int
+    ) -> None:
+        """Raise `ScheduleError` unless this schedule runs on stages placed on `ranks` (per
+        stage, its ranks) with `num_microbatches` (`check` sees only the replica counts).
+        Default: any placement."""
+
+    @property
+    def auto_chunks(self) -> tuple[int, ...]:
+        """The stages per rank `plan(..., schedule="auto")` tries this schedule with (default:
+        its `default_chunks`)."""
+        return (self.default_chunks,)
+
+    def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
+        """The rank of `stage` when `plan(..., chunks=v)` puts v stages on each of `num_ranks`
+        ranks: round-robin, stage i on rank i mod p (Megatron's virtual pipeline)."""
+        return stage % num_ranks
+
+    def __repr__(self) -> str:
+        return f"<schedule {self.name!r}>"
+
+    # -- derived: what it accepts -------------------------------------------------------------
+
+    @final
+    @property
+    def compute_kinds(self) -> tuple[str, ...]:
+        """The compute kinds of its orders (`action_kinds.FUSED` or `SPLIT`)."""
+        return compute_kinds(self.items_per_microbatch)
+
+    @final
     def accepts(self, replicas: Sequence[int], num_microbatches: int) -> bool:
         """Whether `check` passes."""
         try:
@@ -116,6 +171,7 @@ class PipelineSchedule:
             return False
         return True
 
+    @final
     def accepted_microbatches(self, replicas: Sequence[int], at_least: int) -> int:
         """The first microbatch count from `at_least` on this schedule accepts for stages with
         `replicas` (`plan()` defaults to it from twice the devices).
@@ -132,189 +188,190 @@ class PipelineSchedule:
             "or another schedule"
         )
 
-    # -- the order of one replica's compute ------------------------------------------------
+    # -- derived: the weight policy, read where the callers have replicas --------------------
 
-    def warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        """Forwards a replica of `stage` runs before its first backward (PipeDream's rule:
-        w_s = (sum_{t>=s} r_t - 1) // r_s)."""
-        return (sum(replicas[stage:]) - 1) // replicas[stage]
-
-    def compute_item(self, warmup: int, mine: Sequence[int], t: int) -> tuple[str, int]:
-        """Item t (of `items_per_microbatch * len(mine)`) of one replica's compute for its
-        microbatches `mine`: (kind, microbatch), kind "F", "B" or the split backward's "I"
-        (input gradients) and "W" (weight gradients). Default: `warmup` forwards, then a
-        forward and a backward alternately, then the remaining backwards. Computed, not
-        listed: `mine` may be endless (a stream)."""
-        n = len(mine)
-        w = min(warmup, n)
-        if t < w:
-            return "F", mine[t]
-        t -= w
-        pairs = n - w  # backwards with a forward before them
-        if t < 2 * pairs:
-            return ("F", mine[t // 2 + w]) if t % 2 == 0 else ("B", mine[t // 2])
-        return "B", mine[pairs + t - 2 * pairs]
-
-    items_per_microbatch: int = 2  # F and B (3 with a split backward: F, I, W)
-
-    def replica_order(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int, mine: Sequence[int]
-    ) -> list[tuple[str, int]]:
-        """A synchronous replica's whole compute for its microbatches `mine`, in order
-        ((kind, microbatch) items). Default: `compute_item` over `warmup`; a schedule whose
-        order needs more of the layout than the warm-up overrides this (streaming ones unfold
-        `compute_item` lazily instead)."""
-        w = self.warmup(replicas, stage, num_microbatches)
-        count = self.items_per_microbatch * len(mine)
-        return [self.compute_item(w, mine, t) for t in range(count)]
-
-    def rank_orders(
-        self, ranks: Sequence[Sequence[int]], num_microbatches: int
-    ) -> dict[int, list[tuple[str, int, int]]] | None:
-        """Every rank's compute in order, as (kind, stage, microbatch) items, for a schedule
-        that orders the several stages of a rank itself (`interleaved-1f1b`, `zb-v`); None
-        (the default): each replica keeps its own `replica_order`, and the builder merges the
-        stages sharing a rank (`builder._merge`). `ranks`: per stage, its ranks."""
-        return None
-
-    def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
-        """Raise `ScheduleError` unless this schedule runs on stages placed on `ranks` (per
-        stage, its ranks) with `num_microbatches` (`check` sees only the replica counts)."""
-
-    default_chunks: int = 1  # stages per rank `plan()` cuts for this schedule by default
-
+    @final
     @property
-    def auto_chunks(self) -> tuple[int, ...]:
-        """The stages per rank `plan(..., schedule="auto")` tries this schedule with (default:
-        its `default_chunks`)."""
-        return (self.default_chunks,)
+    def streaming(self) -> bool:
+        return self.weights.streaming
 
-    def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
-        """The rank of `stage` when `plan(..., chunks=v)` puts v stages on each of `num_ranks`
-        ranks: round-robin, stage i on rank i mod p (Megatron's virtual pipeline)."""
-        return stage % num_ranks
+    @final
+    @property
+    def synchronous(self) -> bool:
+        """One update per `train_step` from all its microbatches (so a step can be skipped on
+        every rank, and clipping is global)."""
+        return not self.weights.streaming
 
-    # -- updates and weight versions -------------------------------------------------------
+    @final
+    @property
+    def update_per_microbatch(self) -> bool:
+        return self.weights.update_per_microbatch
 
+    @final
+    @property
+    def vertical_sync(self) -> bool:
+        return self.weights.vertical_sync
+
+    @final
+    @property
+    def keeps_previous(self) -> bool:
+        return self.weights.keeps_previous
+
+    @final
+    @property
+    def replicates_ties(self) -> bool:
+        return self.weights.replicates_ties
+
+    @final
     def round_size(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        """Streaming: microbatches of `stage` per update (its replicas update together after
-        their last backward of each round)."""
-        return num_microbatches
+        """`weights.round_size` of `stage` among stages with `replicas`."""
+        return self.weights.round_size(_straight(tuple(replicas), num_microbatches), stage)
 
+    @final
     def weight_version(
         self, replicas: Sequence[int], stage: int, microbatch: int, num_microbatches: int,
         vertical: bool = False,
     ) -> int | None:  # fmt: skip
-        """Streaming: the updates (counted from the stream's start; below 0: before it, clamped
-        at 0 by the caller) in the weights `microbatch` computes on at `stage`, or None for
-        the newest weights when its forward runs."""
-        return None
+        """`weights.weight_version` of `microbatch` at `stage` among stages with `replicas`."""
+        placement = _straight(tuple(replicas), num_microbatches)
+        return self.weights.weight_version(placement, stage, microbatch, vertical)
 
+    @final
     def version(
         self, replicas: Sequence[int], stage: int, minibatch: int, num_microbatches: int
     ) -> int:
-        """Updates of `stage` in the weights minibatch `minibatch` runs on
-        (`PipelinedModule.version`): synchronous, the steps before its own."""
-        return minibatch // num_microbatches
+        """`weights.version`: updates of `stage` in the weights `minibatch` runs on."""
+        placement = _straight(tuple(replicas), num_microbatches)
+        return self.weights.version(placement, stage, minibatch)
 
-    def clip_group(
-        self, stage: int, ranks: Sequence[Sequence[int]], linked: frozenset[int],
-        world: tuple[int, ...],
-    ) -> tuple[int, ...]:  # fmt: skip
-        """The ranks whose gradients share one norm when clipping `stage` (`linked`: the stages
-        tied to it; `()`: the stage alone). Default: every rank (global clipping)."""
-        return world
+    # -- derived: streams ---------------------------------------------------------------------
 
-    # -- streams ---------------------------------------------------------------------------
+    @final
+    def warmups(self, replicas: Sequence[int], num_microbatches: int) -> list[int]:
+        """Per stage, the forwards a replica runs before the one its first backward follows
+        (a stream's warm-up w_s), read off its order (a stream's: the endless one) on stages
+        with `replicas`."""
+        walked = _walks(self, tuple(replicas), num_microbatches, 1)
+        if walked is None:
+            return [0] * len(replicas)
+        return [max(0, held.warmup - 1) for held in walked]
 
+    @final
     def lookahead(self, replicas: Sequence[int], num_microbatches: int) -> int:
         """Streaming: microbatches that every replica's warm-up fits in, a multiple of every
         replica count: after them the stream repeats."""
-        deepest = max(self.warmup(replicas, s, num_microbatches) for s in range(len(replicas)))
+        deepest = max(self.warmups(replicas, num_microbatches))
         return math.lcm(*replicas) * (deepest + 1) * max(replicas)
 
+    @final
     def steady_calls(self, replicas: Sequence[int], num_microbatches: int) -> int:
-        """Streaming: `train_step` calls until one is in the steady state (every replica of
-        stage s has had w_s + 1 microbatches before it starts)."""
-        steady = max(
-            r * (self.warmup(replicas, s, num_microbatches) + 1) for s, r in enumerate(replicas)
-        )
-        return -(-steady // num_microbatches) + 1
+        """Streaming: `train_step` calls until one is in the steady state (`weights`)."""
+        placement = _straight(tuple(replicas), num_microbatches)
+        return self.weights.steady_calls(placement, self.warmups(replicas, num_microbatches))
 
-    # -- closed forms (fast search; checked against simulating the actions) -----------------
+    # -- derived: closed forms where given, else walked orders --------------------------------
 
-    def in_flight_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        """Microbatches whose activations a replica of `stage` holds at most: its warm-up and
-        the one forward after it (a synchronous step: no more than it runs; a stream never
-        drains, so its steady state holds them all)."""
-        held = self.warmup(replicas, stage, num_microbatches) + 1
-        return held if self.streaming else min(held, -(-num_microbatches // replicas[stage]))
-
-    def stashed_versions_bound(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int
-    ) -> int:
-        """Weight copies a replica of `stage` keeps at most besides the live weights."""
-        return 0
-
+    @final
     def step_time(
         self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
         *, weight_s: float | None = None, chunks: int = 1,
     ) -> float:  # fmt: skip
-        """Seconds of one `train_step` call on equal stages, one per rank, of `forward_s` and
-        `backward_s` per microbatch (no communication, no runtime costs): (M + S - 1)(F + B)
-        for a synchronous schedule, which fills and drains within the call; M (F + B) +
-        (S - 1) F in a stream's steady state, which does not drain, but every call ends with
-        the loss reaching every rank, so the next call's forwards refill the pipeline.
+        """Seconds of one `train_step` call on equal stages of `forward_s` and `backward_s`
+        per microbatch, `chunks` per rank (no communication, no runtime costs): the kind's
+        closed form (`closed_forms.step_time`; `weight_s`: W's part of the backward).
 
-        The schedules that split the backward read `weight_s`, the weight-gradient part W of
-        `backward_s` (None: half of it, the simulator's split: `split_parts`), and those with
-        several stages per rank `chunks` (`num_stages` = chunks x ranks)."""
-        if self.streaming:
-            return num_microbatches * (forward_s + backward_s) + (num_stages - 1) * forward_s
-        return (num_microbatches + num_stages - 1) * (forward_s + backward_s)
+        Raises:
+            ScheduleError: the kind gives no closed form (simulate the plan instead).
+        """
+        form = self._form("step_time")
+        return form(self, num_stages, num_microbatches, forward_s, backward_s,
+                    weight_s=weight_s, chunks=chunks)  # fmt: skip
 
+    @final
     def bubble(
         self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
         *, weight_s: float | None = None, chunks: int = 1,
     ) -> float:  # fmt: skip
-        """The idle share of that call on every rank: 1 - chunks M (F + B) / step_time."""
+        """The idle share of that call on every rank: the kind's form, or
+        1 - chunks M (F + B) / step_time."""
+        forms = self.closed_forms
+        if forms is not None and forms.bubble is not None:
+            return forms.bubble(self, num_stages, num_microbatches, forward_s, backward_s,
+                                weight_s=weight_s, chunks=chunks)  # fmt: skip
         step = self.step_time(num_stages, num_microbatches, forward_s, backward_s,
                               weight_s=weight_s, chunks=chunks)  # fmt: skip
         work = chunks * num_microbatches * (forward_s + backward_s)
         return 1 - work / step if step else 0.0
 
-    def __repr__(self) -> str:
-        return f"<schedule {self.name!r}>"
+    @final
+    def in_flight_bound(
+        self, replicas: Sequence[int], stage: int, num_microbatches: int, *, chunks: int = 1
+    ) -> int:
+        """Microbatches whose activations a replica of `stage` holds at most (counting those
+        whose W alone is pending; with chunks > 1, microbatch-chunks of the rank running
+        `stage`, all its stages together): the kind's form, or its walked orders (a stream's
+        steady state), or, for a layout it does not run, every microbatch of the replica."""
+        forms = self.closed_forms
+        if forms is not None and forms.in_flight is not None:
+            return forms.in_flight(self, replicas, stage, num_microbatches, chunks=chunks)
+        held = self._held(replicas, stage, num_microbatches, chunks)
+        if held is None:
+            return chunks * -(-num_microbatches // replicas[stage])
+        return held.in_flight
 
-    # -- bounds for solvers ----------------------------------------------------------------
-
-    def defer(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        """W's (weight gradients) a replica of `stage` leaves waiting behind its I's, for a
-        schedule that splits the backward (`zb-h1`, `zb-h2`); none by default."""
-        return 0
-
+    @final
     def deferred_bound(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
         """Of the `in_flight_bound` microbatches, those a replica of `stage` may hold with only
-        their W left to run, keeping `weight_grad_activation_bytes` of their activations:
-        `defer`, at most the replica's microbatches beyond its warm-up and one forward (so that
-        `in_flight_bound` - this is min(its warm-up + 1, its microbatches) whose I is
-        pending)."""
-        mine = -(-num_microbatches // replicas[stage])
-        held = self.warmup(replicas, stage, num_microbatches) + 1
-        return min(self.defer(replicas, stage, num_microbatches), max(0, mine - held))
+        their W left to run, keeping `weight_grad_activation_bytes` of their activations: the
+        kind's form, or what its walked orders leave beside the most holding all their
+        activations."""
+        forms = self.closed_forms
+        if forms is not None and forms.deferred is not None:
+            return forms.deferred(self, replicas, stage, num_microbatches)
+        held = self._held(replicas, stage, num_microbatches, 1)
+        if held is None:
+            return 0
+        return max(0, self.in_flight_bound(replicas, stage, num_microbatches) - held.full)
 
+    @final
+    def stashed_versions_bound(
+        self, replicas: Sequence[int], stage: int, num_microbatches: int
+    ) -> int:
+        """Weight copies a replica of `stage` keeps at most besides the live weights
+        (`weights.stashed_versions` of its `in_flight_bound`)."""
+        in_flight = self.in_flight_bound(replicas, stage, num_microbatches)
+        placement = _straight(tuple(replicas), num_microbatches)
+        return self.weights.stashed_versions(placement, stage, in_flight)
+
+    @final
+    def graded_counts(
+        self, replicas: Sequence[int], stage: int, num_microbatches: int
+    ) -> tuple[int, int]:
+        """(all, W pending): the microbatches a replica of `stage` may hold at once while it
+        holds gradients (they appear at the end of its first B or W and go at the update),
+        read off its walked order (the first count the largest such, the second what the
+        largest total adds to it). A layout the kind does not run with one stage per rank
+        (`zb-v`) gets the bounds of all."""
+        held = self._held(replicas, stage, num_microbatches, 1)
+        if held is None:
+            deferred = self.deferred_bound(replicas, stage, num_microbatches)
+            return self.in_flight_bound(replicas, stage, num_microbatches) - deferred, deferred
+        return held.graded_full, held.graded_in_flight - held.graded_full
+
+    @final
     def memory_counts(
         self, stages_from_here: int, warmup: int, num_microbatches: int, deepest: int
     ) -> MemoryCounts:
         """What the solvers charge a replica whose PipeDream warm-up is `warmup` (w, at least
         its layout's) in a pipeline whose deepest PipeDream warm-up is `deepest` (at least its
-        layout's): the closed forms at the stage of warm-up w of a straight pipeline of
+        layout's): the counts at the stage of warm-up w of a straight pipeline of
         max(deepest, w) + 1 stages (the W's a split schedule leaves pending grow with the
         deepest): `in_flight_bound` - `deferred_bound`, `deferred_bound`,
-        `stashed_versions_bound`. A replica of r > 1 runs M / r of the M microbatches, so they
-        bound it too. in_flight, in_flight + deferred and versions are non-decreasing in w and
-        `deepest`, and so are the bytes (a deferred microbatch keeps at most what one in flight
-        does). `stages_from_here` is there for schedules that need it."""
+        `stashed_versions_bound`, and `graded_counts`. A replica of r > 1 runs M / r of the
+        M microbatches, so they bound it too. in_flight, in_flight + deferred and versions are
+        non-decreasing in w and `deepest`, and so are the bytes (a deferred microbatch keeps
+        at most what one in flight does). `stages_from_here` is there for a schedule that
+        overrides this with counts that need it."""
         straight = [1] * (max(deepest, warmup) + 1)
         stage = len(straight) - 1 - warmup
         deferred = self.deferred_bound(straight, stage, num_microbatches)
@@ -328,36 +385,7 @@ class PipelineSchedule:
             min(graded[0] + graded[1], in_flight + deferred) - min(graded[0], in_flight),
         )
 
-    def graded_counts(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int
-    ) -> tuple[int, int]:
-        """(all, W pending): the microbatches a replica of `stage` may hold at once while it
-        holds gradients (they appear at the end of its first B or W and go at the update), as
-        the simulator holds them. A synchronous replica's own order is walked (the first
-        count the largest such, the second what the largest total adds to it); a stream never
-        drains: the in-flight bound, one less where each backward is followed by its update
-        before the next forward (a round of one microbatch). A schedule that does not run
-        the layout with one stage per rank (`zb-v`) gets the bounds of all."""
-        held = self.in_flight_bound(replicas, stage, num_microbatches)
-        if self.streaming:
-            alone = self.round_size(replicas, stage, num_microbatches) == 1
-            return held - alone, 0
-        try:
-            self.check_layout([(r,) for r in range(len(replicas))], num_microbatches)
-        except ScheduleError:
-            deferred = self.deferred_bound(replicas, stage, num_microbatches)
-            return held - deferred, deferred
-        mine = range(-(-num_microbatches // replicas[stage]))
-        full = waiting = most = most_total = 0
-        graded = False
-        for kind, _ in self.replica_order(replicas, stage, num_microbatches, mine):
-            full += (kind == "F") - (kind in ("B", "I"))
-            waiting += (kind == "I") - (kind == "W")
-            graded = graded or kind in ("B", "W")
-            if graded:
-                most, most_total = max(most, full), max(most_total, full + waiting)
-        return most, most_total - most
-
+    @final
     def memory_bounds(
         self, devices_from_here: int, replicas: int, num_microbatches: int, num_devices: int
     ) -> MemoryCounts:
@@ -374,3 +402,84 @@ class PipelineSchedule:
         return self.memory_counts(
             devices_from_here - replicas + 1, warmup, num_microbatches, deepest
         )
+
+    # -- the walks --------------------------------------------------------------------------
+
+    def _form(self, name: str) -> Any:
+        form = getattr(self.closed_forms, name, None)
+        if form is None:
+            raise ScheduleError(
+                f"{self.name or type(self).__name__} gives no closed form of its "
+                f"{name.replace('_', ' ')}; simulate a plan of equal stages instead "
+                "(pdcompile.simulate)"
+            )
+        return form
+
+    def _held(
+        self, replicas: Sequence[int], stage: int, num_microbatches: int, chunks: int
+    ) -> Walked | None:
+        """The most a replica of `stage` holds (the most of its replicas; with chunks > 1, of
+        the rank running it), walked; None where the kind does not run that layout."""
+        walked = _walks(self, tuple(replicas), num_microbatches, chunks)
+        return None if walked is None else walked[stage]
+
+    def _placement(self, replicas: tuple[int, ...], num_microbatches: int, chunks: int
+                   ) -> Placement:  # fmt: skip
+        """Stages with `replicas` one per rank in a chain, or, with chunks > 1, placed as
+        `plan(..., chunks=)` places them (one replica each)."""
+        if chunks == 1:
+            return _straight(tuple(replicas), num_microbatches)
+        p = len(replicas) // chunks
+        ranks = tuple((self.chunk_rank(i, p, chunks),) for i in range(len(replicas)))
+        edges = {(s, s + 1): True for s in range(len(replicas) - 1)}
+        return Placement(ranks, edges, num_microbatches)
+
+
+@functools.lru_cache(maxsize=1024)
+def _straight(replicas: tuple[int, ...], num_microbatches: int) -> Placement:
+    """`Placement.straight`, for the callers that give replica counts (the weight policy's
+    rules, asked per microbatch)."""
+    return Placement.straight(replicas, num_microbatches)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walks(
+    rules: PipelineSchedule, replicas: tuple[int, ...], num_microbatches: int, chunks: int
+) -> tuple[Walked, ...] | None:
+    """Per stage, the `Walked` of its replicas' ranks (their most), once per schedule and
+    layout (the solvers ask for every stage of a few layouts); None where the kind does not
+    run that layout."""
+    placement = rules._placement(replicas, num_microbatches, chunks)
+    streaming = rules.streaming
+    total = ENDLESS if streaming else num_microbatches
+    try:
+        rules.check_layout(placement.ranks, num_microbatches)
+        orders = rules.rank_orders(Placement(placement.ranks, placement.edges, num_microbatches,
+                                             total))  # fmt: skip
+        if streaming:
+            walked = _walk_stream(rules, placement, orders)
+        else:
+            walked = {rank: walk(orders[rank]) for rank in placement.world}
+    except ScheduleError:
+        return None
+    return tuple(
+        Walked(*(max(field) for field in zip(*(walked[r] for r in rs), strict=True)))
+        for rs in placement.ranks
+    )
+
+
+def _walk_stream(
+    rules: PipelineSchedule, placement: Placement, orders: Mapping[int, Sequence[Item]]
+) -> dict[int, Walked]:
+    """A stream never drains: each rank's endless order walked past its warm-up and two whole
+    rounds, the gradients freed at each round's update."""
+    rounds = {s: (r, rules.weights.round_size(placement, s))
+              for s, r in enumerate(placement.replicas)}  # fmt: skip
+    longest = max(size for _, size in rounds.values())
+    walked = {}
+    for rank in placement.world:
+        order = orders[rank]
+        warmup = next(i for i in itertools.count() if not kind(order[i][0]).starts)
+        count = rules.items_per_microbatch * (warmup + 2 * longest + 2)
+        walked[rank] = walk((order[i] for i in range(count)), rounds)
+    return walked

@@ -3,14 +3,14 @@
 Pure and torch-free. Inputs: the ranks of each stage (a stage's replicas, in order; a rank may
 hold several stages), the stage pairs that exchange tensors (`edges[(src, dst)]` is True when
 gradients flow back along it) and the number of microbatches. Microbatch k runs on replica
-k mod r_s of stage s. Each replica's compute comes from its schedule (`compute_item`: the order
-of its forwards and backwards, fused "B" or split "I"/"W"); receives come right before the
-compute that needs them, sends right after the compute that produced them (executors post
-receives early and never block a sender). Streaming schedules stash a weight version per
-microbatch (`push`/`pop`) and update after each round, in a stream of steps that never drains;
-synchronous ones update once at the end of their one step. A rank holding several stages runs
-the order its schedule gives the rank (`rank_orders`: `interleaved-1f1b`, `zb-v`; `_ranked`), or
-else its stages' orders merged in an order their messages allow (`_merge`).
+k mod r_s of stage s. Each rank's compute comes from its schedule (`rank_orders`: (kind, stage,
+microbatch) items, fused "B" or split "I"/"W"); each item brings its messages as the action
+table says (`action_kinds`): receives come right before the compute that needs them, sends
+right after the compute that produced them (executors post receives early and never block a
+sender). Streaming schedules stash a weight version per microbatch (`push`/`pop`) and update
+after each round, in a stream of steps that never drains; synchronous ones update once at the
+end of their one step: every stage's all-reduces, one check and one clip for the rank, then
+every stage's optimizer step.
 """
 
 from __future__ import annotations
@@ -22,13 +22,27 @@ from typing import NamedTuple
 import networkx as nx
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.actions import COMPUTE, Action, Schedule
+from pdcompile.schedules.action_kinds import (
+    ACT,
+    ALLREDUCE,
+    CHECK,
+    CLIP,
+    GRAD,
+    POP,
+    PUSH,
+    RECV,
+    SEND,
+    STEP,
+    F,
+    kind,
+)
+from pdcompile.schedules.actions import Action, Schedule
 from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.placement import Item, Placement
 from pdcompile.schedules.registry import get_schedule
 
 Edges = Mapping[tuple[int, int], bool]
 NONFINITE = ("raise", "skip")  # what a step with a NaN or infinite loss does
-BACKWARD = ("B", "I", "W")  # the fused backward and the split one's two parts
 
 
 def check_nonfinite(schedule: str | PipelineSchedule, nonfinite: str) -> None:
@@ -47,7 +61,8 @@ def check_nonfinite(schedule: str | PipelineSchedule, nonfinite: str) -> None:
 def compute_order(
     schedule: str | PipelineSchedule, warmup: int, mine: Sequence[int]
 ) -> list[tuple[str, int]]:
-    """One replica's compute, in order, for its microbatches `mine`."""
+    """One replica's compute, in order, for its microbatches `mine` (a `WarmupSchedule`'s,
+    with that warm-up)."""
     rules = get_schedule(schedule)
     count = rules.items_per_microbatch * len(mine)
     return [rules.compute_item(warmup, mine, t) for t in range(count)]
@@ -94,13 +109,11 @@ def build_schedule(
     orders = replica_orders(rules, layout)
     total = num_microbatches * num_steps
     first = next(iter(orders.values())).schedule
-    ranked = rules.rank_orders(first.ranks, num_microbatches)
-    if ranked is not None:  # the schedule orders each rank's stages itself
-        actions = _ranked(rules, orders, ranked, total)
-    elif len({rank for rank, _ in orders}) == len(orders):  # one stage per rank
+    if rules.streaming:  # one stage per rank, its rounds' updates inside its order
         actions = {rank: order.actions(total) for (rank, _), order in sorted(orders.items())}
     else:
-        actions = _merge(orders, total)
+        placement = Placement(first.ranks, dict(edges), num_microbatches, total)
+        actions = _ranked(rules, orders, rules.rank_orders(placement), total)
     return Schedule(rules.name, total, first.replicas, first.ranks, actions)
 
 
@@ -148,24 +161,21 @@ def replica_orders(
     world = tuple(sorted({r for rs in ranks for r in rs}))
     linked = tie_components(stages, ties)
     orders = {}
+    placement = Placement(ranks, dict(edges), num_microbatches)
     for s, stage_ranks in enumerate(ranks):
-        w = rules.warmup(replicas, s, num_microbatches)
-        round_size = rules.round_size(replicas, s, num_microbatches)
+        round_size = rules.weights.round_size(placement, s)
         my_ties = [  # stages of a tie on one rank: the rank sums their copies (RankWorkers)
             (i, tuple(sorted({r for t in tie for r in ranks[t]})))
             for i, tie in enumerate(ties)
             if s in tie
         ]
-        clip_group = rules.clip_group(s, ranks, linked[s], world) if clip else None
+        clip_group = rules.weights.clip_group(placement, s, linked[s]) if clip else None
         update = _update(s, ranks[s], my_ties, clip_group, world if skip_nonfinite else None)
-        peers = Peers(
-            into=tuple(sorted(src for src, dst in edges if dst == s)),
-            out=tuple(sorted(dst for src, dst in edges if src == s)),
-            grads_from=tuple(sorted(d for (a, d), grads in edges.items() if a == s and grads)),
-            grads_to=tuple(sorted(a for (a, d), grads in edges.items() if d == s and grads)),
-        )
+        peers = Peers(placement.into(s), placement.out(s), placement.grads_from(s),
+                      placement.grads_to(s))  # fmt: skip
         for i, rank in enumerate(stage_ranks):
-            orders[(rank, s)] = RankOrder(schedule_, rules, peers, s, i, w, update, round_size)
+            orders[(rank, s)] = RankOrder(schedule_, rules, peers, s, i, update, round_size,
+                                          dict(edges))  # fmt: skip
     return orders
 
 
@@ -204,9 +214,13 @@ class RankOrder:
     peers: Peers
     stage: int
     replica: int
-    warmup: int
     update: Callable[[int], list[Action]]
     round_size: int
+    edges: Mapping[tuple[int, int], bool]
+
+    @property
+    def rank(self) -> int:
+        return self.schedule.ranks[self.stage][self.replica]
 
     def mine(self, total: int) -> range:
         """This replica's microbatches among `total` (round-robin)."""
@@ -223,106 +237,58 @@ class RankOrder:
         """Compute items for `total` microbatches."""
         return self.rules.items_per_microbatch * len(self.mine(total))
 
+    def order(self, total: int) -> Sequence[Item]:
+        """The schedule's order of this replica's rank for `total` microbatches (one stage per
+        rank: this replica's own; a stream's computed item by item)."""
+        schedule = self.schedule
+        placement = Placement(schedule.ranks, self.edges, schedule.num_microbatches, total)
+        return self.rules.rank_orders(placement)[self.rank]
+
     def items(self, total: int, start: int = 0) -> Iterator[tuple[int, list[Action]]]:
         """(item index, its actions) from item `start` on, for `total` microbatches (endless
-        when `total` is: items are computed one at a time). A synchronous replica's update is
-        the item after its last compute."""
-        mine, w, rules = self.mine(total), self.warmup, self.rules
+        when `total` is: items are computed one at a time), this replica's stage's items of its
+        rank's order. A synchronous replica's update is the item after its last compute."""
         count = self.count(total)
-        if rules.streaming:  # unfolded one item at a time: `mine` may be endless
-            item = lambda t: rules.compute_item(w, mine, t)  # noqa: E731
-        else:
-            order = rules.replica_order(
-                self.schedule.replicas, self.stage, self.schedule.num_microbatches, mine
-            )
-            item = order.__getitem__
+        order = self.order(total)
+        if len(self.schedule.stages_of(self.rank)) > 1:
+            order = [item for item in order if item[1] == self.stage]
         for t in range(start, count):
-            yield t, self.compute(*item(t))
-        if not rules.streaming and start <= count:
+            letter, _, k = order[t]
+            yield t, self.compute(letter, k)
+        if not self.rules.streaming and start <= count:
             yield count, self.update(-1)
 
-    def compute(self, kind: str, k: int) -> list[Action]:
-        """The actions of one compute item: `kind` of microbatch `k` with its messages."""
-        return self._forward(k) if kind == "F" else self._backward(kind, k)
-
-    def _forward(self, k: int) -> list[Action]:
-        stage, schedule = self.stage, self.schedule
-        actions = [
-            _comm("recv", stage, k, schedule.rank_of(src, k), src, "act") for src in self.peers.into
-        ]
-        if self.rules.streaming:
-            actions.append(Action("push", stage, k))
-        actions.append(Action("F", stage, k))
-        actions += [
-            _comm("send", stage, k, schedule.rank_of(dst, k), dst, "act") for dst in self.peers.out
-        ]
-        return actions
-
-    def _backward(self, kind: str, k: int) -> list[Action]:
-        """A fused backward ("B") or a part of a split one: "I" (input gradients) receives and
-        sends the gradients, "W" (weight gradients) ends the microbatch at this stage."""
-        if kind not in BACKWARD:
-            raise ScheduleError(f"{self.rules.name}: unknown compute kind {kind!r}")
-        stage, schedule = self.stage, self.schedule
+    def compute(self, letter: str, k: int) -> list[Action]:
+        """The actions of one compute item, `letter` of microbatch `k`, with its messages as
+        the action table says: what it receives before it, what it sends after it; a stream
+        stashes the weight version before a forward and drops it (then updates, after a
+        round's last microbatch) after the item that ends the microbatch."""
+        row = kind(letter)
+        if not row.is_compute:
+            raise ScheduleError(f"{self.rules.name}: unknown compute kind {letter!r}")
+        stage, schedule, peers = self.stage, self.schedule, self.peers
         actions = []
-        if kind != "W":
-            actions += [
-                _comm("recv", stage, k, schedule.rank_of(dst, k), dst, "grad")
-                for dst in self.peers.grads_from
-            ]
-        actions.append(Action(kind, stage, k))
-        if kind != "W":
-            actions += [
-                _comm("send", stage, k, schedule.rank_of(src, k), src, "grad")
-                for src in self.peers.grads_to
-            ]
-        if self.rules.streaming and kind != "I":
-            actions.append(Action("pop", stage, k))
+        if row.receives == ACT:
+            actions += [_comm(RECV, stage, k, schedule.rank_of(src, k), src, ACT)
+                        for src in peers.into]  # fmt: skip
+        elif row.receives == GRAD:
+            actions += [_comm(RECV, stage, k, schedule.rank_of(dst, k), dst, GRAD)
+                        for dst in peers.grads_from]  # fmt: skip
+        if self.rules.streaming and row.starts:
+            actions.append(Action(PUSH, stage, k))
+        actions.append(Action(letter, stage, k))
+        if row.sends == ACT:
+            actions += [_comm(SEND, stage, k, schedule.rank_of(dst, k), dst, ACT)
+                        for dst in peers.out]  # fmt: skip
+        elif row.sends == GRAD:
+            actions += [_comm(SEND, stage, k, schedule.rank_of(src, k), src, GRAD)
+                        for src in peers.grads_to]  # fmt: skip
+        if self.rules.streaming and row.ends:
+            actions.append(Action(POP, stage, k))
             group = schedule.replicas[stage]
             if (k + group) // self.round_size > k // self.round_size:  # its last of the round
                 actions += self.update(k // self.round_size)
         return actions
-
-
-def _merge(
-    orders: Mapping[tuple[int, int], RankOrder], total: int
-) -> dict[int, tuple[Action, ...]]:
-    """Every rank's actions: the compute items of its stages merged in an order their
-    messages allow.
-
-    Every rank of the schedule is run in rounds of unit time: in each round a rank runs one
-    item whose received messages were sent in an earlier round, the backward parts first, then
-    the lowest microbatch, then the lowest stage. Each stage keeps its own order. The rank's
-    updates come last: every stage's all-reduces, one check and one clip for the rank (its
-    first stage names them), then every stage's optimizer step.
-    """
-    queues: dict[int, dict[int, list[list[Action]]]] = {}
-    finals: dict[int, dict[int, list[Action]]] = {}
-    for (rank, stage), order in orders.items():
-        items = [group for _, group in order.items(total)]
-        finals.setdefault(rank, {})[stage] = items.pop()  # the update
-        queues.setdefault(rank, {})[stage] = items
-    sent: set[tuple] = set()
-    merged: dict[int, list[Action]] = {rank: [] for rank in queues}
-    while any(q for stage_queues in queues.values() for q in stage_queues.values()):
-        ready = {}
-        for rank, stage_queues in queues.items():
-            heads = [
-                (stage, q[0]) for stage, q in stage_queues.items()
-                if q and all(_message(rank, a) in sent for a in q[0] if a.kind == "recv")
-            ]  # fmt: skip
-            if heads:
-                ready[rank] = min(heads, key=lambda h: _priority(h[0], h[1]))
-        if not ready:
-            raise ScheduleError(
-                "the stages sharing a rank cannot be merged: every rank waits for a message "
-                "(a stage's own order needs one that comes later)"
-            )
-        for rank, (stage, group) in ready.items():
-            queues[rank][stage].pop(0)
-            merged[rank] += group
-            sent.update(_message(rank, a) for a in group if a.kind == "send")
-    return {rank: tuple(merged[rank] + _updates(finals[rank])) for rank in sorted(merged)}
 
 
 def _updates(finals: Mapping[int, list[Action]]) -> list[Action]:
@@ -333,52 +299,41 @@ def _updates(finals: Mapping[int, list[Action]]) -> list[Action]:
     # one all-reduce per tied tensor (on several of the rank's stages, its first names it),
     # in an order every rank agrees on: the ties by index, then the replicas by stage
     reduces = {}
-    for a in (a for u in updates for a in u if a.kind == "allreduce"):
+    for a in (a for u in updates for a in u if a.kind == ALLREDUCE):
         reduces.setdefault(a.collective, a)
     reduces = sorted(reduces.values(), key=lambda a: (a.tie < 0, a.tie, a.stage))
-    once = [a for a in updates[0] if a.kind in ("check", "clip")]
-    steps = [a for u in updates for a in u if a.kind == "step"]
+    once = [a for a in updates[0] if a.kind in (CHECK, CLIP)]
+    steps = [a for u in updates for a in u if a.kind == STEP]
     return reduces + once + steps
 
 
 def _ranked(
     rules: PipelineSchedule,
     orders: Mapping[tuple[int, int], RankOrder],
-    ranked: Mapping[int, Sequence[tuple[str, int, int]]],
+    ranked: Mapping[int, Sequence[Item]],
     total: int,
 ) -> dict[int, tuple[Action, ...]]:
     """Every rank's actions from the order the schedule gives each rank ((kind, stage,
     microbatch) items), checked against its stages' work: each microbatch of each of the
-    rank's stages once per compute kind (F and B, or F, I and W)."""
+    rank's stages once per compute kind (F and B, or F, I and W), then the rank's updates."""
     actions = {}
+    kinds = rules.compute_kinds
     for rank in sorted({rank for rank, _ in orders}):
         items = list(ranked.get(rank, ()))
         stages = sorted(s for r, s in orders if r == rank)
-        kinds = ("F", "B") if rules.items_per_microbatch == 2 else ("F", "I", "W")
-        want = sorted((kind, s, k) for s in stages for k in orders[(rank, s)].mine(total)
-                      for kind in kinds)  # fmt: skip
-        if sorted(items) != want:
-            wrong = sorted(set(items) ^ set(want))[:4]
+        want = {(letter, s, k) for s in stages for k in orders[(rank, s)].mine(total)
+                for letter in kinds}  # fmt: skip
+        if len(items) != len(want) or set(items) != want:
+            wrong = sorted(set(items) ^ want)[:4] or items[:4]
             raise ScheduleError(
                 f"{rules.name}'s order for rank {rank} does not run each microbatch of its "
                 f"stages {stages} once per {'/'.join(kinds)} (e.g. {wrong}): a bug in the "
                 "schedule's rank_orders"
             )
-        out = [a for kind, s, k in items for a in orders[(rank, s)].compute(kind, k)]
+        out = [a for letter, s, k in items for a in orders[(rank, s)].compute(letter, k)]
         finals = {s: orders[(rank, s)].update(-1) for s in stages}
         actions[rank] = tuple(out + _updates(finals))
     return actions
-
-
-def _priority(stage: int, group: list[Action]) -> tuple[int, int, int]:
-    compute = next(a for a in group if a.kind in COMPUTE)
-    return (compute.kind == "F", compute.microbatch, stage)
-
-
-def _message(rank: int, a: Action) -> tuple:
-    """A message's identity, the same for its send and its receive."""
-    src, dst = (rank, a.peer) if a.kind == "send" else (a.peer, rank)
-    return (src, dst, *a.key)
 
 
 def _update(
@@ -393,14 +348,14 @@ def _update(
     `clip_group`, or per stage when it is empty), step the optimizer."""
 
     def actions(round_: int) -> list[Action]:
-        out = [Action("allreduce", stage, round_, group=ranks, tie=i) for i, ranks in ties]
+        out = [Action(ALLREDUCE, stage, round_, group=ranks, tie=i) for i, ranks in ties]
         if len(group) > 1:
-            out.append(Action("allreduce", stage, round_, group=group))
+            out.append(Action(ALLREDUCE, stage, round_, group=group))
         if check_group is not None:
-            out.append(Action("check", stage, round_, group=check_group))
+            out.append(Action(CHECK, stage, round_, group=check_group))
         if clip_group is not None:
-            out.append(Action("clip", stage, round_, group=clip_group))
-        return [*out, Action("step", stage, round_)]
+            out.append(Action(CLIP, stage, round_, group=clip_group))
+        return [*out, Action(STEP, stage, round_)]
 
     return actions
 
@@ -422,8 +377,8 @@ def forward_schedule(
             into = sorted(src for src, dst in edges if dst == stage)
             out = sorted(dst for src, dst in edges if src == stage)
             mine = actions.setdefault(rank, [])
-            mine += [_comm("recv", stage, k, firsts[src][0], src, "act") for src in into]
-            mine.append(Action("F", stage, k))
-            mine += [_comm("send", stage, k, firsts[dst][0], dst, "act") for dst in out]
+            mine += [_comm(RECV, stage, k, firsts[src][0], src, ACT) for src in into]
+            mine.append(Action(F, stage, k))
+            mine += [_comm(SEND, stage, k, firsts[dst][0], dst, ACT) for dst in out]
     frozen = {rank: tuple(a) for rank, a in sorted(actions.items())}
     return Schedule("forward", num_microbatches, (1,) * len(firsts), firsts, frozen, training=False)

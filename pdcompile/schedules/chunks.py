@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
+from pdcompile.schedules.action_kinds import B, F, I, W
 
 Item = tuple[str, int, int]  # (kind, stage, microbatch)
 
@@ -79,16 +80,16 @@ def split_order(mine: Sequence[int], warmup: int, defer: int) -> list[tuple[str,
     """
     n = len(mine)
     w = min(warmup, n)
-    order = [("F", k) for k in mine[:w]]
+    order = [(F, k) for k in mine[:w]]
     waiting: deque[int] = deque()
     for j in range(n):
         if w + j < n:
-            order.append(("F", mine[w + j]))
-        order.append(("I", mine[j]))
+            order.append((F, mine[w + j]))
+        order.append((I, mine[j]))
         waiting.append(mine[j])
         if j >= defer:
-            order.append(("W", waiting.popleft()))
-    return order + [("W", k) for k in waiting]
+            order.append((W, waiting.popleft()))
+    return order + [(W, k) for k in waiting]
 
 
 def interleaved_order(
@@ -100,8 +101,8 @@ def interleaved_order(
 
     Forwards go in groups of p microbatches through chunk 0, then the same p through chunk
     1, ..., then the next p; backwards alike from the last chunk down. After `warmup`
-    forwards, each forward is followed by the oldest backward (fused "B", or with `split` the
-    input part "I", then the weight part "W" of the one `defer` backwards earlier).
+    forwards, each forward is followed by the oldest backward (fused B, or with `split` the
+    input part I, then the weight part W of the one `defer` backwards earlier).
     """
     total = v * num_microbatches
 
@@ -112,20 +113,20 @@ def interleaved_order(
         return chunk * p + position, (j // (p * v)) * p + j % p
 
     w = min(warmup, total)
-    order: list[Item] = [("F", *item(j, False)) for j in range(w)]
+    order: list[Item] = [(F, *item(j, False)) for j in range(w)]
     waiting: deque[tuple[int, int]] = deque()
     for j in range(total):
         if w + j < total:
-            order.append(("F", *item(w + j, False)))
+            order.append((F, *item(w + j, False)))
         stage, k = item(j, True)
         if not split:
-            order.append(("B", stage, k))
+            order.append((B, stage, k))
             continue
-        order.append(("I", stage, k))
+        order.append((I, stage, k))
         waiting.append((stage, k))
         if j >= defer:
-            order.append(("W", *waiting.popleft()))
-    return order + [("W", s, k) for s, k in waiting]
+            order.append((W, *waiting.popleft()))
+    return order + [(W, s, k) for s, k in waiting]
 
 
 def v_order(p: int, num_microbatches: int, position: int) -> list[Item]:
@@ -142,42 +143,42 @@ def v_order(p: int, num_microbatches: int, position: int) -> list[Item]:
     n = max(2 * p - 1, num_microbatches)
     down, up = position, 2 * p - 1 - position
     order: list[Item] = []
-    count = {("F", down): 0, ("F", up): 0, ("I", down): 0, ("I", up): 0}
+    count = {(F, down): 0, (F, up): 0, (I, down): 0, (I, up): 0}
     weights = {down: 0, up: 0}
 
     def run(kind: str, stage: int) -> None:
-        if kind == "W":
-            order.append(("W", stage, weights[stage]))
+        if kind == W:
+            order.append((W, stage, weights[stage]))
             weights[stage] += 1
             return
         order.append((kind, stage, count[(kind, stage)]))
         count[(kind, stage)] += 1
 
     for _ in range(2 * (p - position) - 1):
-        run("F", down)
+        run(F, down)
     for _ in range(position):
-        run("F", up)
-        run("F", down)
+        run(F, up)
+        run(F, down)
     for _ in range(p - position):
-        run("F", up)
-        run("I", up)
-        run("W", up)
-    while count[("F", up)] < count[("F", down)] or count[("F", down)] < n:
-        if count[("F", down)] < n:
-            run("F", down)
-        run("I", down)
-        run("W", down)
-        run("F", up)
-        run("I", up)
-        run("W", up)
+        run(F, up)
+        run(I, up)
+        run(W, up)
+    while count[(F, up)] < count[(F, down)] or count[(F, down)] < n:
+        if count[(F, down)] < n:
+            run(F, down)
+        run(I, down)
+        run(W, down)
+        run(F, up)
+        run(I, up)
+        run(W, up)
     for _ in range(position):
-        run("I", down)
-        run("I", up)
+        run(I, down)
+        run(I, up)
     for _ in range(p - position):
-        run("I", down)
-        run("W", down)
-    while weights[up] < count[("I", up)]:
-        run("W", up)
-    while weights[down] < count[("I", down)]:
-        run("W", down)
+        run(I, down)
+        run(W, down)
+    while weights[up] < count[(I, up)]:
+        run(W, up)
+    while weights[down] < count[(I, down)]:
+        run(W, down)
     return [item for item in order if item[2] < num_microbatches]

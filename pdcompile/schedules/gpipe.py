@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.closed_forms import WARMUP_FLUSHED
 from pdcompile.schedules.registry import register_schedule
+from pdcompile.schedules.warmup_orders import WarmupSchedule
 
 
 @register_schedule("gpipe")
-class GPipe(PipelineSchedule):
+class GPipe(WarmupSchedule):
     """Synchronous GPipe: all forwards, then all backwards; every microbatch in flight."""
 
     meaning = (
         "synchronous: all forwards, then all backwards, one update per step; the same "
         "optimisation as 1f1b with more activations in flight."
     )
+    closed_forms = WARMUP_FLUSHED
 
     def warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
         """Every microbatch of the replica."""

@@ -14,16 +14,40 @@ chunk's activations). With one stage per rank (v = 1) this is `1f1b`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.base import PipelineSchedule
 from pdcompile.schedules.chunks import check_round_robin, interleaved_order
+from pdcompile.schedules.closed_forms import ClosedForms, warmup_in_flight
+from pdcompile.schedules.placement import Item, Placement
 from pdcompile.schedules.registry import register_schedule
+from pdcompile.schedules.warmup_orders import WarmupSchedule
+
+
+def _step_time(
+    rules: Interleaved1F1B, num_stages: int, num_microbatches: int, forward_s: float,
+    backward_s: float, *, weight_s: float | None = None, chunks: int = 1,
+) -> float:  # fmt: skip
+    """(vM + p - 1)(F + B) with p = num_stages / v ranks."""
+    p = num_stages // chunks
+    return (chunks * num_microbatches + p - 1) * (forward_s + backward_s)
+
+
+def _in_flight(
+    rules: Interleaved1F1B, replicas: Sequence[int], stage: int, num_microbatches: int, *,
+    chunks: int = 1,
+) -> int:  # fmt: skip
+    """Microbatch-chunks the rank running `stage` holds at most (all its stages together):
+    its warm-up and one forward, at most vM."""
+    if chunks == 1:
+        return warmup_in_flight(rules, replicas, stage, num_microbatches)
+    p = len(replicas) // chunks
+    held = rules.megatron_warmup(p, chunks, stage % p) + 1
+    return min(held, chunks * num_microbatches)
 
 
 @register_schedule("interleaved-1f1b")
-class Interleaved1F1B(PipelineSchedule):
+class Interleaved1F1B(WarmupSchedule):
     """Megatron's interleaved 1F1B: v stages per rank, bubble (p - 1) / (vM + p - 1)."""
 
     meaning = (
@@ -33,6 +57,7 @@ class Interleaved1F1B(PipelineSchedule):
         "v times smaller than 1f1b's for v chunks per rank."
     )
     default_chunks = 2
+    closed_forms = ClosedForms(step_time=_step_time, in_flight=_in_flight)
 
     def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
         p, v = check_round_robin(self.name, ranks)
@@ -42,39 +67,18 @@ class Interleaved1F1B(PipelineSchedule):
                 f"num_microbatches must be a multiple of {p}, got {num_microbatches}"
             )
 
-    def rank_orders(
-        self, ranks: Sequence[Sequence[int]], num_microbatches: int
-    ) -> dict[int, list[tuple[str, int, int]]] | None:
-        p, v = check_round_robin(self.name, ranks)
+    def rank_orders(self, placement: Placement) -> Mapping[int, Sequence[Item]]:
+        p, v = check_round_robin(self.name, placement.ranks)
         if v == 1:
-            return None  # 1F1B
+            return super().rank_orders(placement)  # 1F1B
         return {
-            ranks[r][0]: interleaved_order(p, v, num_microbatches, r, self._warmup(p, v, r))
+            placement.ranks[r][0]: interleaved_order(
+                p, v, placement.total, r, self.megatron_warmup(p, v, r)
+            )
             for r in range(p)
         }
 
     @staticmethod
-    def _warmup(p: int, v: int, position: int) -> int:
+    def megatron_warmup(p: int, v: int, position: int) -> int:
         """Megatron's warm-up forwards on the rank at `position`: 2(p - 1 - r) + (v - 1)p."""
         return 2 * (p - 1 - position) + (v - 1) * p
-
-    # -- closed forms ---------------------------------------------------------------------
-
-    def step_time(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
-        *, weight_s: float | None = None, chunks: int = 1,
-    ) -> float:  # fmt: skip
-        """(vM + p - 1)(F + B) with p = num_stages / v ranks."""
-        p = num_stages // chunks
-        return (chunks * num_microbatches + p - 1) * (forward_s + backward_s)
-
-    def in_flight_bound(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int, *, chunks: int = 1
-    ) -> int:
-        """Microbatch-chunks the rank running `stage` holds at most (all its stages together):
-        its warm-up and one forward, at most vM."""
-        if chunks == 1:
-            return super().in_flight_bound(replicas, stage, num_microbatches)
-        p = len(replicas) // chunks
-        held = self._warmup(p, chunks, stage % p) + 1
-        return min(held, chunks * num_microbatches)

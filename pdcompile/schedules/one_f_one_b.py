@@ -8,12 +8,13 @@ bubble (S - 1) / (M + S - 1), at most S - s microbatches in flight at stage s.
 
 from __future__ import annotations
 
-from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.closed_forms import WARMUP_FLUSHED
 from pdcompile.schedules.registry import register_schedule
+from pdcompile.schedules.warmup_orders import WarmupSchedule
 
 
 @register_schedule("1f1b")
-class OneForwardOneBackward(PipelineSchedule):
+class OneForwardOneBackward(WarmupSchedule):
     """Synchronous 1F1B (PipeDream-Flush): one update per step, S - s microbatches in flight."""
 
     meaning = (
@@ -21,3 +22,4 @@ class OneForwardOneBackward(PipelineSchedule):
         "weighted by its share of the batch, and every stage updates once per step: exactly "
         "single-process gradient accumulation; the pipeline drains at every step (a bubble)."
     )
+    closed_forms = WARMUP_FLUSHED

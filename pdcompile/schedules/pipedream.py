@@ -17,8 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.closed_forms import WARMUP_STREAMED
+from pdcompile.schedules.placement import Placement
 from pdcompile.schedules.registry import register_schedule
+from pdcompile.schedules.warmup_orders import WarmupSchedule
+from pdcompile.schedules.weight_policy import WeightPolicy
 
 
 def version(replicas: Sequence[int], stage: int, minibatch: int) -> int:
@@ -41,8 +44,36 @@ def vertical_version(replicas: Sequence[int], stage: int, minibatch: int) -> int
     return min(version(replicas, stage, minibatch), included // replicas[stage])
 
 
+class PipeDreamWeights(WeightPolicy):
+    """Weight stashing: an update per round of a stage's replicas, minibatch k on v(k, s)."""
+
+    streaming = True
+    update_per_microbatch = True
+    vertical_sync = True
+    replicates_ties = False  # its copies would update once per round of other replica counts
+
+    def round_size(self, placement: Placement, stage: int) -> int:
+        return placement.replicas[stage]
+
+    def weight_version(
+        self, placement: Placement, stage: int, microbatch: int, vertical: bool = False
+    ) -> int | None:
+        return vertical_version(placement.replicas, stage, microbatch) if vertical else None
+
+    def version(self, placement: Placement, stage: int, minibatch: int) -> int:
+        return version(placement.replicas, stage, minibatch)
+
+    def clip_group(
+        self, placement: Placement, stage: int, linked: frozenset[int]
+    ) -> tuple[int, ...]:
+        """Per stage (no group), or with the stages tied to it (one norm over their
+        gradients, so tied copies stay equal)."""
+        ranks = placement.ranks
+        return tuple(sorted(r for t in linked for r in ranks[t])) if len(linked) > 1 else ()
+
+
 @register_schedule("pipedream")
-class PipeDream(PipelineSchedule):
+class PipeDream(WarmupSchedule):
     """PipeDream's asynchronous 1F1B: an update per minibatch, weight stashing, no flush."""
 
     meaning = (
@@ -52,10 +83,8 @@ class PipeDream(PipelineSchedule):
         "staleness of up to the pipeline depth, no bubble. Minibatches stay in flight across "
         "train_step calls until flush()."
     )
-    streaming = True
-    update_per_microbatch = True
-    vertical_sync = True
-    replicates_ties = False  # its copies would update once per round of other replica counts
+    weights = PipeDreamWeights()  # one stashed version per minibatch in flight
+    closed_forms = WARMUP_STREAMED
 
     def check(
         self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
@@ -73,32 +102,3 @@ class PipeDream(PipelineSchedule):
                 "would update once per round of different replica counts; tie stages must have "
                 "one replica each"
             )
-
-    def round_size(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
-        return replicas[stage]
-
-    def weight_version(
-        self, replicas: Sequence[int], stage: int, microbatch: int, num_microbatches: int,
-        vertical: bool = False,
-    ) -> int | None:  # fmt: skip
-        return vertical_version(replicas, stage, microbatch) if vertical else None
-
-    def version(
-        self, replicas: Sequence[int], stage: int, minibatch: int, num_microbatches: int
-    ) -> int:
-        return version(replicas, stage, minibatch)
-
-    def clip_group(
-        self, stage: int, ranks: Sequence[Sequence[int]], linked: frozenset[int],
-        world: tuple[int, ...],
-    ) -> tuple[int, ...]:  # fmt: skip
-        """Per stage (no group), or with the stages tied to it (one norm over their
-        gradients, so tied copies stay equal)."""
-        return tuple(sorted(r for t in linked for r in ranks[t])) if len(linked) > 1 else ()
-
-    def stashed_versions_bound(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int
-    ) -> int:
-        """One version per minibatch in flight: in the steady state each ran its forward after
-        another update."""
-        return self.in_flight_bound(replicas, stage, num_microbatches)

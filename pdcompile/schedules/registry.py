@@ -1,4 +1,7 @@
-"""The schedule registry: `register_schedule(name)` and `schedules()`, like the solvers'."""
+"""The schedule registry: `register_schedule(name)` and `schedules()`, like the solvers'.
+
+The built-in schedules are found by listing this package: a new file in it that registers a
+schedule needs no line here."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pdcompile.schedules.base import PipelineSchedule
 
 SCHEDULES: Registry[PipelineSchedule] = Registry(
     "schedule",
-    (
+    (  # the simplest first: the order schedule="auto" breaks ties in (the others follow)
         "pdcompile.schedules.one_f_one_b",
         "pdcompile.schedules.gpipe",
         "pdcompile.schedules.pipedream",
@@ -21,6 +24,7 @@ SCHEDULES: Registry[PipelineSchedule] = Registry(
         "pdcompile.schedules.zb_v",
     ),
     ScheduleError,
+    package="pdcompile.schedules",
 )
 
 
@@ -30,7 +34,7 @@ def register_schedule(name: str) -> Callable[[type[PipelineSchedule]], type[Pipe
 
     Example:
         >>> @pdcompile.register_schedule("1f1b-deep")
-        ... class DeepWarmup(PipelineSchedule):
+        ... class DeepWarmup(WarmupSchedule):
         ...     '''1F1B with one more warm-up forward per stage.'''
         ...     def warmup(self, replicas, stage, num_microbatches):
         ...         return super().warmup(replicas, stage, num_microbatches) + 1
@@ -40,6 +44,14 @@ def register_schedule(name: str) -> Callable[[type[PipelineSchedule]], type[Pipe
         if not (isinstance(cls, type) and issubclass(cls, PipelineSchedule)):
             raise ScheduleError(
                 f"register_schedule({name!r}) decorates a PipelineSchedule subclass, got {cls!r}"
+            )
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise ScheduleError(
+                f"schedule {name!r} ({cls.__name__}) does not define {', '.join(missing)}, the "
+                "required core: every rank's order of compute items (see docs/schedules.md); "
+                "for 1F1B's order with a warm-up of your own, subclass "
+                "pdcompile.schedules.WarmupSchedule"
             )
         instance = cls()
         instance.name = name

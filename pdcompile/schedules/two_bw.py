@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.base import PipelineSchedule
+from pdcompile.schedules.closed_forms import WARMUP_STREAMED
+from pdcompile.schedules.placement import Placement
 from pdcompile.schedules.registry import register_schedule
+from pdcompile.schedules.warmup_orders import WarmupSchedule
+from pdcompile.schedules.weight_policy import WeightPolicy
 
 
 def two_bw_version(num_microbatches: int, microbatch: int, first_step: int = 0) -> int:
@@ -32,8 +35,34 @@ def two_bw_version(num_microbatches: int, microbatch: int, first_step: int = 0) 
     return max(0, first_step + microbatch // num_microbatches - 1)
 
 
+class TwoBWWeights(WeightPolicy):
+    """Double-buffered updates: step t computes on W(t - 1), two weight versions."""
+
+    streaming = True
+    keeps_previous = True
+
+    def weight_version(
+        self, placement: Placement, stage: int, microbatch: int, vertical: bool = False
+    ) -> int | None:
+        return microbatch // placement.num_microbatches - 1
+
+    def version(self, placement: Placement, stage: int, minibatch: int) -> int:
+        return two_bw_version(placement.num_microbatches, minibatch)
+
+    def stashed_versions(self, placement: Placement, stage: int, in_flight: int) -> int:
+        """The copy the step computes on, and, on a stage with a warm-up (more than one
+        microbatch in flight), the next step's, whose forwards start before this step's last
+        backward."""
+        return 2 if in_flight > 1 else 1
+
+    def steady_calls(self, placement: Placement, warmups: Sequence[int]) -> int:
+        """One more than the default: the first two steps share the first weights (the second
+        call copies them less often than the later ones)."""
+        return super().steady_calls(placement, warmups) + 1
+
+
 @register_schedule("2bw")
-class TwoBW(PipelineSchedule):
+class TwoBW(WarmupSchedule):
     """PipeDream-2BW: one update per step on one-step-stale weights, two versions, no flush."""
 
     meaning = (
@@ -41,8 +70,8 @@ class TwoBW(PipelineSchedule):
         "before the previous update (one step stale), two weight versions, no flush: consecutive "
         "steps overlap, and microbatches stay in flight across train_step calls until flush()."
     )
-    streaming = True
-    keeps_previous = True
+    weights = TwoBWWeights()
+    closed_forms = WARMUP_STREAMED
 
     def check(
         self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
@@ -66,26 +95,3 @@ class TwoBW(PipelineSchedule):
         suffice. The cap binds only when M < sum_{t>=s} r_t - 1."""
         return min(super().warmup(replicas, stage, num_microbatches),
                    num_microbatches // replicas[stage])  # fmt: skip
-
-    def weight_version(
-        self, replicas: Sequence[int], stage: int, microbatch: int, num_microbatches: int,
-        vertical: bool = False,
-    ) -> int | None:  # fmt: skip
-        return microbatch // num_microbatches - 1
-
-    def version(
-        self, replicas: Sequence[int], stage: int, minibatch: int, num_microbatches: int
-    ) -> int:
-        return two_bw_version(num_microbatches, minibatch)
-
-    def steady_calls(self, replicas: Sequence[int], num_microbatches: int) -> int:
-        """One more than the default: the first two steps share the first weights (the second
-        call copies them less often than the later ones)."""
-        return super().steady_calls(replicas, num_microbatches) + 1
-
-    def stashed_versions_bound(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int
-    ) -> int:
-        """The copy the step computes on, and, on a stage with a warm-up, the next step's,
-        whose forwards start before this step's last backward."""
-        return 2 if self.warmup(replicas, stage, num_microbatches) > 0 else 1

@@ -21,16 +21,63 @@ a third of 1F1B's idle time. `step_time` has the form for every M (v = 1).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.base import PipelineSchedule, split_parts
 from pdcompile.schedules.chunks import check_round_robin, interleaved_order, split_order
+from pdcompile.schedules.closed_forms import ClosedForms, split_parts
+from pdcompile.schedules.placement import Item, Placement
 from pdcompile.schedules.registry import register_schedule
+from pdcompile.schedules.warmup_orders import WarmupSchedule
+
+
+def _step_time(
+    rules: ZeroBubbleH1, num_stages: int, num_microbatches: int, forward_s: float,
+    backward_s: float, *, weight_s: float | None = None, chunks: int = 1,
+) -> float:  # fmt: skip
+    """vM(F + I + W) + (p - 1) max(F, I, F + I - W) for M >= p (p = num_stages / v); one
+    stage per rank and M < p: with q = max(M, p), the largest of qF + (M + p - 1)I + MW,
+    (M + p - 1)F + qI + MW and (M + p - 1)(F + I) + (q - p + 1)W (which is the first form
+    when M >= p)."""
+    f, (i, w) = forward_s, split_parts(backward_s, weight_s)
+    p, m = num_stages // chunks, num_microbatches
+    if chunks > 1:
+        return chunks * m * (f + i + w) + (p - 1) * max(f, i, f + i - w)
+    q = max(m, p)
+    return max(
+        q * f + (m + p - 1) * i + m * w,
+        (m + p - 1) * f + q * i + m * w,
+        (m + p - 1) * (f + i) + (q - p + 1) * w,
+    )
+
+
+def _in_flight(
+    rules: ZeroBubbleH1, replicas: Sequence[int], stage: int, num_microbatches: int, *,
+    chunks: int = 1,
+) -> int:  # fmt: skip
+    """1F1B's peak, the deepest warm-up and one forward (at most the replica's microbatches);
+    with chunks > 1 the microbatch-chunks of the rank running `stage`, all its stages
+    together: vp (at most vM)."""
+    if chunks > 1:
+        p = len(replicas) // chunks
+        return chunks * min(p, num_microbatches)
+    deepest = max(rules.warmup(replicas, t, num_microbatches) for t in range(len(replicas)))
+    return min(deepest + 1, -(-num_microbatches // replicas[stage]))
+
+
+def deferred(
+    rules: ZeroBubbleH1, replicas: Sequence[int], stage: int, num_microbatches: int
+) -> int:
+    """Of the microbatches in flight, those a replica of `stage` holds with only W pending:
+    its `defer`, at most its microbatches beyond its warm-up and one forward (so that the
+    rest, min(its warm-up + 1, its microbatches), have their I pending). `zb-h2`'s too."""
+    mine = -(-num_microbatches // replicas[stage])
+    held = rules.warmup(replicas, stage, num_microbatches) + 1
+    return min(rules.defer(replicas, stage, num_microbatches), max(0, mine - held))
 
 
 @register_schedule("zb-h1")
-class ZeroBubbleH1(PipelineSchedule):
+class ZeroBubbleH1(WarmupSchedule):
     """ZB-H1: backward split into I and W, W's fill the drain, at 1F1B's peak activations."""
 
     meaning = (
@@ -42,6 +89,7 @@ class ZeroBubbleH1(PipelineSchedule):
     items_per_microbatch = 3
     default_chunks = 1
     auto_chunks = (1, 2)  # 2: what torch's `ScheduleInterleavedZeroBubble` runs
+    closed_forms = ClosedForms(step_time=_step_time, in_flight=_in_flight, deferred=deferred)
 
     def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
         p, v = check_round_robin(self.name, ranks)
@@ -63,48 +111,13 @@ class ZeroBubbleH1(PipelineSchedule):
         w = self.warmup(replicas, stage, num_microbatches)
         return split_order(mine, w, self.defer(replicas, stage, num_microbatches))
 
-    def rank_orders(
-        self, ranks: Sequence[Sequence[int]], num_microbatches: int
-    ) -> dict[int, list[tuple[str, int, int]]] | None:
-        p, v = check_round_robin(self.name, ranks)
+    def rank_orders(self, placement: Placement) -> Mapping[int, Sequence[Item]]:
+        p, v = check_round_robin(self.name, placement.ranks)
         if v == 1:
-            return None
+            return super().rank_orders(placement)
         return {
-            ranks[r][0]: interleaved_order(
-                p, v, num_microbatches, r, (v - 1) * p + p - 1 - r, split=True, defer=r
+            placement.ranks[r][0]: interleaved_order(
+                p, v, placement.total, r, (v - 1) * p + p - 1 - r, split=True, defer=r
             )
             for r in range(p)
         }
-
-    # -- closed forms ---------------------------------------------------------------------
-
-    def step_time(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
-        *, weight_s: float | None = None, chunks: int = 1,
-    ) -> float:  # fmt: skip
-        """vM(F + I + W) + (p - 1) max(F, I, F + I - W) for M >= p (p = num_stages / v); one
-        stage per rank and M < p: with q = max(M, p), the largest of qF + (M + p - 1)I + MW,
-        (M + p - 1)F + qI + MW and (M + p - 1)(F + I) + (q - p + 1)W (which is the first form
-        when M >= p)."""
-        f, (i, w) = forward_s, split_parts(backward_s, weight_s)
-        p, m = num_stages // chunks, num_microbatches
-        if chunks > 1:
-            return chunks * m * (f + i + w) + (p - 1) * max(f, i, f + i - w)
-        q = max(m, p)
-        return max(
-            q * f + (m + p - 1) * i + m * w,
-            (m + p - 1) * f + q * i + m * w,
-            (m + p - 1) * (f + i) + (q - p + 1) * w,
-        )
-
-    def in_flight_bound(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int, *, chunks: int = 1
-    ) -> int:
-        """1F1B's peak, the deepest warm-up and one forward (at most the replica's
-        microbatches); with chunks > 1 the microbatch-chunks of the rank running `stage`,
-        all its stages together: vp (at most vM)."""
-        if chunks > 1:
-            p = len(replicas) // chunks
-            return chunks * min(p, num_microbatches)
-        deepest = max(self.warmup(replicas, t, num_microbatches) for t in range(len(replicas)))
-        return min(deepest + 1, -(-num_microbatches // replicas[stage]))

@@ -20,13 +20,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.base import PipelineSchedule, split_parts
 from pdcompile.schedules.chunks import ranks_and_chunks, split_order
+from pdcompile.schedules.closed_forms import ClosedForms, split_parts
 from pdcompile.schedules.registry import register_schedule
+from pdcompile.schedules.warmup_orders import WarmupSchedule
+from pdcompile.schedules.zb_h1 import deferred
+
+
+def _step_time(
+    rules: ZeroBubbleH2, num_stages: int, num_microbatches: int, forward_s: float,
+    backward_s: float, *, weight_s: float | None = None, chunks: int = 1,
+) -> float:  # fmt: skip
+    """M(F + I + W) + (p - 1) max(F, I - F, F + I - 2W) (M >= 2p - 1)."""
+    f, (i, w) = forward_s, split_parts(backward_s, weight_s)
+    p, m = num_stages, num_microbatches
+    return m * (f + i + w) + (p - 1) * max(f, i - f, f + i - 2 * w)
+
+
+def _in_flight(
+    rules: ZeroBubbleH2, replicas: Sequence[int], stage: int, num_microbatches: int, *,
+    chunks: int = 1,
+) -> int:  # fmt: skip
+    """Twice the deepest warm-up and one forward (at most the replica's microbatches): 2p - 1
+    on a straight pipeline."""
+    deepest = max(rules.one_f_one_b_warmup(replicas, t, num_microbatches)
+                  for t in range(len(replicas)))  # fmt: skip
+    return min(2 * deepest + 1, -(-num_microbatches // replicas[stage]))
 
 
 @register_schedule("zb-h2")
-class ZeroBubbleH2(PipelineSchedule):
+class ZeroBubbleH2(WarmupSchedule):
     """ZB-H2: twice 1F1B's warm-up, W's fill the drain; 2p - 1 microbatches in flight."""
 
     meaning = (
@@ -37,6 +60,7 @@ class ZeroBubbleH2(PipelineSchedule):
         "from all microbatches: exactly single-process gradient accumulation."
     )
     items_per_microbatch = 3
+    closed_forms = ClosedForms(step_time=_step_time, in_flight=_in_flight, deferred=deferred)
 
     def check(
         self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
@@ -58,41 +82,22 @@ class ZeroBubbleH2(PipelineSchedule):
                 "for several stages per rank use zb-h1 (chunks=v) or zb-v"
             )
 
-    def _one_f_one_b(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+    def one_f_one_b_warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """1F1B's (PipeDream's) warm-up of a replica of `stage`."""
         return super().warmup(replicas, stage, num_microbatches)
 
     def warmup(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
         """Twice 1F1B's (PipeDream's) warm-up."""
-        return 2 * self._one_f_one_b(replicas, stage, num_microbatches)
+        return 2 * self.one_f_one_b_warmup(replicas, stage, num_microbatches)
 
     def defer(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
         """W's a replica of `stage` leaves waiting: 2(max_t w_t - w_s), w 1F1B's warm-up."""
-        deepest = max(self._one_f_one_b(replicas, t, num_microbatches)
+        deepest = max(self.one_f_one_b_warmup(replicas, t, num_microbatches)
                       for t in range(len(replicas)))  # fmt: skip
-        return 2 * (deepest - self._one_f_one_b(replicas, stage, num_microbatches))
+        return 2 * (deepest - self.one_f_one_b_warmup(replicas, stage, num_microbatches))
 
     def replica_order(
         self, replicas: Sequence[int], stage: int, num_microbatches: int, mine: Sequence[int]
     ) -> list[tuple[str, int]]:
         w = self.warmup(replicas, stage, num_microbatches)
         return split_order(mine, w, self.defer(replicas, stage, num_microbatches))
-
-    # -- closed forms ---------------------------------------------------------------------
-
-    def step_time(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
-        *, weight_s: float | None = None, chunks: int = 1,
-    ) -> float:  # fmt: skip
-        """M(F + I + W) + (p - 1) max(F, I - F, F + I - 2W) (M >= 2p - 1)."""
-        f, (i, w) = forward_s, split_parts(backward_s, weight_s)
-        p, m = num_stages, num_microbatches
-        return m * (f + i + w) + (p - 1) * max(f, i - f, f + i - 2 * w)
-
-    def in_flight_bound(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int, *, chunks: int = 1
-    ) -> int:
-        """Twice the deepest warm-up and one forward (at most the replica's microbatches):
-        2p - 1 on a straight pipeline."""
-        deepest = max(self._one_f_one_b(replicas, t, num_microbatches)
-                      for t in range(len(replicas)))  # fmt: skip
-        return min(2 * deepest + 1, -(-num_microbatches // replicas[stage]))

@@ -19,12 +19,54 @@ half of `zb-h1`'s on p ranks of one stage each (whose stages are twice as long).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.base import PipelineSchedule, split_parts
+from pdcompile.schedules.base import PipelineSchedule
 from pdcompile.schedules.chunks import check_v_shape, v_order
+from pdcompile.schedules.closed_forms import ClosedForms, split_parts
+from pdcompile.schedules.placement import Item, Placement
 from pdcompile.schedules.registry import register_schedule
+
+
+def _step_time(
+    rules: ZeroBubbleV, num_stages: int, num_microbatches: int, forward_s: float,
+    backward_s: float, *, weight_s: float | None = None, chunks: int = 2,
+) -> float:  # fmt: skip
+    """2M(F + I + W) + the largest of the forms in the module's docstring (p = num_stages / 2
+    >= 2; M >= 2p - 1); one rank: 2M(F + I + W). Two stages per rank, whatever `chunks`."""
+    f, (i, w) = forward_s, split_parts(backward_s, weight_s)
+    p, m = num_stages // 2, num_microbatches
+    if p == 1:  # one rank runs the whole V: nothing to wait for
+        return 2 * m * (f + i + w)
+    fill = max(
+        (p - 1) * i,
+        max(f, i) + (p - 2) * w,
+        (2 * p - 3) * f - (p - 2) * i,
+        (2 * p - 2) * f - (p - 1) * i - w,
+        2 * (p - 1) * (i - w),
+        (2 * p - 2) * f - (2 * p - 1) * w,
+        (2 * p - 3) * f + i - (2 * p - 2) * w,
+    )
+    return 2 * m * (f + i + w) + fill
+
+
+def _bubble(
+    rules: ZeroBubbleV, num_stages: int, num_microbatches: int, forward_s: float,
+    backward_s: float, *, weight_s: float | None = None, chunks: int = 2,
+) -> float:  # fmt: skip
+    """1 - 2M(F + B) / step_time: two stages per rank, whatever `chunks`."""
+    step = _step_time(rules, num_stages, num_microbatches, forward_s, backward_s,
+                      weight_s=weight_s)  # fmt: skip
+    return 1 - 2 * num_microbatches * (forward_s + backward_s) / step if step else 0.0
+
+
+def _in_flight(
+    rules: ZeroBubbleV, replicas: Sequence[int], stage: int, num_microbatches: int, *,
+    chunks: int = 2,
+) -> int:  # fmt: skip
+    """Microbatch-chunks the rank running `stage` holds, its two stages together: 2p."""
+    return len(replicas)
 
 
 @register_schedule("zb-v")
@@ -39,6 +81,7 @@ class ZeroBubbleV(PipelineSchedule):
     )
     items_per_microbatch = 3
     default_chunks = 2
+    closed_forms = ClosedForms(step_time=_step_time, bubble=_bubble, in_flight=_in_flight)
 
     def check(
         self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
@@ -59,44 +102,6 @@ class ZeroBubbleV(PipelineSchedule):
             raise ScheduleError(f"{self.name} runs two stages per rank (chunks=2), got {chunks}")
         return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
 
-    def rank_orders(
-        self, ranks: Sequence[Sequence[int]], num_microbatches: int
-    ) -> dict[int, list[tuple[str, int, int]]] | None:
-        p = check_v_shape(self.name, ranks)
-        return {ranks[r][0]: v_order(p, num_microbatches, r) for r in range(p)}
-
-    # -- closed forms ---------------------------------------------------------------------
-
-    def step_time(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
-        *, weight_s: float | None = None, chunks: int = 2,
-    ) -> float:  # fmt: skip
-        """2M(F + I + W) + the largest of the forms in the module's docstring (p =
-        num_stages / 2 >= 2; M >= 2p - 1); one rank: 2M(F + I + W)."""
-        f, (i, w) = forward_s, split_parts(backward_s, weight_s)
-        p, m = num_stages // 2, num_microbatches
-        if p == 1:  # one rank runs the whole V: nothing to wait for
-            return 2 * m * (f + i + w)
-        fill = max(
-            (p - 1) * i,
-            max(f, i) + (p - 2) * w,
-            (2 * p - 3) * f - (p - 2) * i,
-            (2 * p - 2) * f - (p - 1) * i - w,
-            2 * (p - 1) * (i - w),
-            (2 * p - 2) * f - (2 * p - 1) * w,
-            (2 * p - 3) * f + i - (2 * p - 2) * w,
-        )
-        return 2 * m * (f + i + w) + fill
-
-    def bubble(
-        self, num_stages: int, num_microbatches: int, forward_s: float, backward_s: float,
-        *, weight_s: float | None = None, chunks: int = 2,
-    ) -> float:  # fmt: skip
-        return super().bubble(num_stages, num_microbatches, forward_s, backward_s,
-                              weight_s=weight_s, chunks=2)  # fmt: skip
-
-    def in_flight_bound(
-        self, replicas: Sequence[int], stage: int, num_microbatches: int, *, chunks: int = 2
-    ) -> int:
-        """Microbatch-chunks the rank running `stage` holds, its two stages together: 2p."""
-        return len(replicas)
+    def rank_orders(self, placement: Placement) -> Mapping[int, Sequence[Item]]:
+        p = check_v_shape(self.name, placement.ranks)
+        return {placement.ranks[r][0]: v_order(p, placement.total, r) for r in range(p)}
