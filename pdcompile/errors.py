@@ -9,6 +9,7 @@ __all__ = [
     "BatchError",
     "CheckpointError",
     "CodegenError",
+    "ConfigError",
     "CostError",
     "LossError",
     "PartitionError",
@@ -68,6 +69,30 @@ class PipelineTimeoutError(StageCommError, TimeoutError):
 class BatchError(PdcompileError, ValueError):
     """A batch given to `train_step` or `eval_step` does not fit the captured model (type,
     shape, dtype or device of an input, or rows of the targets)."""
+
+
+class ConfigError(PdcompileError, ValueError):
+    """A setting is invalid (of `compile`, `plan` or an executor): the message names the
+    option, the value given and the remedy. Settings are checked once, when their config is
+    built (`pdcompile/compiling/config.py`), before any work and on every rank."""
+
+
+# A setting a phase used to check raises ConfigError of that phase's class too, so an `except`
+# written for the phase's class still catches it.
+class PlanConfigError(ConfigError, PartitionError):
+    """A planning setting is invalid (cluster, solver, microbatches, memory, ...)."""
+
+
+class ScheduleConfigError(ConfigError, ScheduleError):
+    """A schedule or step setting is invalid (schedule, clipping, timeouts, non-finite losses)."""
+
+
+class CostConfigError(ConfigError, CostError):
+    """The optimizer setting is invalid (no factory, or one that fails on a tensor)."""
+
+
+class CheckpointConfigError(ConfigError, CheckpointError):
+    """An automatic checkpoint setting is invalid (`checkpoint_dir`, `checkpoint_every`)."""
 
 
 class LossError(PdcompileError, ValueError):

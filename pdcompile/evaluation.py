@@ -32,7 +32,7 @@ from pdcompile.plan_words import (
 )
 from pdcompile.plans import Plan, Stage
 from pdcompile.row_curves import curve_at
-from pdcompile.schedules import get_schedule
+from pdcompile.schedules import PipelineSchedule, get_schedule
 from pdcompile.stage_sums import (
     cut_bytes,
     kept_activations,
@@ -95,7 +95,10 @@ def check_plan(plan: Plan, cost_graph: CostGraph, cluster: Cluster) -> dict[str,
 def lower_bound(cost_graph: CostGraph, cluster: Cluster | str | int) -> float:
     """Seconds per minibatch no plan beats: the total compute (the loss too) spread over every
     device at its speed (`cluster`: any spelling `Cluster.coerce` takes)."""
-    cluster = Cluster.coerce(cluster)
+    return _lower_bound(cost_graph, Cluster.coerce(cluster))
+
+
+def _lower_bound(cost_graph: CostGraph, cluster: Cluster) -> float:
     speeds = cluster.speed or (1.0,) * cluster.num_devices
     total = node_sums(cost_graph, cost_graph.nodes)
     return (total.compute_s + total.loss_s) / math.fsum(speeds)
@@ -139,16 +142,19 @@ def evaluate(
     return simulated(price(plan, cost_graph, prices))
 
 
-def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) -> Plan:
+def price(
+    plan: Plan,
+    cost_graph: CostGraph,
+    prices: CostModel | None = None,
+    rules: PipelineSchedule | None = None,
+) -> Plan:
     """`plan`'s stages priced by the cost model (default: the plan's option, else
     "pdcompile"): times, bytes, `predicted_time`, bounds, its schedule not yet simulated
     (`step_time` 0, no `rank_memory` nor `rank_idle`). What a solver compares its candidates
-    by; `evaluate` also simulates. Errors as `evaluate`'s."""
+    by; `evaluate` also simulates. `rules`: the plan's schedule, when the caller holds it.
+    Errors as `evaluate`'s."""
     cluster, m = plan.cluster, plan.num_microbatches
-    try:
-        rules = get_schedule(plan.schedule)
-    except ScheduleError as exc:
-        raise PartitionError(str(exc)) from None
+    rules = rules or _rules(plan)
     prices = prices or get_cost_model(plan.options.get("cost_model", "pdcompile"))
     stage_of = check_plan(plan, cost_graph, cluster)
     count = len(plan.stages)
@@ -182,7 +188,7 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
         if prev != s.ranks:  # stages on the same ranks hand their tensors over
             bandwidth = cluster.bandwidth(min(prev[0], s.ranks[0]), max(prev[-1], s.ranks[-1]))
             comm = prices.transfer_s(cuts[s.index], bandwidth, s.replicas)
-        every = prices.updates_every(rules.name, s.replicas, m)
+        every = prices.updates_every(rules, s.replicas, m)
         ring = prices.ring_s(
             sums.grad_bytes, s.replicas, cluster.bandwidth(s.ranks[0], s.ranks[-1])
         )
@@ -213,11 +219,11 @@ def price(plan: Plan, cost_graph: CostGraph, prices: CostModel | None = None) ->
     predicted = bottleneck(stages)
     total = node_sums(cost_graph, cost_graph.nodes)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
-    bound = lower_bound(cost_graph, cluster)
+    bound = _lower_bound(cost_graph, cluster)
     everyone = cluster.num_devices
     dp_time = prices.data_parallel_time(
         (total.compute_s + total.loss_s) / min(speeds), total.grad_bytes, everyone,
-        cluster.bandwidth(0, everyone - 1), prices.updates_every(rules.name, everyone, m),
+        cluster.bandwidth(0, everyone - 1), prices.updates_every(rules, everyone, m),
         (total.optimizer_s + call if total.optimizer_s > 0 else 0.0) / min(speeds),
     )  # fmt: skip
     options = {k: v for k, v in row_options(plan, cost_graph).items() if k != ALTERNATIVE}
@@ -271,17 +277,19 @@ def bottleneck(stages: Sequence[Stage]) -> float:
     return max(load.values())
 
 
-def simulated(plan: Plan) -> Plan:
+def simulated(plan: Plan, rules: PipelineSchedule | None = None) -> Plan:
     """`plan` with what its schedule's actions give on the simulator: `step_time`,
-    `rank_memory`, `rank_idle`, each stage's `memory_bytes` and `fits_memory`.
+    `rank_memory`, `rank_idle`, each stage's `memory_bytes` and `fits_memory` (`rules`: the
+    plan's schedule, when the caller holds it).
 
     Raises:
         PartitionError: the schedule cannot run the plan.
     """
     from pdcompile.runtime.simulator import run  # the simulator prices the schedule
 
+    rules = rules or _rules(plan)
     try:
-        sim = run(plan, get_schedule(plan.schedule), plan.num_microbatches, plan.cluster)
+        sim = run(plan, rules, plan.num_microbatches, plan.cluster)
     except ScheduleError as exc:
         raise PartitionError(f"{plan.schedule} cannot run this plan: {exc}") from None
     stages = tuple(replace(s, memory_bytes=sim.stage_memory[s.index]) for s in plan.stages)
@@ -444,3 +452,15 @@ def _time_ratios(plan: Plan, rows: int, factor: float) -> list[tuple[float, ...]
         parts.append(ends)
     whole = grow(*(math.fsum(p[e][0] + p[e][1] for p in parts) for e in (0, 1)))
     return [(*(grow(x, y) for x, y in zip(old, new, strict=True)), whole) for old, new in parts]
+
+
+def _rules(plan: Plan) -> PipelineSchedule:
+    """The plan's schedule, looked up by name.
+
+    Raises:
+        PartitionError: no schedule has that name.
+    """
+    try:
+        return get_schedule(plan.schedule)
+    except ScheduleError as exc:
+        raise PartitionError(str(exc)) from None

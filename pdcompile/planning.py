@@ -1,10 +1,11 @@
 """`pdcompile.plan`, the solver registry (`register_solver`, `solvers`). Torch-free.
 
 A solver is a pure function `fn(cost_graph, cluster, options: dict) -> Plan`. `options` holds the
-caller's solver options plus `schedule` and `num_microbatches`, already resolved. Solvers price
-stages with the cost model (`pdcompile.cost_model`) and build their plan with `make_plan`, which
-places stages on consecutive ranks and prices them with the cost model (`evaluation.price`), so
-every solver is compared on the same yardstick; `plan()` simulates the plan it returns.
+caller's solver options plus `schedule` (the `PipelineSchedule`) and `num_microbatches`. Solvers
+price stages with the cost model (`pdcompile.cost_model`) and build their plan with `make_plan`,
+which places stages on consecutive ranks and prices them with the cost model
+(`evaluation.price`), so every solver is compared on the same yardstick; `plan()` simulates the
+plan it returns.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdcompile.cluster import Cluster
+from pdcompile.cluster import AUTO, Cluster
+from pdcompile.compiling.plan_config import PlanConfig
 from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PartitionError, PdcompileError, PlanWarning, ScheduleError
+from pdcompile.errors import PartitionError, PlanConfigError, PlanWarning, ScheduleError
 from pdcompile.evaluation import price, simulated
 from pdcompile.plans import RENAMED_SOLVERS, Plan, Stage, consecutive_ranks
 from pdcompile.progress import phase
 from pdcompile.registry import Registry
-from pdcompile.runtime.validate import check_num_microbatches
 from pdcompile.schedules import PipelineSchedule, get_schedule
 from pdcompile.schedules.base import MAX_MICROBATCHES
 from pdcompile.search.microbatch_count import plan_microbatches
-from pdcompile.search.recompute_choice import check_recompute, limited, plan_recompute
-from pdcompile.search.schedule_choice import AUTO, plan_auto
+from pdcompile.search.recompute_choice import limited, plan_recompute
+from pdcompile.search.schedule_choice import plan_auto
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 # options `plan()` adds for every solver: the schedule, the microbatches searched with, the
@@ -78,7 +79,7 @@ def make_plan(
     priced (`evaluation.price`; `plan()` simulates the one it returns) at the microbatch count
     `settled_microbatches` gives from `options["num_microbatches"]` (`plan()` refuses a count
     the caller gave that the schedule does not accept)."""
-    cluster = Cluster.coerce(cluster)
+    cluster = cluster if isinstance(cluster, Cluster) else Cluster.coerce(cluster)
     ranks = consecutive_ranks([r for _, r in groups])
     if ranks and ranks[-1] and ranks[-1][-1] >= cluster.num_devices:
         raise PartitionError(
@@ -103,7 +104,7 @@ def make_plan(
         solver=solver,
         options={k: v for k, v in options.items() if k not in SEARCH},
     )
-    return price(skeleton, cost_graph)
+    return price(skeleton, cost_graph, rules=rules)
 
 
 def settled_microbatches(
@@ -130,30 +131,11 @@ def settled_microbatches(
     return even_m if even_m < limit else m
 
 
-def _planning(cost_graph: CostGraph, cluster: Cluster | str | int) -> str:
-    """What progress says while `plan` runs (the searches' own `plan()` calls add nothing); a
-    cluster that is none is plan()'s to refuse, not this line's."""
-    try:
-        on = f" on {Cluster.coerce(cluster).num_devices} devices"
-    except PdcompileError:
-        on = ""
-    return f"planning {cost_graph.graph.number_of_nodes()} nodes{on}"
-
-
 def plan(
     cost_graph: CostGraph,
-    cluster: Cluster | str | int,
+    cluster: Cluster | str | int | None = None,
     *,
-    solver: str = "dynprog",
-    schedule: str | PipelineSchedule = "1f1b",
-    num_microbatches: int | None = None,
-    microbatch_size: int | None = None,
-    replica_counts: Sequence[int] | None = None,
-    chunks: int | None = None,
-    allow_async: bool = False,
-    global_batch_size: int | None = None,
-    memory: float | str | None = None,
-    recompute: bool | None = None,
+    config: PlanConfig | None = None,
     **options: Any,
 ) -> Plan:
     """Cut `cost_graph` into pipeline stages with replica counts for `cluster`.
@@ -161,43 +143,12 @@ def plan(
     Args:
         cost_graph: costs per node (from `analyze`, `CostGraph.load` or `from_pipedream`).
         cluster: the devices: a `Cluster`, its text (e.g. "8@300GB/s,2@25Gbit/s") or a number
-            of devices (`Cluster.coerce`).
-        solver: a name from `solvers()` ("dp", the old name of "dynprog", still works).
-        schedule: a name from `pdcompile.schedules()` ("1f1b", "gpipe", "pipedream", "2bw", ...),
-            or "auto": every synchronous schedule (and chunks per rank it takes) planned as
-            here, the fastest `step_time` that fits memory returned, with the comparison in
-            `options["auto"]` (`pdcompile.search.schedule_choice`).
-        num_microbatches: microbatches per step, at most `MAX_MICROBATCHES` (65536; default:
-            twice the number of devices, within that cap, rounded up to the next count the
-            schedule accepts for the plan's replicas, and to one that every replica count
-            divides if that is less than one round of the largest count further:
-            `settled_microbatches`). `compile` runs what is chosen here.
-        microbatch_size: rows per microbatch (an integer >= 1); the costs are scaled linearly
-            from the graph's batch size.
-        replica_counts: the replica counts a stage may have (default: any); e.g. the divisors
-            of `num_microbatches`, so that every replica runs as many microbatches. Solvers
-            `dynprog`, `ideal` and `cpsat` search within them; a plan from another solver that
-            breaks them is refused.
-        chunks: stages per rank, one replica each (default: the schedule's `default_chunks`,
-            2 for `interleaved-1f1b` and `zb-v`, else 1), placed by the schedule
-            (`PipelineSchedule.chunk_rank`: stage i on rank i mod p; `zb-v` in a V).
-        allow_async: with schedule="auto", the asynchronous schedules (`pipedream`, `2bw`) are
-            candidates too (they change the optimisation's semantics).
-        global_batch_size: rows per `train_step`. Without `num_microbatches` (or
-            `microbatch_size`), every count M dividing it that the schedule accepts is planned
-            at G / M rows per microbatch, each with its own partition, and the fastest fitting
-            plan is returned, the counts tried in `options["microbatches"]`
-            (`pdcompile.search.microbatch_count`); with "auto", for every candidate schedule.
-        memory: bytes per device (a number or a size such as "16GB"), overriding
-            `cluster.memory`; "auto": this host's available RAM divided by the devices of the
-            cluster's innermost level, less 10% (`search.recompute_choice.host_memory`). A bad
-            value raises `PartitionError`, and so does a limit no plan fits (naming the least
-            memory a plan tried needs and the stage setting it).
-        recompute: activation recomputation (`Stage.recompute`, docs/memory.md): None, the
-            planner recomputes the stages that need it to fit the memory limit where that is
-            the fastest plan (with "auto", for every schedule); True, every stage; False, none.
-            What it costs is in `options["recomputation"]`.
-        options: the solver's own options.
+            of devices (`Cluster.coerce`); with `config`, its own.
+        config: the settings (`PlanConfig`), instead of `options`.
+        options: `PlanConfig`'s fields, each documented there: `solver`, `schedule` (or
+            "auto"), `num_microbatches`, `microbatch_size`, `replica_counts`, `chunks`,
+            `allow_async`, `global_batch_size`, `memory`, `recompute`; any other keyword is
+            the solver's own option.
 
     Returns:
         The Plan, with `solve_time_s` set.
@@ -209,118 +160,161 @@ def plan(
             same text closes `str(plan)`).
 
     Raises:
-        PartitionError: unknown solver or schedule, `cluster` is no cluster, bad
-            `replica_counts`, a count out of range (`check_num_microbatches`), a plan whose
-            simulation would exceed `runtime.simulator.MAX_ACTIONS` or whose figures no plan
-            file holds, or no plan exists (the message says why).
+        ConfigError: (a `PartitionError` too) a bad setting: unknown solver or schedule,
+            `cluster` is no cluster, a count out of range.
+        PartitionError: bad `replica_counts` for the cluster, a plan whose simulation would
+            exceed `runtime.simulator.MAX_ACTIONS` or whose figures no plan file holds, or no
+            plan exists (the message says why).
     """
-    with phase(_planning(cost_graph, cluster)):
-        if num_microbatches is not None:
-            num_microbatches = check_num_microbatches(num_microbatches)
-        if microbatch_size is not None:
-            microbatch_size = check_num_microbatches(microbatch_size, "microbatch_size", cap=None)
-        check_recompute(recompute)
-        if memory is not None:
-            cluster = limited(Cluster.coerce(cluster), memory)
-        if isinstance(schedule, str) and schedule == AUTO:
-            return plan_auto(
-                plan, cost_graph, cluster, allow_async=allow_async, solver=solver,
-                num_microbatches=num_microbatches, microbatch_size=microbatch_size,
-                replica_counts=replica_counts, chunks=chunks, global_batch_size=global_batch_size,
-                recompute=recompute, **options,
-            )  # fmt: skip
-        if global_batch_size is not None:
-            return plan_microbatches(
-                plan, cost_graph, cluster, global_batch_size=global_batch_size,
-                num_microbatches=num_microbatches, microbatch_size=microbatch_size, solver=solver,
-                schedule=schedule, replica_counts=replica_counts, chunks=chunks,
-                recompute=recompute, **options,
-            )  # fmt: skip
-        solve = SOLVERS.get(solver)
-        cluster = Cluster.coerce(cluster)
-        if recompute is True or (recompute is None and cluster.memory is not None):
-            with warnings.catch_warnings():  # the plans tried; the one returned warns below
-                warnings.simplefilter("ignore", PlanWarning)
-                result = plan_recompute(
-                    plan, cost_graph, cluster, recompute=recompute, solver=solver,
-                    schedule=schedule, num_microbatches=num_microbatches,
-                    microbatch_size=microbatch_size, replica_counts=replica_counts, chunks=chunks,
-                    **options,
-                )  # fmt: skip
-            for split in result.uneven_splits:
-                warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
-            return result
-        try:
-            rules = get_schedule(schedule)
-        except ScheduleError as exc:
-            raise PartitionError(str(exc)) from None
-        if cost_graph.graph.number_of_nodes() == 0:
-            raise PartitionError("the cost graph has no nodes; nothing to plan")
-        if microbatch_size is not None and microbatch_size != cost_graph.batch_size:
-            cost_graph = cost_graph.scaled(microbatch_size)
-        chunks = rules.default_chunks if chunks is None else chunks
-        if chunks != 1:
-            chunked = _plan_chunks(cost_graph, cluster, solver, rules, chunks, num_microbatches,
-                                   options)  # fmt: skip
-            chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
-            return chunked
-        # solvers search with twice the devices (within the cap); the count the plan runs is
-        # settled after. A count the caller gave limits the replicas to those the schedule accepts
-        searched = num_microbatches or min(2 * cluster.num_devices, MAX_MICROBATCHES)
-        options = {**options, "schedule": rules.name, "num_microbatches": searched,
-                   "even_microbatches": num_microbatches is None}  # fmt: skip
-        counts = tuple(range(1, cluster.num_devices + 1))
-        allowed = counts if replica_counts is None else _replica_counts(replica_counts, counts)
-        if num_microbatches is not None:
-            allowed = tuple(r for r in allowed if rules.accepts([r], searched))
-            if not allowed:
-                raise PartitionError(
-                    f"{rules.name} accepts none of replica_counts={tuple(replica_counts or ())} "
-                    f"with {num_microbatches} microbatches; add 1 or counts dividing "
-                    f"{num_microbatches}"
-                )
-        if allowed != counts:
-            options["replica_counts"] = allowed
-        start = time.perf_counter()
-        result = solve(cost_graph, cluster, options)
-        seconds = time.perf_counter() - start
-        _check_tied_replicas(result, solver, rules)
-        if replica_counts is not None and any(s.replicas not in allowed for s in result.stages):
-            raise PartitionError(
-                f"solver {solver!r} gave stages {[s.replicas for s in result.stages]} replicas, "
-                f"outside replica_counts={tuple(replica_counts)}; it does not search within them: "
-                "use solver 'dynprog', 'ideal' or 'cpsat'"
-            )
-        if num_microbatches is not None and result.num_microbatches != num_microbatches:
-            try:  # the schedule's own reason
-                rules.check([s.replicas for s in result.stages], num_microbatches)
-            except ScheduleError as exc:
-                raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
-                                     f"{exc}") from None  # fmt: skip
-        result = simulated(result).with_(solve_time_s=seconds)
-        result.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+    config = planning_config(cluster, config, options)
+    nodes = cost_graph.graph.number_of_nodes()
+    with phase(f"planning {nodes} nodes on {config.cluster.num_devices} devices"):
+        return _planned(cost_graph, config)
+
+
+def planning_config(
+    cluster: Cluster | str | int | None, config: PlanConfig | None, options: dict[str, Any]
+) -> PlanConfig:
+    """`plan()`'s settings: `config` as given, else `cluster` and `options` (a `PlanConfig`'s
+    fields, the rest the solver's options), checked.
+
+    Raises:
+        ConfigError: both forms, or a bad setting (as `PlanConfig`), or no cluster.
+    """
+    if config is None:
+        fields = {f.name for f in dataclasses.fields(PlanConfig)}
+        solver_options = {k: v for k, v in options.items() if k not in fields}
+        settings = {k: v for k, v in options.items() if k in fields}
+        if cluster is None or cluster == AUTO:  # a job measures it; plan() cannot
+            try:
+                Cluster.coerce(cluster)
+            except PartitionError as exc:
+                raise PlanConfigError(str(exc)) from None
+        config = PlanConfig(cluster=cluster, **settings, solver_options=solver_options)
+    elif cluster is not None or options:
+        raise PlanConfigError(
+            f"give plan() its settings either as config= or as keywords, not both: got "
+            f"config= and {['cluster'] * (cluster is not None) + sorted(options)}"
+        )
+    if config.cluster is None:
+        raise PlanConfigError("plan() needs a cluster: PlanConfig(cluster=...) is None")
+    return config
+
+
+def _planned(cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """`plan` once checked: the searches (schedule, microbatch count, recomputation), each
+    planning through `plan` again, or the solver's plan."""
+    cluster = config.cluster
+    if config.memory is not None:
+        cluster = limited(cluster, config.memory)
+    if config.auto:
+        return plan_auto(plan, cost_graph, cluster, **_keywords(
+            config, "allow_async", "solver", "num_microbatches", "microbatch_size",
+            "replica_counts", "chunks", "global_batch_size", "recompute"))  # fmt: skip
+    if config.global_batch_size is not None:
+        return plan_microbatches(plan, cost_graph, cluster, **_keywords(
+            config, "global_batch_size", "num_microbatches", "microbatch_size", "solver",
+            "schedule", "replica_counts", "chunks", "recompute"))  # fmt: skip
+    if config.recompute is True or (config.recompute is None and cluster.memory is not None):
+        with warnings.catch_warnings():  # the plans tried; the one returned warns below
+            warnings.simplefilter("ignore", PlanWarning)
+            result = plan_recompute(plan, cost_graph, cluster, **_keywords(
+                config, "recompute", "solver", "schedule", "num_microbatches",
+                "microbatch_size", "replica_counts", "chunks"))  # fmt: skip
         for split in result.uneven_splits:
-            warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
+            warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=3)
         return result
+    return _solved(cost_graph, config.replace(cluster=cluster))
 
 
-def _replica_counts(given: Any, counts: tuple[int, ...]) -> tuple[int, ...]:
-    """The caller's `replica_counts`, checked: integers >= 1 (those above the devices drop)."""
-    values = tuple(given) if isinstance(given, (list, tuple, range, set, frozenset)) else None
-    if not values or not all(
-        isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in values
-    ):
-        raise PartitionError(
-            f"replica_counts must be a non-empty sequence of integers >= 1 (e.g. (1, 2, 4) for "
-            f"8 microbatches), got {given!r}"
-        )
-    allowed = tuple(r for r in counts if r in set(values))
-    if not allowed:
-        raise PartitionError(
-            f"replica_counts={tuple(values)}: no stage of a cluster of {len(counts)} devices "
-            "can have that many replicas; add smaller counts (1 always fits)"
-        )
+def _keywords(config: PlanConfig, *names: str) -> dict[str, Any]:
+    """`config`'s fields `names` and its solver options, as `plan()`'s keywords (the searches
+    call `plan` with them)."""
+    return {**{name: getattr(config, name) for name in names}, **config.solver_options}
+
+
+def _solved(cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """The solver's plan on `config.cluster` (its memory limit applied), at the microbatch
+    count given or the one `settled_microbatches` settles, simulated."""
+    solver, cluster, rules = config.solver, config.cluster, config.rules
+    if cost_graph.graph.number_of_nodes() == 0:
+        raise PartitionError("the cost graph has no nodes; nothing to plan")
+    if config.microbatch_size not in (None, cost_graph.batch_size):
+        cost_graph = cost_graph.scaled(config.microbatch_size)
+    chunks = rules.default_chunks if config.chunks is None else config.chunks
+    options = dict(config.solver_options)
+    if chunks != 1:
+        chunked = _plan_chunks(cost_graph, cluster, solver, rules, chunks,
+                               config.num_microbatches, options)  # fmt: skip
+        chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+        return chunked
+    # solvers search with twice the devices (within the cap); the count the plan runs is
+    # settled after. A count the caller gave limits the replicas to those the schedule accepts
+    given = config.num_microbatches
+    searched = given or min(2 * cluster.num_devices, MAX_MICROBATCHES)
+    options.update(schedule=rules, num_microbatches=searched, even_microbatches=given is None)
+    allowed = _allowed_replicas(config, rules, searched)
+    if allowed != tuple(range(1, cluster.num_devices + 1)):
+        options["replica_counts"] = allowed
+    start = time.perf_counter()
+    result = SOLVERS.get(solver)(cost_graph, cluster, options)
+    seconds = time.perf_counter() - start
+    _check_solved(result, config, allowed)
+    result = simulated(result, rules).with_(solve_time_s=seconds)
+    result.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+    for split in result.uneven_splits:
+        warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=4)
+    return result
+
+
+def _allowed_replicas(
+    config: PlanConfig, rules: PipelineSchedule, searched: int
+) -> tuple[int, ...]:
+    """The replica counts a stage may have: `replica_counts` (those above the devices drop),
+    and with a count given, those the schedule accepts at it.
+
+    Raises:
+        PartitionError: none is left.
+    """
+    counts = tuple(range(1, config.cluster.num_devices + 1))
+    allowed = counts
+    if config.replica_counts is not None:
+        allowed = tuple(r for r in counts if r in set(config.replica_counts))
+        if not allowed:
+            raise PartitionError(
+                f"replica_counts={config.replica_counts}: no stage of a cluster of "
+                f"{len(counts)} devices can have that many replicas; add smaller counts (1 "
+                "always fits)"
+            )
+    if config.num_microbatches is not None:
+        allowed = tuple(r for r in allowed if rules.accepts([r], searched))
+        if not allowed:
+            raise PartitionError(
+                f"{rules.name} accepts none of replica_counts="
+                f"{tuple(config.replica_counts or ())} with {config.num_microbatches} "
+                f"microbatches; add 1 or counts dividing {config.num_microbatches}"
+            )
     return allowed
+
+
+def _check_solved(result: Plan, config: PlanConfig, allowed: tuple[int, ...]) -> None:
+    """Refuse a solver's plan that breaks the settings: replicas on a stage holding a tied
+    tensor where the schedule does not replicate ties, replica counts outside
+    `replica_counts`, or another microbatch count than the one given."""
+    solver, rules, given = config.solver, config.rules, config.num_microbatches
+    _check_tied_replicas(result, solver, rules)
+    if config.replica_counts is not None and any(s.replicas not in allowed for s in result.stages):
+        raise PartitionError(
+            f"solver {solver!r} gave stages {[s.replicas for s in result.stages]} replicas, "
+            f"outside replica_counts={config.replica_counts}; it does not search within them: "
+            "use solver 'dynprog', 'ideal' or 'cpsat'"
+        )
+    if given is not None and result.num_microbatches != given:
+        try:  # the schedule's own reason
+            rules.check([s.replicas for s in result.stages], given)
+        except ScheduleError as exc:
+            raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
+                                 f"{exc}") from None  # fmt: skip
 
 
 def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> None:

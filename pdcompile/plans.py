@@ -169,7 +169,8 @@ class Plan:
     skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cluster", Cluster.coerce(self.cluster))
+        if not isinstance(self.cluster, Cluster):  # a spelling, read once
+            object.__setattr__(self, "cluster", Cluster.coerce(self.cluster))
 
     @property
     def num_stages(self) -> int:

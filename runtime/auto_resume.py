@@ -23,7 +23,7 @@ import torch.distributed as dist
 from pdcompile.errors import CheckpointError
 from pdcompile.runtime import manifest
 
-__all__ = ["KEEP", "AutoCheckpoint", "auto_checkpoint", "checkpoint_name", "listed"]
+__all__ = ["KEEP", "AutoCheckpoint", "checkpoint_name", "listed"]
 
 log = logging.getLogger(__name__)
 
@@ -50,65 +50,17 @@ def listed(directory: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def auto_checkpoint(
-    directory: str | os.PathLike | None, every: int | None
-) -> AutoCheckpoint | None:
-    """The `AutoCheckpoint` of `compile(checkpoint_dir=, checkpoint_every=)`, or None for
-    neither.
-
-    Raises:
-        CheckpointError: one given without the other, an empty (or blank) `directory`, or as
-            `AutoCheckpoint`.
-    """
-    if directory is None and every is None:
-        return None
-    if directory is None or every is None:
-        given, missing = ("checkpoint_dir", "checkpoint_every")[:: 1 if every is None else -1]
-        raise CheckpointError(
-            f"{given} was given without {missing}: automatic checkpoints need both (a folder "
-            "every rank sees, and the train steps between checkpoints)"
-        )
-    if not isinstance(directory, str | os.PathLike):
-        raise CheckpointError(
-            f"checkpoint_dir={directory!r} is a {type(directory).__name__}, not a path: give "
-            "a folder every rank sees, e.g. checkpoint_dir='checkpoints'"
-        )
-    path = os.fsdecode(directory)
-    if not path.strip():
-        raise CheckpointError(
-            f"checkpoint_dir={path!r} names no folder: automatic checkpoints would write and "
-            "prune step-* folders in the current directory; give a folder every rank sees, "
-            "e.g. checkpoint_dir='checkpoints'"
-        )
-    return AutoCheckpoint(path, every)
-
-
 @dataclass
 class AutoCheckpoint:
     """Where and how often a job checkpoints itself, and how it resumes (`skipped`: the
     checkpoints `resume` found damaged, which pruning leaves alone and does not count).
-
-    Raises:
-        CheckpointError: `every` is not an integer >= 1, or `directory` is a file.
-    """
+    `compile` builds it from its `TrainConfig`, which checked `directory` and `every`."""
 
     directory: str
     every: int
     keep: int = KEEP
     skipped: set[str] = field(default_factory=set)
     timeout_s: float = 300.0  # how long ranks wait for rank 0's listing (compile's `timeout`)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
-            raise CheckpointError(
-                f"checkpoint_every={self.every!r}: give the number of train steps between "
-                "checkpoints, an integer >= 1"
-            )
-        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise CheckpointError(
-                f"checkpoint_dir={self.directory!r} is a file: give a folder every rank sees "
-                "(created if needed)"
-            )
 
     def due(self, steps: int) -> bool:
         """Whether to checkpoint after `steps` train steps."""

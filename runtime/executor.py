@@ -21,18 +21,14 @@ from typing import Any
 import torch
 
 from pdcompile.codegen.staged_program import Channel, StagedProgram
+from pdcompile.compiling.train_config import TrainConfig
 from pdcompile.errors import PipelineTimeoutError
 from pdcompile.runtime.comm import Key
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.microbatches import Batch
-from pdcompile.runtime.pipeline import Pipeline, program_schedule
-from pdcompile.runtime.worker import (
-    LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    StageWorker,
-)
-from pdcompile.schedules import Action, PipelineSchedule, check_nonfinite
+from pdcompile.runtime.pipeline import Pipeline, executor_schedule
+from pdcompile.runtime.worker import StageWorker
+from pdcompile.schedules import Action, PipelineSchedule, Schedule
 
 LOSS = [Channel(-1, -1, "loss", shape=(2,), dtype="float64")]  # (weighted sum, weights)
 
@@ -44,11 +40,10 @@ class DistributedPipeline(Pipeline):
         program: the staged program (the same on every rank); this rank trains its stage
             modules (one per stage it runs) in place, moved to `device`.
         rank: this process's rank.
-        schedule, num_microbatches, loss_fn, optimizer, stash, vertical_sync, clip_grad_norm,
-            lr_scheduler, autocast: as for `LocalPipeline`.
         device: where this rank computes (`runtime.distributed.init_process_group` returns it).
-        timeout_s: how long any wait lasts before `PipelineTimeoutError`.
-        nonfinite: "raise" or "skip" (as for `LocalPipeline`).
+        schedule, num_microbatches, config, built: as for `LocalPipeline`; `config.timeout`
+            bounds every wait (`PipelineTimeoutError`).
+        settings: instead of `config`, its fields as keywords (`timeout_s=`: `timeout`).
     """
 
     def __init__(
@@ -56,42 +51,32 @@ class DistributedPipeline(Pipeline):
         program: StagedProgram,
         *,
         rank: int,
-        schedule: str | PipelineSchedule,
-        num_microbatches: int,
-        loss_fn: LossFn,
-        optimizer: OptimizerFactory,
         device: torch.device,
-        timeout_s: float = 300.0,
-        stash: bool = True,
-        vertical_sync: bool = False,
-        clip_grad_norm: float | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
-        autocast: torch.dtype | None = None,
-        nonfinite: str = "raise",
+        schedule: str | PipelineSchedule,
+        num_microbatches: int | None = None,
+        config: TrainConfig | None = None,
+        built: Schedule | None = None,
+        **settings: Any,
     ) -> None:
-        check_nonfinite(schedule, nonfinite)
-        clip, skip = clip_grad_norm is not None, nonfinite == "skip"
-        layout = program_schedule(program, schedule, num_microbatches, clip, skip)
-        groups = {a.group for actions in layout.actions.values() for a in actions if a.group}
-        comm = DistributedComm(rank, sorted(groups), timeout_s=timeout_s, device=device)
+        if "timeout_s" in settings:  # the keyword's name here before TrainConfig
+            settings["timeout"] = settings.pop("timeout_s")
+        config = TrainConfig.given(config, settings)
+        rules, built = executor_schedule(program, schedule, num_microbatches, config, built)
+        groups = {a.group for actions in built.actions.values() for a in actions if a.group}
+        comm = DistributedComm(rank, sorted(groups), timeout_s=config.timeout, device=device)
         # the losses travel in a group of their own: NCCL matches a pair's messages in order
-        self.loss_comm = DistributedComm(rank, [], timeout_s=timeout_s, device=device)
+        self.loss_comm = DistributedComm(rank, [], timeout_s=config.timeout, device=device)
         self.loss_ranks = program.plan.stages[-1].ranks
-        self.world = tuple(sorted(layout.actions))
-        self.stage_of = {r: layout.stages_of(r)[0] for r in self.world}
+        self.world = tuple(sorted(built.actions))
+        self.stage_of = {r: built.stages_of(r)[0] for r in self.world}
         self.owed_loss: int | None = None  # the step whose loss this rank still sends
         workers = [
-            StageWorker(
-                program, stage, program.stages[stage].to(device), comm, loss_fn=loss_fn,
-                optimizer=optimizer, schedule=schedule, num_microbatches=num_microbatches,
-                stash=stash, vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
-                lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
-            )
-            for stage in layout.stages_of(rank)
+            StageWorker(program, stage, program.stages[stage].to(device), comm, config, rules,
+                        built.num_microbatches)
+            for stage in built.stages_of(rank)
         ]  # fmt: skip
         self.rank, self.device, self.comm = rank, device, comm
-        super().__init__(program, workers, schedule=schedule,
-                         num_microbatches=num_microbatches)  # fmt: skip
+        super().__init__(program, workers, rules, built)
 
     def close(self) -> None:
         """Complete the microbatches in flight, then release both comms' process groups.

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-import torch
 import torch.nn as nn
 
 from pdcompile.codegen.staged_program import StagedProgram
+from pdcompile.compiling.train_config import TrainConfig
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.comm import LocalComm
 from pdcompile.runtime.microbatches import Batch
-from pdcompile.runtime.pipeline import Pipeline, program_schedule
+from pdcompile.runtime.pipeline import Pipeline, executor_schedule
 from pdcompile.runtime.rank_workers import RankWorkers
-from pdcompile.runtime.worker import (
-    LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    StageWorker,
-)
-from pdcompile.schedules import Action, PipelineSchedule, check_nonfinite
+from pdcompile.runtime.worker import StageWorker
+from pdcompile.schedules import Action, PipelineSchedule, Schedule
 
 
 class LocalPipeline(Pipeline):
@@ -34,17 +30,13 @@ class LocalPipeline(Pipeline):
     Args:
         program: the stage modules (copied per rank: the program is not changed).
         schedule: a registered schedule (`pdcompile.schedules()`) or a `PipelineSchedule`.
-        num_microbatches: microbatches per `train_step`.
-        loss_fn: `loss_fn(output, target) -> scalar`, on the last stage.
-        optimizer: a factory `params -> torch.optim.Optimizer`, applied per stage replica.
-        stash: weight stashing under `pipedream` (False only to show what it prevents).
-        vertical_sync: `pipedream` with vertical sync (docs/runtime.md).
-        clip_grad_norm: the largest gradient norm: over the whole model, or as the schedule
-            groups it (`pipedream`: per stage, stages sharing tied weights together).
-        lr_scheduler: a factory `optimizer -> LRScheduler` per rank, stepped after each update.
-        autocast: the dtype of `torch.autocast` around every forward (None: off).
-        nonfinite: a NaN or infinite loss raises `LossError` ("raise") or skips the step on
-            every rank ("skip": synchronous schedules).
+        num_microbatches: microbatches per `train_step` (with `built`: its count).
+        config: the training settings (`TrainConfig`: loss, optimizer factory applied per stage
+            replica, scheduler factory per rank, clipping over the whole model or as the
+            schedule groups it, autocast, non-finite losses, vertical sync, stashing).
+        built: the schedule of `program` under `schedule` and `config`, built once
+            (`program_schedule`); None: built here.
+        settings: instead of `config`, its fields as keywords (`loss_fn=`, `optimizer=`, ...).
     """
 
     def __init__(
@@ -52,30 +44,21 @@ class LocalPipeline(Pipeline):
         program: StagedProgram,
         *,
         schedule: str | PipelineSchedule,
-        num_microbatches: int,
-        loss_fn: LossFn,
-        optimizer: OptimizerFactory,
-        stash: bool = True,
-        vertical_sync: bool = False,
-        clip_grad_norm: float | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
-        autocast: torch.dtype | None = None,
-        nonfinite: str = "raise",
+        num_microbatches: int | None = None,
+        config: TrainConfig | None = None,
+        built: Schedule | None = None,
+        **settings: Any,
     ) -> None:
-        check_nonfinite(schedule, nonfinite)
+        config = TrainConfig.given(config, settings)
+        rules, built = executor_schedule(program, schedule, num_microbatches, config, built)
         mailbox = LocalComm(-1)
-        workers: list[StageWorker] = []
-        layout = program_schedule(program, schedule, num_microbatches)
-        for stage, ranks in enumerate(layout.ranks):
-            for rank in ranks:
-                workers.append(StageWorker(
-                    program, stage, copy.deepcopy(program.stages[stage]), mailbox.for_rank(rank),
-                    loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
-                    num_microbatches=num_microbatches, stash=stash,
-                    vertical_sync=vertical_sync, clip_grad_norm=clip_grad_norm,
-                    lr_scheduler=lr_scheduler, autocast=autocast, nonfinite=nonfinite,
-                ))  # fmt: skip
-        super().__init__(program, workers, schedule=schedule, num_microbatches=num_microbatches)
+        workers = [
+            StageWorker(program, stage, copy.deepcopy(program.stages[stage]),
+                        mailbox.for_rank(rank), config, rules, built.num_microbatches)
+            for stage, ranks in enumerate(built.ranks)
+            for rank in ranks
+        ]  # fmt: skip
+        super().__init__(program, workers, rules, built)
 
     def _execute(
         self,

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from pdcompile.codegen.staged_program import StagedProgram
-from pdcompile.errors import BatchError
+from pdcompile.compiling.train_config import TrainConfig
+from pdcompile.errors import BatchError, ConfigError
 from pdcompile.ir import accept_constants
 from pdcompile.runtime.microbatches import Batch, input_dims, split_batch
 from pdcompile.runtime.rank_workers import RankWorkers
@@ -70,9 +71,35 @@ def program_schedule(
     return schedule
 
 
+def executor_schedule(
+    program: StagedProgram,
+    schedule: str | PipelineSchedule,
+    num_microbatches: int | None,
+    config: TrainConfig,
+    built: Schedule | None = None,
+) -> tuple[PipelineSchedule, Schedule]:
+    """The rules and the schedule an executor walks: `built` as given (`compile` built it once,
+    under `config`'s clipping and non-finite check), else built here for `num_microbatches`.
+
+    Raises:
+        ConfigError: `config` asks what the schedule cannot do, or no count is given.
+    """
+    rules = get_schedule(schedule)
+    if built is not None:
+        return rules, built
+    config.check_schedule(rules)
+    if num_microbatches is None:
+        raise ConfigError(
+            "an executor needs num_microbatches= (microbatches per train_step), or built= "
+            "(the schedule program_schedule built)"
+        )
+    clip, skip = config.clip, config.skip_nonfinite
+    return rules, program_schedule(program, rules, num_microbatches, clip, skip)
+
+
 class Pipeline:
     """Runs train steps of a StagedProgram on `workers` (the stage replicas this process
-    drives, one per stage of each of its ranks).
+    drives, one per stage of each of its ranks) along `schedule`, built under `rules`.
 
     `workers[(rank, stage)]` is a worker; `ranks[rank]` runs a rank's actions on its workers.
     """
@@ -81,21 +108,18 @@ class Pipeline:
         self,
         program: StagedProgram,
         workers: list[StageWorker],
-        *,
-        schedule: str | PipelineSchedule,
-        num_microbatches: int,
+        rules: PipelineSchedule,
+        schedule: Schedule,
     ) -> None:
         self.program = program
         self.input_dims = input_dims(program.input_specs)  # read once, split by every step
-        self.rules = get_schedule(schedule)
-        self.kind = self.rules.name
-        self.streaming = self.rules.streaming
-        self.num_microbatches = num_microbatches
+        self.rules = rules
+        self.kind = rules.name
+        self.streaming = rules.streaming
+        self.num_microbatches = num_microbatches = schedule.num_microbatches
         self.clip = any(w.clip_grad_norm is not None for w in workers)
         self.skip = any(w.nonfinite == "skip" for w in workers)
-        self.schedule = program_schedule(
-            program, self.rules, num_microbatches, self.clip, self.skip
-        )
+        self.schedule = schedule
         self.workers = {(w.comm.rank, w.stage): w for w in workers}
         by_rank: dict[int, dict[int, StageWorker]] = {}
         for (rank, stage), worker in self.workers.items():

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from pdcompile.codegen.staged_program import Channel, StagedProgram
+from pdcompile.compiling.train_config import OptimizerFactory, TrainConfig
 from pdcompile.errors import LossError
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.grad_buckets import GradBuckets
@@ -35,13 +36,9 @@ from pdcompile.runtime.split_backward import SplitBackward, backward_inputs, fus
 from pdcompile.runtime.timeline import Event
 from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.runtime.weight_versions import WeightVersions, copy_weights
-from pdcompile.schedules import Action, PipelineSchedule, get_schedule
+from pdcompile.schedules import Action, PipelineSchedule
 
 log = logging.getLogger(__name__)
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 @dataclass
@@ -63,19 +60,15 @@ class StageWorker:
         stage: the stage index.
         module: the stage module this rank trains (a copy per replica).
         comm: the rank's communication.
-        loss_fn: `loss_fn(output, target)`, run on the last stage.
-        optimizer: a factory applied to the stage's parameters.
-        schedule: the schedule (a registered name or a `PipelineSchedule`).
+        config: the training settings: the loss (run on the last stage), the optimizer factory
+            (applied to the stage's parameters), the scheduler factory (stepped after every
+            update), the largest gradient norm (the schedule's `clip` actions apply it),
+            autocast, what a non-finite loss does ("raise" a `LossError`, or "skip": with the
+            schedule's `check` actions every rank skips the step), vertical sync (where the
+            schedule offers it) and `stash` (False: a streaming schedule's backward recomputes
+            on the newest weights, only to show the difference).
+        rules: the schedule.
         num_microbatches: microbatches per step (`2bw`'s versions count steps).
-        stash: under a streaming schedule, keep each microbatch's weight version for its
-            backward (False recomputes the backward on the newest weights: only to show the
-            difference).
-        vertical_sync: vertical sync, where the schedule offers it (`pipedream`).
-        clip_grad_norm: the largest gradient norm (the schedule's `clip` actions apply it).
-        lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
-        autocast: run forwards under `torch.autocast` with this dtype (e.g. torch.bfloat16).
-        nonfinite: a NaN or infinite loss raises `LossError` ("raise") or, with the schedule's
-            `check` actions, makes every rank skip the step ("skip").
     """
 
     def __init__(
@@ -84,37 +77,30 @@ class StageWorker:
         stage: int,
         module: nn.Module,
         comm: Comm,
-        *,
-        loss_fn: LossFn,
-        optimizer: OptimizerFactory,
-        schedule: str | PipelineSchedule,
+        config: TrainConfig,
+        rules: PipelineSchedule,
         num_microbatches: int = 1,
-        stash: bool = True,
-        vertical_sync: bool = False,
-        clip_grad_norm: float | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
-        autocast: torch.dtype | None = None,
-        nonfinite: str = "raise",
     ) -> None:
         self.program, self.stage, self.module, self.comm = program, stage, module, comm
         self.last = stage == program.num_stages - 1
-        self.loss_fn = loss_fn
+        self.config = config
+        self.loss_fn = config.loss_fn
         self.params = dict(module.named_parameters())
         self.slots = WeightSlots(module)  # runs it on a weight version's copies
-        self.optimizer = _make_optimizer(optimizer, self.params, program, stage)
+        self.optimizer = _make_optimizer(config.optimizer, self.params, program, stage)
         # a stage without parameters (a ReLU alone) has nothing to schedule either
-        schedules = lr_scheduler and not isinstance(self.optimizer, NoParameters)
-        self.scheduler = lr_scheduler(self.optimizer) if schedules else None
-        self.clip_grad_norm = clip_grad_norm
-        self.autocast = autocast
+        schedules = config.lr_scheduler and not isinstance(self.optimizer, NoParameters)
+        self.scheduler = config.lr_scheduler(self.optimizer) if schedules else None
+        self.clip_grad_norm = config.clip_grad_norm
+        self.autocast = config.autocast
         self.evaluating = False
         self.outputs: dict[int, Any] = {}  # evaluation: the last stage's output per microbatch
         self.norm_squares = torch.zeros(1, dtype=torch.float64)  # of the last global clip
-        self.rules = rules = get_schedule(schedule)
+        self.rules = rules
         self.streaming = rules.streaming
         if self.streaming:  # updates in the steady state: one call over the stage's tensors
             prefer_foreach(self.optimizer)
-        self.stash = stash
+        self.stash = config.stash
         self.inbound = {c.src_stage: [] for c in program.channels_to(stage)}
         for c in program.channels_to(stage):
             self.inbound[c.src_stage].append(c)
@@ -130,14 +116,15 @@ class StageWorker:
         self.counted = [p for n, p in self.params.items() if n not in copies]  # global norm
         self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
         self.versions = WeightVersions(
-            self.params, rules, num_microbatches, vertical=vertical_sync and rules.vertical_sync,
+            self.params, rules, num_microbatches,
+            vertical=config.vertical_sync and rules.vertical_sync,
             replicas=[s.replicas for s in program.plan.stages], stage=stage,
         )  # fmt: skip
         self.flight: dict[int, _InFlight] = {}
         self.losses: dict[int, float] = {}
         self.data: dict[int, Microbatch] = {}
         self.timeline: list[Event] | None = None
-        self.nonfinite = nonfinite
+        self.nonfinite = config.nonfinite
         self.skip = False  # every rank agreed to skip this step's update
         self.skipped = 0  # steps skipped for a non-finite loss
         self.nonfinite_flag = torch.zeros(1)  # of the last `check`

@@ -73,7 +73,7 @@ def _fault(sig: str, stamp: str) -> None:
 def _inject(point: str, sig: str, stamp: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this rank fault on entering `point` (the step, save and load ones are the job's)."""
     import pdcompile.analysis as analysis
-    import pdcompile.compiler as compiler
+    import pdcompile.compiling.steps as steps
     from pdcompile.closed_loop.move import Replanner
     from pdcompile.runtime.auto_resume import AutoCheckpoint
     from pdcompile.runtime.distributed import DistributedComm
@@ -89,7 +89,7 @@ def _inject(point: str, sig: str, stamp: str, monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(owner, name, replaced)
 
     where = {
-        "start-up": (compiler, "_fingerprint"),
+        "start-up": (steps, "fingerprint"),
         "profile": (analysis, "analyze") if os.environ["RANK"] == "0" else (ProfileLoad, "serve"),
         "groups": (DistributedComm, "__init__"),
         "resume listing": (AutoCheckpoint, "_agreed"),
