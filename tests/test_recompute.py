@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from pipeline_support import one_thread, stage_parameters
+from schedule_kinds import builtin_kinds
 from spawn import run_ranks
 from support import Ops
 
@@ -39,7 +40,7 @@ from pdcompile.runtime.local import LocalPipeline
 M = 4  # microbatches per step
 STEPS = 5
 ROWS = 8  # rows per step: microbatches of 2
-SCHEDULES = ["1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "pipedream", "2bw"]
+SCHEDULES = builtin_kinds()  # every schedule of the package, from its registry
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

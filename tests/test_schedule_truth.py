@@ -1,5 +1,6 @@
-"""One set of numbers: every schedule's closed forms against simulating its own actions, and
-`plan()`'s predictions against `simulate()` on a corpus of generated plans; the regressions
+"""One set of numbers: the closed forms as bounds on unequal and replicated stages (on equal ones,
+every registered schedule's against simulating its own actions: test_schedule_conformance.py),
+and `plan()`'s predictions against `simulate()` on a corpus of generated plans; the regressions
 where the planner and the simulator used to disagree."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from schedule_kinds import builtin_kinds
 from test_simulator import ACT, PARAM, WEIGHT, equal_plan
 from test_solvers import random_dags
 
@@ -19,58 +21,26 @@ from pdcompile import Cluster, CostGraph, Plan
 from pdcompile.plans import consecutive_ranks
 from pdcompile.runtime.local import LocalPipeline
 from pdcompile.schedules import get_schedule
+from pdcompile.schedules.action_kinds import FUSED
 
 # random and small clusters give replica counts that do not divide the microbatches: the warning
 # is not the point here (tests/test_replica_balance.py asserts it)
 pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.errors.PlanWarning")
 
-BUILTINS = ["1f1b", "gpipe", "pipedream", "2bw"]
+# the fused kinds of one stage per rank (each checked on equal stages, its closed forms against
+# its simulated actions, by tests/test_schedule_conformance.py)
+FUSED_KINDS = builtin_kinds(
+    lambda rules: rules.default_chunks == 1 and rules.compute_kinds == FUSED
+)
 
 
 def accepted(kind: str, replicas: list[int], m: int) -> int:
     return get_schedule(kind).accepted_microbatches(replicas, m)
 
 
-@settings(deadline=None, max_examples=80)
-@given(
-    kind=st.sampled_from(BUILTINS),
-    stages=st.integers(1, 6),
-    m=st.integers(1, 12),
-    forward=st.floats(0.1, 3.0),
-    backward=st.floats(0.1, 5.0),
-)
-def test_closed_forms_equal_the_simulated_actions_on_equal_stages(
-    kind: str, stages: int, m: int, forward: float, backward: float
-) -> None:
-    rules = get_schedule(kind)
-    m = accepted(kind, [1] * stages, m)
-    plan = equal_plan([1] * stages)
-    plan = plan.with_(stages=tuple(
-        dataclasses.replace(s, forward_s=forward, backward_s=backward) for s in plan.stages
-    ))  # fmt: skip
-    sim = pdcompile.simulate(plan, schedule=kind, num_microbatches=m)
-    step = rules.step_time(stages, m, forward, backward)
-    assert sim.time_per_step == pytest.approx(step, rel=1e-9)
-    bubble = rules.bubble(stages, m, forward, backward)
-    assert sim.bubble_fraction == pytest.approx([bubble] * stages, rel=1e-9, abs=1e-12)
-    replicas = [1] * stages
-    for s in range(stages):
-        in_flight = rules.in_flight_bound(replicas, s, m)
-        versions = rules.stashed_versions_bound(replicas, s, m)
-        assert sim.peak_memory[s] <= WEIGHT + in_flight * ACT + versions * PARAM, s
-        # what the solvers charge: the gradients (PARAM bytes) are held from the first backward
-        counts = rules.memory_counts(stages - s, stages - 1 - s, m, stages - 1)
-        assert (counts.in_flight, counts.versions) == (in_flight, versions)
-        exact = max(counts.charges(WEIGHT, PARAM, PARAM, ACT, ACT))
-        if rules.synchronous or m >= stages:  # exact; calls of fewer microbatches hold less
-            assert sim.peak_memory[s] == exact, s
-        else:
-            assert sim.peak_memory[s] <= exact, s
-
-
 @st.composite
 def layouts(draw: st.DrawFn) -> tuple[str, list[int], int, list[float], list[float]]:
-    kind = draw(st.sampled_from(BUILTINS))
+    kind = draw(st.sampled_from(FUSED_KINDS))
     replicas = draw(st.lists(st.integers(1, 3), min_size=1, max_size=4))
     m = accepted(kind, replicas, draw(st.integers(1, 8)))
     times = st.lists(st.floats(0.1, 4.0), min_size=len(replicas), max_size=len(replicas))
@@ -124,7 +94,7 @@ def corpora(draw: st.DrawFn) -> tuple[CostGraph, Cluster]:
 
 
 @settings(deadline=None, max_examples=40)
-@given(corpus=corpora(), kind=st.sampled_from(BUILTINS))
+@given(corpus=corpora(), kind=st.sampled_from(FUSED_KINDS))
 def test_plan_predictions_are_the_simulators(corpus, kind: str) -> None:
     g, cluster = corpus
     plan = pdcompile.plan(g, cluster, schedule=kind)
