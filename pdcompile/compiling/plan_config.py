@@ -23,13 +23,60 @@ AUTO = "auto"  # schedule="auto": the planner chooses (`search.schedule_choice`)
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """The planning settings: the keywords of `plan` and `compile` of the same names (their
-    docstrings say what each does).
+    """The planning settings: `plan`'s keywords and `compile`'s of the same names.
 
-    `cluster` is a `Cluster` (its text or a device count is read, `Cluster.coerce`), or None
-    for the cluster a job measures (`compile`'s default, also spelled "auto"); `schedule` is a
-    `PipelineSchedule` (a registered name is looked up) or "auto"; `solver_options` are the
-    solver's own options. `dataclasses.replace` checks the fields again, reading nothing twice:
+    Attributes:
+        cluster: the devices (a `Cluster`, its text or a number of devices: `Cluster.coerce`,
+            read once here); None or "auto" (`compile` only): in a job of two or more ranks,
+            the job measures its hosts, links, rank speeds and memory before planning
+            (`runtime/cluster_measure.py`, cached for a day; `explain()` says how), else one
+            device; a given `plan` keeps its own cluster.
+        schedule: a name from `pdcompile.schedules()` (looked up once here) or a
+            `PipelineSchedule`: "1f1b" (default: synchronous, equal to single-process gradient
+            accumulation), "gpipe", "pipedream" (asynchronous, weight stashing), "2bw", or one
+            registered with `pdcompile.register_schedule`; "auto": every synchronous schedule
+            (and chunks per rank it takes) planned, the fastest `step_time` that fits memory
+            kept, with the comparison in `options["auto"]` (`search.schedule_choice`;
+            `explain()` shows it); under `compile` a given `plan` runs its own schedule.
+        solver: the partitioning solver (`pdcompile.solvers()`; "dp", the old name of
+            "dynprog", still works).
+        num_microbatches: microbatches per step, at most `MAX_MICROBATCHES` (65536; default:
+            twice the number of devices, within that cap, rounded up to the next count the
+            schedule accepts for the plan's replicas, and to one that every replica count
+            divides if that is less than one round of the largest count further:
+            `settled_microbatches`); under `compile`, a count that differs from a given plan's
+            re-scores it.
+        microbatch_size: rows per microbatch (an integer >= 1; `plan` only); the costs are
+            scaled from the graph's batch size.
+        replica_counts: the replica counts a stage may have (default: any; `plan` only); e.g.
+            the divisors of `num_microbatches`. Solvers `dynprog`, `ideal` and `cpsat` search
+            within them; a plan from another solver that breaks them is refused.
+        chunks: stages per rank, one replica each (`plan` only; default: the schedule's
+            `default_chunks`, 2 for `interleaved-1f1b` and `zb-v`, else 1), placed by the
+            schedule (`PipelineSchedule.chunk_rank`).
+        allow_async: with schedule="auto", the asynchronous schedules (`pipedream`, `2bw`) are
+            candidates too (they change the optimisation's semantics).
+        global_batch_size: rows per `train_step`. Without `num_microbatches` (or
+            `microbatch_size`), every count M dividing it that the schedule accepts is planned
+            at G / M rows per microbatch, the fastest fitting plan kept, the counts tried in
+            `options["microbatches"]` (`search.microbatch_count`; with "auto", for every
+            candidate schedule). None: the example is one microbatch.
+        memory: bytes per device (a number or a size such as "16GB"), overriding
+            `cluster.memory`; "auto": this host's available RAM over the devices of the
+            cluster's innermost level, less 10% (`search.recompute_choice.host_memory`; under
+            `compile`, rank 0's device's: CUDA's total memory, CPU's available RAM per rank).
+            A limit no plan fits raises `PartitionError`, naming the least memory a plan needs.
+        recompute: activation recomputation (`Stage.recompute`, docs/memory.md): None, the
+            planner recomputes the stages that need it to fit the memory limit where that is
+            the fastest plan; True, every stage; False, none (`options["recomputation"]`).
+        profile: `compile` measures node times (False: analytic costs, e.g. for meta-device
+            models).
+        costs: a CostGraph (or its JSON file) of the model for `compile` to plan with instead
+            of profiling it (e.g. `pdcompile profile --out costs.json` run once).
+        plan: a Plan (or a saved plan's path) for `compile` to run: no profile, no solving.
+        solver_options: the solver's own options (`plan`'s other keywords).
+
+    `dataclasses.replace` (`replace`) checks the fields again without reading anything twice:
     a `Cluster` and a `PipelineSchedule` are taken as they are.
 
     Raises:

@@ -20,7 +20,18 @@ NOT_COMPILE = ("microbatch_size", "replica_counts", "chunks", "solver_options", 
 @dataclass(frozen=True)
 class CaptureConfig:
     """The example call and how the model is captured: `compile`'s keywords of these names
-    (`trace` checks them against the model)."""
+    (`trace` checks them against the model).
+
+    Attributes:
+        example_inputs: one example call's positional inputs (a microbatch or a batch).
+        example_kwargs: its keyword inputs.
+        example_targets: the targets of the example's rows, as `train_step` gets them: with
+            them the profile prices `loss_fn` on the last stage (`analyze(loss_fn=,
+            targets=)`); None: the loss is left out of the plan, which `explain()` says.
+        leaf_modules: modules the capture keeps whole (classes or qualified names).
+        batch_dims: inputs whose batch is not along dim 0, by name: the dimension holding it,
+            or None for an input every microbatch gets whole (`trace(batch_dims=)`).
+    """
 
     example_inputs: tuple[Any, ...]
     example_kwargs: dict[str, Any] | None = None

@@ -34,10 +34,43 @@ NONFINITE = ("raise", "skip")  # what a step with a NaN or infinite loss does
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The training settings: `compile`'s keywords of the same names (its docstring says what
-    each does), and `stash`, an executor's (False: no weight stashing under `pipedream`, only to
-    show what it prevents). `replan` is a `Replan` or None (True is read as `Replan()`);
-    `checkpoint_dir` a path string.
+    """The training settings: `compile`'s keywords of the same names, which the executors
+    and workers read (they take them as keywords too).
+
+    Attributes:
+        loss_fn: `loss_fn(output, target) -> scalar`, run on the last stage.
+        optimizer: a factory `params -> torch.optim.Optimizer`, applied to each stage replica
+            (built and stepped once on one tensor here); the profile times its step per node
+            and sizes its state.
+        lr_scheduler: a factory `optimizer -> LRScheduler`, stepped after every update.
+        clip_grad_norm: the largest gradient norm (global; per stage under `pipedream`, where
+            stages sharing tied weights clip together).
+        autocast: a dtype for `torch.autocast` around every forward (weights stay fp32).
+        nonfinite: what a NaN or infinite loss does: "raise" a `LossError` naming the step,
+            stage and microbatch, or "skip" the step on every rank (no update, no scheduler
+            step; synchronous schedules only; `skipped_steps` counts them).
+        vertical_sync: under `pipedream`, minibatch k runs at every stage on weights that
+            include only the minibatches stage 0's weights for k include (docs/runtime.md).
+        stash: an executor's, not `compile`'s: False runs a streaming schedule's backward on
+            the newest weights (no weight stashing), only to show what stashing prevents.
+        timeout: seconds any wait of a training step may last (a checkpoint's too).
+        startup_timeout: seconds the start-up (capture, planning, broadcast) may last.
+        checkpoint_dir: a folder every rank sees: on start every rank loads the newest valid
+            checkpoint in it (`PipelinedModule.resume`; `steps` goes on from its step count),
+            and every `checkpoint_every` steps the job saves `step-<steps>` there, keeping the
+            newest 3 (docs/checkpoints.md). One rank per stage (torchrun).
+        checkpoint_every: train steps between automatic checkpoints (with `checkpoint_dir`).
+        measure_memory: measure what each rank holds (`PipelinedModule.measure_memory`:
+            parameters, gradients, optimizer state, weight versions, saved activations), which
+            `explain()` compares with the plan's `rank_memory`.
+        replan: the closed loop (a `Replan`, or None; True is read as `Replan()`): after
+            `Replan.after_steps` steps the stages' measured times rescale the costs, rank 0
+            plans again, and when the new plan is predicted at least `Replan.threshold`
+            faster, every rank moves to it (a checkpoint of the running plan, then the new
+            stages load it by name; `explain()` shows both plans and the measured step before
+            and after). Needs the costs the plan was made from (profiled, or `costs=`).
+        weights: for a model on the meta device: a function returning its state dict, or a
+            checkpoint directory; each rank materialises only its own stage's tensors.
 
     Raises:
         ConfigError: any field out of range, naming it, the value and the remedy (of the class
