@@ -75,8 +75,8 @@ class Engine:
         self.plan, self.schedule = plan, schedule
         cluster = plan.cluster
         self.actions = schedule.actions
-        # a compute kind's seconds: the stage's field the action table names
-        self.seconds = {(s.index, row.letter): getattr(s, row.seconds)
+        # a compute kind's seconds: the stage's fields the action table names, summed
+        self.seconds = {(s.index, row.letter): sum(getattr(s, f) for f in row.seconds)
                         for s in plan.stages for row in TABLE if row.is_compute}  # fmt: skip
         self.bytes = {(src, s.index): size for s in plan.stages for src, size in s.recv_bytes}
         self.costs = stage_costs(plan, cluster)

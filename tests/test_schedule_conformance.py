@@ -18,6 +18,7 @@ import copy
 import functools
 import importlib
 import itertools
+import pathlib
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -32,6 +33,7 @@ from test_split_memory_budget import chain as kept_chain
 import pdcompile
 from pdcompile import Cluster, PartitionError, Plan, ScheduleError, Stage, evaluate
 from pdcompile.plans import consecutive_ranks
+from pdcompile.registry import Registry
 from pdcompile.runtime import validate_schedule
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
@@ -384,9 +386,31 @@ def test_orders_that_skip_a_microbatch_are_refused() -> None:
 
 
 def test_registered_kinds_are_found_by_listing_the_package() -> None:
-    """No registry line names a built-in: the package's modules are listed."""
+    """No registry line names a built-in schedule or solver: their packages are listed."""
+    from pdcompile.planning import SOLVERS
     from pdcompile.schedules.registry import SCHEDULES
 
     modules = {type(get_schedule(kind)).__module__ for kind in KINDS}
-    builtin = {m for m in modules if m.startswith("pdcompile.schedules.")}
-    assert builtin <= set(SCHEDULES.builtins)
+    assert {m for m in modules if m.startswith("pdcompile.schedules.")} <= set(SCHEDULES.builtins)
+    assert {"pdcompile.schedules.zb_v", "pdcompile.schedules.action_kinds"} <= set(
+        SCHEDULES.builtins
+    )
+    assert "pdcompile.passes.solvers.reach" in SOLVERS.builtins  # listed, though it registers none
+
+
+def test_a_new_file_in_a_registrys_package_registers_itself(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file added to the package registers what it defines on first use, in no list."""
+    package = tmp_path / "found_plugins"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in ("first", "second"):
+        (package / f"{name}.py").write_text(
+            f"import sys\nsys.modules['found_plugins'].REGISTRY.add({name!r}, {name!r})\n"
+        )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    imported = importlib.import_module("found_plugins")
+    imported.REGISTRY = Registry("plugin", (), ScheduleError, package="found_plugins")
+    assert list(imported.REGISTRY) == ["first", "second"]
+    assert imported.REGISTRY.builtins == ("found_plugins.first", "found_plugins.second")

@@ -11,7 +11,7 @@ row says what it receives before it and sends after it (`act`ivations forward, `
 back), what it does to the microbatches the stage holds (`holds`: the change to the count
 holding all their activations and to the count holding only what the weight gradient reads),
 whether it adds to the weights' gradients (`accumulates`), and which seconds of the stage it
-takes (`seconds`: a `Stage` field).
+takes (`seconds`: `Stage` fields, summed).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class ActionKind:
         accumulates: it adds gradients to the weights' (from its end to the update).
         autograd_gradients: the gradients it adds come from autograd's accumulation, which the
             replicas' bucket hooks see (a split backward's W adds some by hand).
-        seconds: the `Stage` field pricing it in the simulator.
+        seconds: the `Stage` fields whose sum prices it in the simulator.
         drawn_as_idle: Gantt charts draw it hatched, as waiting.
         thin: Gantt charts draw it as a thin box (it may overlap compute).
         collective: the ranks of its `group` take part together.
@@ -70,7 +70,7 @@ class ActionKind:
     recompute_inside: bool = False
     accumulates: bool = False
     autograd_gradients: bool = False
-    seconds: str = ""
+    seconds: tuple[str, ...] = ()
     drawn_as_idle: bool = False
     thin: bool = False
     collective: bool = False
@@ -82,15 +82,15 @@ class ActionKind:
 
 TABLE = (
     ActionKind("F", "forward", "#4c72b0", FORWARD, receives=ACT, sends=ACT, starts=True,
-               holds=(1, 0), seconds="forward_s"),
+               holds=(1, 0), seconds=("forward_s",)),
     ActionKind("B", "backward", "#55a868", BACKWARD, receives=GRAD, sends=GRAD, ends=True,
                needs=("F",), holds=(-1, 0), recomputes=True, recompute_inside=True,
-               accumulates=True, autograd_gradients=True, seconds="backward_s"),
+               accumulates=True, autograd_gradients=True, seconds=("backward_s",)),
     ActionKind("I", "backward, input part", "#8cc79b", INPUT_GRADIENTS, receives=GRAD,
                sends=GRAD, needs=("F",), holds=(-1, 1), recomputes=True,
-               seconds="backward_input_s"),
+               seconds=("backward_input_s",)),
     ActionKind("W", "backward, weight part", "#2f7a45", WEIGHT_GRADIENTS, ends=True,
-               needs=("I",), holds=(0, -1), accumulates=True, seconds="backward_weight_s"),
+               needs=("I",), holds=(0, -1), accumulates=True, seconds=("backward_weight_s",)),
     ActionKind("send", "send (communication)", "#dd8452", thin=True),
     ActionKind("recv", "idle: waiting for a message", "#e4e4e4", drawn_as_idle=True, thin=True),
     ActionKind("allreduce", "all-reduce (communication)", "#c44e52", collective=True),
