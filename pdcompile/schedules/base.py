@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import abc
 import functools
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, final
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedules.action_kinds import compute_kinds, kind
+from pdcompile.schedules.action_kinds import compute_kinds
 from pdcompile.schedules.closed_forms import SPLIT, ClosedForms, split_parts
-from pdcompile.schedules.memory_walk import Walked, walk
-from pdcompile.schedules.placement import ENDLESS, Item, Placement
+from pdcompile.schedules.memory_walk import Walked, walks
+from pdcompile.schedules.placement import Item, Placement
 from pdcompile.schedules.weight_policy import SYNCHRONOUS, WeightPolicy
 
 __all__ = ["MAX_MICROBATCHES", "SPLIT", "MemoryCounts", "PipelineSchedule", "split_parts"]
@@ -251,7 +250,7 @@ class PipelineSchedule(abc.ABC):
         """Per stage, the forwards a replica runs before the one its first backward follows
         (a stream's warm-up w_s), read off its order (a stream's: the endless one) on stages
         with `replicas`."""
-        walked = _walks(self, tuple(replicas), num_microbatches, 1)
+        walked = walks(self, tuple(replicas), num_microbatches, 1)
         if walked is None:
             return [0] * len(replicas)
         return [max(0, held.warmup - 1) for held in walked]
@@ -420,19 +419,8 @@ class PipelineSchedule(abc.ABC):
     ) -> Walked | None:
         """The most a replica of `stage` holds (the most of its replicas; with chunks > 1, of
         the rank running it), walked; None where the kind does not run that layout."""
-        walked = _walks(self, tuple(replicas), num_microbatches, chunks)
+        walked = walks(self, tuple(replicas), num_microbatches, chunks)
         return None if walked is None else walked[stage]
-
-    def _placement(self, replicas: tuple[int, ...], num_microbatches: int, chunks: int
-                   ) -> Placement:  # fmt: skip
-        """Stages with `replicas` one per rank in a chain, or, with chunks > 1, placed as
-        `plan(..., chunks=)` places them (one replica each)."""
-        if chunks == 1:
-            return _straight(tuple(replicas), num_microbatches)
-        p = len(replicas) // chunks
-        ranks = tuple((self.chunk_rank(i, p, chunks),) for i in range(len(replicas)))
-        edges = {(s, s + 1): True for s in range(len(replicas) - 1)}
-        return Placement(ranks, edges, num_microbatches)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -440,46 +428,3 @@ def _straight(replicas: tuple[int, ...], num_microbatches: int) -> Placement:
     """`Placement.straight`, for the callers that give replica counts (the weight policy's
     rules, asked per microbatch)."""
     return Placement.straight(replicas, num_microbatches)
-
-
-@functools.lru_cache(maxsize=4096)
-def _walks(
-    rules: PipelineSchedule, replicas: tuple[int, ...], num_microbatches: int, chunks: int
-) -> tuple[Walked, ...] | None:
-    """Per stage, the `Walked` of its replicas' ranks (their most), once per schedule and
-    layout (the solvers ask for every stage of a few layouts); None where the kind does not
-    run that layout."""
-    placement = rules._placement(replicas, num_microbatches, chunks)
-    streaming = rules.streaming
-    total = ENDLESS if streaming else num_microbatches
-    try:
-        rules.check_layout(placement.ranks, num_microbatches)
-        orders = rules.rank_orders(Placement(placement.ranks, placement.edges, num_microbatches,
-                                             total))  # fmt: skip
-        if streaming:
-            walked = _walk_stream(rules, placement, orders)
-        else:
-            walked = {rank: walk(orders[rank]) for rank in placement.world}
-    except ScheduleError:
-        return None
-    return tuple(
-        Walked(*(max(field) for field in zip(*(walked[r] for r in rs), strict=True)))
-        for rs in placement.ranks
-    )
-
-
-def _walk_stream(
-    rules: PipelineSchedule, placement: Placement, orders: Mapping[int, Sequence[Item]]
-) -> dict[int, Walked]:
-    """A stream never drains: each rank's endless order walked past its warm-up and two whole
-    rounds, the gradients freed at each round's update."""
-    rounds = {s: (r, rules.weights.round_size(placement, s))
-              for s, r in enumerate(placement.replicas)}  # fmt: skip
-    longest = max(size for _, size in rounds.values())
-    walked = {}
-    for rank in placement.world:
-        order = orders[rank]
-        warmup = next(i for i in itertools.count() if not kind(order[i][0]).starts)
-        count = rules.items_per_microbatch * (warmup + 2 * longest + 2)
-        walked[rank] = walk((order[i] for i in range(count)), rounds)
-    return walked

@@ -12,10 +12,17 @@ freed at each round's update.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import NamedTuple
+import functools
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
+from pdcompile.errors import ScheduleError
 from pdcompile.schedules.action_kinds import kind
+from pdcompile.schedules.placement import ENDLESS, Item, Placement
+
+if TYPE_CHECKING:
+    from pdcompile.schedules.base import PipelineSchedule
 
 
 class Walked(NamedTuple):
@@ -57,3 +64,59 @@ def walk(
                 grads.discard(stage)
     return Walked(most, most_full, graded_full, graded_total,
                   forwards if warmup is None else warmup)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def walks(
+    rules: PipelineSchedule, replicas: tuple[int, ...], num_microbatches: int, chunks: int
+) -> tuple[Walked, ...] | None:
+    """Per stage, the `Walked` of its replicas' ranks (their most; with chunks > 1, of the
+    rank running it), once per schedule and layout (the solvers ask for every stage of a few
+    layouts); None where the kind does not run that layout."""
+    placement = _layout(rules, replicas, num_microbatches, chunks)
+    streaming = rules.streaming
+    total = ENDLESS if streaming else num_microbatches
+    try:
+        rules.check_layout(placement.ranks, num_microbatches)
+        orders = rules.rank_orders(Placement(placement.ranks, placement.edges, num_microbatches,
+                                             total))  # fmt: skip
+        if streaming:
+            walked = _walk_stream(rules, placement, orders)
+        else:
+            walked = {rank: walk(orders[rank]) for rank in placement.world}
+    except ScheduleError:
+        return None
+    return tuple(
+        Walked(*(max(field) for field in zip(*(walked[r] for r in rs), strict=True)))
+        for rs in placement.ranks
+    )
+
+
+def _walk_stream(
+    rules: PipelineSchedule, placement: Placement, orders: Mapping[int, Sequence[Item]]
+) -> dict[int, Walked]:
+    """A stream never drains: each rank's endless order walked past its warm-up and two whole
+    rounds, the gradients freed at each round's update."""
+    rounds = {s: (r, rules.weights.round_size(placement, s))
+              for s, r in enumerate(placement.replicas)}  # fmt: skip
+    longest = max(size for _, size in rounds.values())
+    walked = {}
+    for rank in placement.world:
+        order = orders[rank]
+        warmup = next(i for i in itertools.count() if not kind(order[i][0]).starts)
+        count = rules.items_per_microbatch * (warmup + 2 * longest + 2)
+        walked[rank] = walk((order[i] for i in range(count)), rounds)
+    return walked
+
+
+def _layout(
+    rules: PipelineSchedule, replicas: tuple[int, ...], num_microbatches: int, chunks: int
+) -> Placement:
+    """Stages with `replicas` one per rank in a chain, or, with chunks > 1, placed as
+    `plan(..., chunks=)` places them (one replica each)."""
+    if chunks == 1:
+        return Placement.straight(replicas, num_microbatches)
+    p = len(replicas) // chunks
+    ranks = tuple((rules.chunk_rank(i, p, chunks),) for i in range(len(replicas)))
+    edges = {(s, s + 1): True for s in range(len(replicas) - 1)}
+    return Placement(ranks, edges, num_microbatches)
