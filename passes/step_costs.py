@@ -149,6 +149,22 @@ def describe_optimizer(optimizer: str | OptimizerFactory) -> OptimizerInfo:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """How the optimizer step and the loss are priced: timed (`profile`: `repeats` after
+    `warmup`, at `num_threads` CPU threads, as the profile's; `cache`: True, the profile cache's
+    directory, a directory, or False; `loaded_by`: other processes training on this machine
+    meanwhile, which keys the cache), else on `device_model`'s roofline."""
+
+    profile: bool
+    device_model: DeviceModel
+    num_threads: int = 1
+    warmup: int = 3
+    repeats: int = 10
+    cache: bool | str | Path = True
+    loaded_by: int = 0
+
+
 # -- the optimizer step ----------------------------------------------------------------------
 
 
@@ -156,14 +172,7 @@ def annotate_optimizer(
     gm: fx.GraphModule,
     optimizer: str | OptimizerFactory,
     device: torch.device,
-    *,
-    profile: bool,
-    device_model: DeviceModel,
-    num_threads: int = 1,
-    warmup: int = 3,
-    repeats: int = 10,
-    cache: bool | str | Path = True,
-    loaded_by: int = 0,
+    timing: StepTiming,
 ) -> fx.GraphModule:
     """Write `pdcompile.optimizer_s` and `pdcompile.accumulate_s` on every node and
     `gm.meta["pdcompile.optimizer_priced"]`.
@@ -171,23 +180,21 @@ def annotate_optimizer(
     Args:
         gm: a captured graph with its parameter table.
         optimizer: a name of `KINDS` or a factory `params -> torch.optim.Optimizer`.
-        device: where the parameters live (timed there when `profile`).
-        profile: time the step; False prices it with `device_model`.
-        device_model: the roofline for `profile=False`.
-        num_threads, warmup, repeats: as the profile's.
-        cache: True (the profile cache's directory), a directory, or False.
-        loaded_by: other processes training on this machine meanwhile (keys the cache).
+        device: where the parameters live (timed there when `timing.profile`).
+        timing: timed, or priced on the device model.
     """
     info = describe_optimizer(optimizer)
     sizes = _owned_sizes(gm)
     call_s = 0.0
-    if profile:
-        where = (device, num_threads, warmup, repeats, loaded_by)
-        times, adds, call_s = _timed_steps(optimizer, info, sizes, where, cache)
+    if timing.profile:
+        t = timing
+        where = (device, t.num_threads, t.warmup, t.repeats, t.loaded_by)
+        times, adds, call_s = _timed_steps(optimizer, info, sizes, where, t.cache)
     else:
         state = {"sgd": 0, "momentum": 1, "adam": 2}[info.kind]
-        times = {key: _modelled_step(key, state, device_model) for key in set(sizes.values())}
-        adds = {key: _modelled_accumulate(key, device_model) for key in set(sizes.values())}
+        model = timing.device_model
+        times = {key: _modelled_step(key, state, model) for key in set(sizes.values())}
+        adds = {key: _modelled_accumulate(key, model) for key in set(sizes.values())}
     for node in gm.graph.nodes:
         key = sizes.get(node.name)
         node.meta[OPTIMIZER_S] = float(times[key]) if key else 0.0
@@ -376,15 +383,11 @@ def annotate_loss(
     inputs: Mapping[str, torch.Tensor],
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     targets: Any,
-    *,
-    profile: bool,
-    device_model: DeviceModel,
-    num_threads: int = 1,
-    warmup: int = 3,
-    repeats: int = 10,
+    timing: StepTiming,
 ) -> fx.GraphModule:
     """Write `gm.meta["pdcompile.loss_s"]`: the loss function's (forward, backward) seconds on
-    the graph's output for the example and `targets` (None without `loss_fn` or `targets`).
+    the graph's output for the example and `targets` (None without `loss_fn` or `targets`),
+    timed or priced on the device model (`timing`; its cache is not used).
 
     Raises:
         CostError: `loss_fn` fails on the example's output and the targets, or does not give a
@@ -401,15 +404,16 @@ def annotate_loss(
     leaves = pytree.tree_map(_leaf, output)
     grads_to = [t for _, t in iter_tensors(leaves) if t.requires_grad]
     _check_loss(loss_fn, leaves, targets)
-    if profile:
+    if timing.profile:
         threads = torch.get_num_threads()
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(timing.num_threads)
         try:
-            seconds = _timed_loss(loss_fn, leaves, targets, grads_to, device, warmup, repeats)
+            seconds = _timed_loss(loss_fn, leaves, targets, grads_to, device, timing.warmup,
+                                  timing.repeats)  # fmt: skip
         finally:
             torch.set_num_threads(threads)
     else:
-        seconds = _modelled_loss(loss_fn, leaves, targets, grads_to, device_model)
+        seconds = _modelled_loss(loss_fn, leaves, targets, grads_to, timing.device_model)
     gm.meta[LOSS_S] = seconds
     return gm
 

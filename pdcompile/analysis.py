@@ -13,6 +13,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from pdcompile.passes.profile import annotate_profile
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.step_costs import (
     OptimizerFactory,
+    StepTiming,
     annotate_loss,
     annotate_optimizer,
     describe_optimizer,
@@ -145,32 +147,12 @@ def default_device_model(device: torch.device) -> DeviceModel:
     return DeviceModel.get("cpu")
 
 
-def analyze(
-    gm: fx.GraphModule,
-    example_inputs: Any,
-    *,
-    example_kwargs: Mapping[str, Any] | None = None,
-    profile: bool = True,
-    device: str | torch.device | None = None,
-    optimizer: str | OptimizerFactory = "sgd",
-    device_model: str | DeviceModel | None = None,
-    coarsen: int | None = None,
-    cache: bool | str = True,
-    num_threads: int = 1,
-    progress: bool = True,
-    calibration: bool | FrameworkCost | None = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    targets: Any = None,
-    autocast: torch.dtype | None = None,
-    loaded_by: int = 0,
-    rows: Sequence[int] | None = None,
-    max_rows: int | None = None,
-) -> CostGraph:
-    """Run the cost passes on a captured graph and return its CostGraph.
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    """What `analyze` is told: its keywords.
 
-    Args:
-        gm: a graph from `pdcompile.trace`.
-        example_inputs, example_kwargs: the example call given to `trace`.
+    Attributes:
+        example_kwargs: the example call's keyword inputs, as given to `trace`.
         profile: measure times on `device`; False prices nodes with `device_model` only (works
             for models on the meta device).
         device: where to profile (default: where the example inputs are). The graph is copied
@@ -206,6 +188,36 @@ def analyze(
             `scaled` reads them at any row count. `rows=()` times the example's rows alone
             (then times scale linearly). A row count the model cannot run at (a BatchNorm1d
             on 1 row) is left out, with a warning.
+    """
+
+    example_kwargs: Mapping[str, Any] | None = None
+    profile: bool = True
+    device: str | torch.device | None = None
+    optimizer: str | OptimizerFactory = "sgd"
+    device_model: str | DeviceModel | None = None
+    coarsen: int | None = None
+    cache: bool | str = True
+    num_threads: int = 1
+    progress: bool = True
+    calibration: bool | FrameworkCost | None = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    targets: Any = None
+    autocast: torch.dtype | None = None
+    loaded_by: int = 0
+    rows: Sequence[int] | None = None
+    max_rows: int | None = None
+
+
+def analyze(gm: fx.GraphModule, example_inputs: Any, **options: Any) -> CostGraph:
+    """Run the cost passes on a captured graph and return its CostGraph.
+
+    Args:
+        gm: a graph from `pdcompile.trace`.
+        example_inputs: the example call's positional inputs given to `trace`.
+        options: `AnalyzeConfig`'s fields (documented there): `example_kwargs`, `profile`,
+            `device`, `optimizer`, `device_model`, `coarsen`, `cache`, `num_threads`,
+            `progress`, `calibration`, `loss_fn`, `targets`, `autocast`, `loaded_by`, `rows`,
+            `max_rows`.
 
     Returns:
         The CostGraph; its `meta` records the model, capture path, device, optimizer and source,
@@ -220,67 +232,20 @@ def analyze(
         >>> costs.batch_size, len(costs.nodes), costs.rows
         (4, 12, (1, 4))
     """
-    with phase(f"analyzing {len(gm.graph.nodes)} nodes", enabled=progress):
-        inputs = graph_inputs(gm, example_inputs, example_kwargs)
-        on_meta = any(p.device.type == "meta" for p in gm.parameters())
-        target = torch.device(device) if device is not None else next(iter(inputs.values())).device
-        if on_meta and device is None:
-            target = torch.device("meta")  # weights without values: the inputs join them there
-        if profile and target.type == "meta":
-            raise CostError("a model on the meta device cannot be profiled; pass profile=False")
-        if any(t.device != target for t in [*inputs.values(), *gm.parameters()]):
-            gm = copy.deepcopy(gm).to(target)
-            inputs = {k: v.to(target) for k, v in inputs.items()}
-        model = DeviceModel.get(device_model) if device_model else default_device_model(target)
-        if calibration is None:
-            calibration = profile
-        cost = framework_cost(calibration, target, num_threads, cache, measure=profile)
-
-        kind = describe_optimizer(optimizer).kind  # the state optimizer_bytes counts
-
-        def timing(at: Mapping[str, torch.Tensor], at_targets: Any, warmup: int, repeats: int
-                   ) -> list[tuple[str, Callable[[], Any]]]:  # fmt: skip
-            """The passes whose times depend on the rows, on inputs `at`."""
-            passes: list[tuple[str, Callable[[], Any]]] = [
-                ("analytic", lambda: annotate_analytic(gm, at, model))
-            ]
-            if profile:
-                passes.append(
-                    ("profile", lambda: annotate_profile(gm, at, num_threads=num_threads,
-                                                         warmup=warmup, repeats=repeats,
-                                                         cache=cache, progress=progress,
-                                                         loaded_by=loaded_by))
-                )  # fmt: skip
-            passes.append(
-                ("loss", lambda: annotate_loss(gm, at, loss_fn, at_targets, profile=profile,
-                                               device_model=model, num_threads=num_threads,
-                                               warmup=warmup, repeats=repeats))
-            )  # fmt: skip
-            if cost is not None:
-                fold = lambda: annotate_framework(gm, at, cost, measured=profile)  # noqa: E731
-                passes.append(("framework", fold))
-            return passes
-
-        # no times folded: what an earlier call folded must not reach this CostGraph
-        if cost is None:
-            for node in gm.graph.nodes:
-                for key in (FOLDED_S, FRAMEWORK_S, FRAMEWORK_OPS):
-                    node.meta.pop(key, None)
-            gm.meta.pop(FRAMEWORK, None)
+    config = AnalyzeConfig(**options)
+    with phase(f"analyzing {len(gm.graph.nodes)} nodes", enabled=config.progress):
+        passes = _Passes.on(gm, example_inputs, config)
+        gm, inputs, targets = passes.gm, passes.inputs, config.targets
         size = graph_batch_size(gm)
         placeholders = gm.graph.find_nodes(op="placeholder")
         batched = any(input_batch_dim(gm, n) is not None for n in placeholders)
-        counts = profiled_rows(size, rows, max_rows) if batched else (size,)
+        counts = profiled_rows(size, config.rows, config.max_rows) if batched else (size,)
         # the other row counts first: the example's passes run last, so `gm`'s meta is theirs
-        curves = {n: _at_rows(gm, n, inputs, targets, timing, profile) for n in counts if n != size}
-        _run(gm, [
-            ("memory", lambda: annotate_memory(gm, inputs, kind, loss_fn, targets, autocast)),
-            ("optimizer", lambda: annotate_optimizer(gm, optimizer, target, profile=profile,
-                                                     device_model=model, num_threads=num_threads,
-                                                     cache=cache, loaded_by=loaded_by)),
-            *timing(inputs, targets, 3, 10),
-        ])  # fmt: skip
-        curves[size] = (node_times(gm, measured=profile), gm.meta[LOSS_S] or (0.0, 0.0), None)
+        curves = {n: _at_rows(gm, n, inputs, targets, passes.timing, config.profile)
+                  for n in counts if n != size}  # fmt: skip
+        _run(gm, passes.example())
+        curves[size] = (node_times(gm, measured=config.profile), gm.meta[LOSS_S] or (0.0, 0.0),
+                        None)  # fmt: skip
         for n, (_, _, how) in sorted(curves.items()):  # the example's rows ran: the others' faults
             if how and "left_out" in how:
                 warnings.warn(
@@ -288,23 +253,99 @@ def analyze(
                     "follow the other row counts (analyze(rows=...) chooses them)",
                     stacklevel=2,
                 )
-        meta = {
-            "model": type(gm).__name__,
-            "capture": gm.meta.get(CAPTURE),
-            "source": "profile" if profile else "analytic",
-            "device": str(target),
-            "device_model": model.name,
-            "optimizer": gm.meta[OPTIMIZER],
-            "num_threads": num_threads if profile and target.type == "cpu" else None,
-            "torch_version": torch.__version__,
-            # how, when and from which cache file the times came (`gm` is the graph profiled)
-            "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
-            # the per-operation framework cost folded into the times, and how (framework_fold)
-            "framework": gm.meta[FRAMEWORK].to_dict() if cost is not None else None,
-            # the other row counts: how each was had, or why it was left out
-            "row_profiles": {str(n): c[2] for n, c in sorted(curves.items()) if n != size},
-        }
-        measured = sorted(n for n, c in curves.items() if c[0] is not None)
+        graph = passes.cost_graph(size, curves)
+        return coarsen_layers(graph, config.coarsen) if config.coarsen else graph
+
+
+# per row count: the node times (None: left out), the loss's, and how they were had
+Curves = dict[int, tuple[dict[str, tuple[float, ...]] | None, tuple[float, float], Any]]
+
+
+@dataclass(frozen=True)
+class _Passes:
+    """The cost passes of one `analyze` call: on `gm` and `inputs` (copied to `target`), with
+    the device model, the framework cost folded in (None: none) and the optimizer's kind."""
+
+    gm: fx.GraphModule
+    inputs: dict[str, torch.Tensor]
+    config: AnalyzeConfig
+    target: torch.device
+    model: DeviceModel
+    cost: FrameworkCost | None
+    kind: str
+
+    @classmethod
+    def on(cls, gm: fx.GraphModule, example_inputs: Any, config: AnalyzeConfig) -> _Passes:
+        """The passes on the example call, the graph moved to where it is profiled (or the
+        meta device, for weights without values).
+
+        Raises:
+            CostError: a meta-device model asked to be profiled, or as `graph_inputs`.
+        """
+        inputs = graph_inputs(gm, example_inputs, config.example_kwargs)
+        on_meta = any(p.device.type == "meta" for p in gm.parameters())
+        device = config.device
+        target = torch.device(device) if device is not None else next(iter(inputs.values())).device
+        if on_meta and device is None:
+            target = torch.device("meta")  # weights without values: the inputs join them there
+        if config.profile and target.type == "meta":
+            raise CostError("a model on the meta device cannot be profiled; pass profile=False")
+        if any(t.device != target for t in [*inputs.values(), *gm.parameters()]):
+            gm = copy.deepcopy(gm).to(target)
+            inputs = {k: v.to(target) for k, v in inputs.items()}
+        model = (DeviceModel.get(config.device_model) if config.device_model
+                 else default_device_model(target))  # fmt: skip
+        calibration = config.profile if config.calibration is None else config.calibration
+        cost = framework_cost(calibration, target, config.num_threads, config.cache,
+                              measure=config.profile)  # fmt: skip
+        if cost is None:  # no times folded: what an earlier call folded must not reach this one
+            for node in gm.graph.nodes:
+                for key in (FOLDED_S, FRAMEWORK_S, FRAMEWORK_OPS):
+                    node.meta.pop(key, None)
+            gm.meta.pop(FRAMEWORK, None)
+        kind = describe_optimizer(config.optimizer).kind  # the state optimizer_bytes counts
+        return cls(gm, inputs, config, target, model, cost, kind)
+
+    def timing(
+        self, at: Mapping[str, torch.Tensor], at_targets: Any, warmup: int, repeats: int
+    ) -> list[tuple[str, Callable[[], Any]]]:
+        """The passes whose times depend on the rows, on inputs `at`."""
+        gm, c, model = self.gm, self.config, self.model
+        passes: list[tuple[str, Callable[[], Any]]] = [
+            ("analytic", lambda: annotate_analytic(gm, at, model))
+        ]
+        if c.profile:
+            passes.append(
+                ("profile", lambda: annotate_profile(gm, at, num_threads=c.num_threads,
+                                                     warmup=warmup, repeats=repeats,
+                                                     cache=c.cache, progress=c.progress,
+                                                     loaded_by=c.loaded_by))
+            )  # fmt: skip
+        timed = StepTiming(c.profile, model, c.num_threads, warmup, repeats)
+        passes.append(("loss", lambda: annotate_loss(gm, at, c.loss_fn, at_targets, timed)))
+        if self.cost is not None:
+            cost = self.cost
+            fold = lambda: annotate_framework(gm, at, cost, measured=c.profile)  # noqa: E731
+            passes.append(("framework", fold))
+        return passes
+
+    def example(self) -> list[tuple[str, Callable[[], Any]]]:
+        """Every pass, on the example's rows."""
+        gm, c, inputs = self.gm, self.config, self.inputs
+        timed = StepTiming(c.profile, self.model, c.num_threads, cache=c.cache,
+                           loaded_by=c.loaded_by)  # fmt: skip
+        return [
+            ("memory", lambda: annotate_memory(gm, inputs, self.kind, c.loss_fn, c.targets,
+                                               c.autocast)),
+            ("optimizer", lambda: annotate_optimizer(gm, c.optimizer, self.target, timed)),
+            *self.timing(inputs, c.targets, 3, 10),
+        ]  # fmt: skip
+
+    def cost_graph(self, size: int, curves: Curves) -> CostGraph:
+        """The CostGraph of the graph as the example's passes left it, with each node's and the
+        loss's times at every row count measured (made non-decreasing in the rows)."""
+        gm, c = self.gm, self.config
+        measured = sorted(n for n, curve in curves.items() if curve[0] is not None)
         keep = measured.index(size)
         row_s = None
         if len(measured) > 1:  # each time made non-decreasing in the rows, the example's kept
@@ -313,14 +354,35 @@ def analyze(
                                   for k in range(4)), strict=True))
                 for node in curves[size][0]
             }  # fmt: skip
-        graph = to_cost_graph(gm, size, meta, measured=profile, rows=tuple(measured), row_s=row_s)
+        graph = to_cost_graph(gm, size, self.meta(size, curves), measured=c.profile,
+                              rows=tuple(measured), row_s=row_s)  # fmt: skip
         graph.loss_forward_s, graph.loss_backward_s = curves[size][1]
-        if row_s is not None and loss_fn is not None and targets is not None:
+        if row_s is not None and c.loss_fn is not None and c.targets is not None:
             graph.loss_row_s = tuple(zip(*(monotone([curves[n][1][k] for n in measured], keep)
                                            for k in range(2)), strict=True))  # fmt: skip
         graph.optimizer = gm.meta[OPTIMIZER_PRICED]
         graph.meta = {**graph.meta, "optimizer_call_s": gm.meta[OPTIMIZER_CALL_S]}
-        return coarsen_layers(graph, coarsen) if coarsen else graph
+        return graph
+
+    def meta(self, size: int, curves: Curves) -> dict[str, Any]:
+        """The CostGraph's `meta`: what was costed, where, how, and from which cache file."""
+        gm, profile, target = self.gm, self.config.profile, self.target
+        return {
+            "model": type(gm).__name__,
+            "capture": gm.meta.get(CAPTURE),
+            "source": "profile" if profile else "analytic",
+            "device": str(target),
+            "device_model": self.model.name,
+            "optimizer": gm.meta[OPTIMIZER],
+            "num_threads": self.config.num_threads if profile and target.type == "cpu" else None,
+            "torch_version": torch.__version__,
+            # how, when and from which cache file the times came (`gm` is the graph profiled)
+            "profile": dataclasses.asdict(gm.meta[PROFILE]) if profile else None,
+            # the per-operation framework cost folded into the times, and how (framework_fold)
+            "framework": gm.meta[FRAMEWORK].to_dict() if self.cost is not None else None,
+            # the other row counts: how each was had, or why it was left out
+            "row_profiles": {str(n): c[2] for n, c in sorted(curves.items()) if n != size},
+        }
 
 
 def _run(gm: fx.GraphModule, passes: list[tuple[str, Callable[[], Any]]]) -> None:

@@ -101,19 +101,8 @@ class StageWorker:
         if self.streaming:  # updates in the steady state: one call over the stage's tensors
             prefer_foreach(self.optimizer)
         self.stash = config.stash
-        self.inbound = {c.src_stage: [] for c in program.channels_to(stage)}
-        for c in program.channels_to(stage):
-            self.inbound[c.src_stage].append(c)
-        self.outbound: dict[int, list[Channel]] = {}
-        for c in program.channels_from(stage):
-            self.outbound.setdefault(c.dst_stage, []).append(c)
-        self.tied = [
-            [n for n in tie.names if n in self.params] for tie in program.ties
-        ]  # per tie group, this stage's names of it
-        tied = {n for names in self.tied for n in names}
-        self.untied = [p for n, p in self.params.items() if n not in tied]  # replica-averaged
-        copies = {n for tie in program.ties if tie.owner != stage for n in tie.names}
-        self.counted = [p for n, p in self.params.items() if n not in copies]  # global norm
+        self._channels(program, stage)
+        self._tensor_groups(program, stage)
         self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
         self.versions = WeightVersions(
             self.params, rules, num_microbatches,
@@ -138,6 +127,28 @@ class StageWorker:
         # the replicas' gradient sum, started from the backward of `trigger` (grad_buckets.py)
         self.buckets: GradBuckets | None = None
         self.trigger = -1
+
+    def _channels(self, program: StagedProgram, stage: int) -> None:
+        """The channels into this stage by source stage (`inbound`) and out of it by
+        destination stage (`outbound`)."""
+        self.inbound: dict[int, list[Channel]] = {
+            c.src_stage: [] for c in program.channels_to(stage)
+        }
+        for c in program.channels_to(stage):
+            self.inbound[c.src_stage].append(c)
+        self.outbound: dict[int, list[Channel]] = {}
+        for c in program.channels_from(stage):
+            self.outbound.setdefault(c.dst_stage, []).append(c)
+
+    def _tensor_groups(self, program: StagedProgram, stage: int) -> None:
+        """The parameters by how they are reduced: per tie group this stage's names of it
+        (`tied`), the others (`untied`, replica-averaged), and those the global norm counts
+        (`counted`: a tied tensor's copies count once, on its owner)."""
+        self.tied = [[n for n in tie.names if n in self.params] for tie in program.ties]
+        tied = {n for names in self.tied for n in names}
+        self.untied = [p for n, p in self.params.items() if n not in tied]
+        copies = {n for tie in program.ties if tie.owner != stage for n in tie.names}
+        self.counted = [p for n, p in self.params.items() if n not in copies]
 
     def overlap_reduction(self, group: tuple[int, ...], microbatch: int) -> None:
         """Start the replicas' gradient sum in buckets from the backward of `microbatch` (this

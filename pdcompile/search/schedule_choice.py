@@ -16,6 +16,7 @@ chunks. Its `options["auto"]` holds the best plan per (schedule, chunks), one ro
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -113,10 +114,11 @@ def plan_auto(
     start = time.perf_counter()
     found: list[tuple[int, Plan, list[warnings.WarningMessage]]] = []
     rows: list[dict[str, Any]] = []
+    plan_one = functools.partial(planner, cost_graph, cluster, **kwargs)
     with shared_scaling():  # every schedule plans the same microbatch sizes
         for name, chunks in each(candidates(allow_async), "schedules", _candidate):
             tried = layouts(devices, chunks, replica_counts)
-            _plan_candidate(planner, cost_graph, cluster, name, chunks, tried, kwargs, found, rows)
+            _plan_candidate(plan_one, name, chunks, tried, found, rows)
     if not found:
         reasons = "; ".join(f"{r['schedule']} (chunks={r['chunks']}): {r['skipped']}" for r in rows)
         raise PartitionError(f"schedule='auto': no schedule could be planned: {reasons}")
@@ -132,17 +134,15 @@ def plan_auto(
 
 
 def _plan_candidate(
-    planner: Callable[..., Plan],
-    cost_graph: CostGraph,
-    cluster: Cluster | str | int,
+    plan_one: Callable[..., Plan],
     name: str,
     chunks: int,
     layouts_: list[tuple[int, ...] | None],
-    kwargs: dict[str, Any],
     found: list[tuple[int, Plan, list[warnings.WarningMessage]]],
     rows: list[dict[str, Any]],
 ) -> None:
-    """Plan one candidate schedule over its replica layouts, adding it to `found` and `rows`."""
+    """Plan one candidate schedule over its replica layouts (`plan_one`: `plan` of the graph on
+    the cluster with the other settings), adding it to `found` and `rows`."""
     row: dict[str, Any] = {"schedule": name, "chunks": chunks}
     mine: list[tuple[Plan, list[warnings.WarningMessage]]] = []
     reasons = []
@@ -150,8 +150,7 @@ def _plan_candidate(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                result = planner(cost_graph, cluster, schedule=name, chunks=chunks,
-                                 replica_counts=counts, **kwargs)  # fmt: skip
+                result = plan_one(schedule=name, chunks=chunks, replica_counts=counts)
             except PartitionError as exc:
                 reasons.append(str(exc))
                 continue
