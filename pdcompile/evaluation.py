@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdcompile.cluster import Cluster
@@ -142,6 +142,96 @@ def evaluate(
     return simulated(price(plan, cost_graph, prices))
 
 
+@dataclass(frozen=True)
+class _StagePricing:
+    """What pricing a plan's stages reads: the plan, its costs, schedule and cost model, and
+    what its cut gives (bytes cut per stage and between stage pairs, the pairs no gradient
+    flows back along, the parameter tensors and tied copies per stage, the optimizer's call)."""
+
+    plan: Plan
+    cost_graph: CostGraph
+    rules: PipelineSchedule
+    prices: CostModel
+    cuts: Any
+    pairs: Any
+    silent: Any
+    tensors: Any
+    ties: Any
+    copies: Any
+    call: float
+
+    @classmethod
+    def of(
+        cls,
+        plan: Plan,
+        cost_graph: CostGraph,
+        stage_of: dict[str, int],
+        rules: PipelineSchedule,
+        prices: CostModel,
+    ) -> _StagePricing:
+        count = len(plan.stages)
+        tensors, ties = parameter_layout(cost_graph, stage_of)
+        return cls(
+            plan, cost_graph, rules, prices, cut_bytes(cost_graph, stage_of, count),
+            pair_bytes(cost_graph, stage_of), no_grad_pairs(cost_graph, stage_of), tensors, ties,
+            tie_copies(cost_graph, ties, count), optimizer_call_s(cost_graph),
+        )  # fmt: skip
+
+    def stage(self, s: Stage) -> Stage:
+        """Stage `s` priced: its times at its ranks' speed, transfers, all-reduce and update
+        shares, and bytes."""
+        plan, cost_graph, prices, pairs = self.plan, self.cost_graph, self.prices, self.pairs
+        cluster, call = plan.cluster, self.call
+        sums = node_sums(cost_graph, s.nodes)
+        copy_params, copy_weights = self.copies[s.index]
+        speed = cluster.device_speed(s.ranks)
+        # the stage holding the output runs the loss: its forward, and its backward (no weights:
+        # all of it in the split backward's I)
+        forward, backward = (
+            sums.forward_s + sums.loss_forward_s,
+            sums.backward_s + sums.loss_backward_s,
+        )
+        # a recomputing stage runs its forward (and loss) again inside its backward (its I)
+        kept = kept_activations(
+            cost_graph, s.nodes, s.recompute, sum(b for (_, d), b in pairs.items() if d == s.index),
+            self.rules.items_per_microbatch == 3,
+        )  # fmt: skip
+        again = forward if s.recompute else 0.0
+        backward += again
+        compute = (forward + backward) / speed
+        comm = 0.0
+        prev = plan.stages[s.index - 1].ranks if s.index > 0 else s.ranks
+        if prev != s.ranks:  # stages on the same ranks hand their tensors over
+            bandwidth = cluster.bandwidth(min(prev[0], s.ranks[0]), max(prev[-1], s.ranks[-1]))
+            comm = prices.transfer_s(self.cuts[s.index], bandwidth, s.replicas)
+        every = prices.updates_every(self.rules, s.replicas, plan.num_microbatches)
+        ring = prices.ring_s(
+            sums.grad_bytes, s.replicas, cluster.bandwidth(s.ranks[0], s.ranks[-1])
+        )
+        # one step() call per update, over the stage's nodes' tensors
+        optimizer = (sums.optimizer_s + call) / speed if sums.optimizer_s > 0 else 0.0
+        update = prices.update_s(optimizer, every)
+        return Stage(
+            index=s.index, nodes=s.nodes, replicas=s.replicas, ranks=s.ranks,
+            forward_s=forward / speed, backward_s=backward / speed,
+            backward_input_s=(sums.backward_input_s + sums.loss_backward_s + again) / speed,
+            backward_weight_s=sums.backward_weight_s / speed,
+            comm_s=comm, allreduce_s=ring / every,
+            time_s=prices.stage_time(compute, s.replicas, comm, ring / every, update),
+            recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
+            activation_bytes=kept.in_flight, weight_grad_activation_bytes=kept.for_weights,
+            recompute=s.recompute, recompute_bytes=kept.recomputed,
+            recompute_s=again / speed,
+            param_bytes=sums.param_bytes + copy_params,
+            grad_bytes=sums.grad_bytes + copy_params,
+            weight_bytes=sums.weight_bytes + copy_weights,
+            param_tensors=self.tensors[s.index],
+            no_grad_from=tuple(sorted(a for a, d in self.silent if d == s.index)),
+            loss_s=sums.loss_s / speed, optimizer_s=optimizer,
+            accumulate_s=sums.accumulate_s / speed,
+        )  # fmt: skip
+
+
 def price(
     plan: Plan,
     cost_graph: CostGraph,
@@ -157,65 +247,9 @@ def price(
     rules = rules or _rules(plan)
     prices = prices or get_cost_model(plan.options.get("cost_model", "pdcompile"))
     stage_of = check_plan(plan, cost_graph, cluster)
-    count = len(plan.stages)
-    cuts = cut_bytes(cost_graph, stage_of, count)
-    pairs = pair_bytes(cost_graph, stage_of)
-    silent = no_grad_pairs(cost_graph, stage_of)
-    stages = []
-    tensors, ties = parameter_layout(cost_graph, stage_of)
-    copies = tie_copies(cost_graph, ties, count)
-    call = optimizer_call_s(cost_graph)
-    for s in plan.stages:
-        sums = node_sums(cost_graph, s.nodes)
-        copy_params, copy_weights = copies[s.index]
-        speed = cluster.device_speed(s.ranks)
-        # the stage holding the output runs the loss: its forward, and its backward (no weights:
-        # all of it in the split backward's I)
-        forward, backward = (
-            sums.forward_s + sums.loss_forward_s,
-            sums.backward_s + sums.loss_backward_s,
-        )
-        # a recomputing stage runs its forward (and loss) again inside its backward (its I)
-        kept = kept_activations(
-            cost_graph, s.nodes, s.recompute, sum(b for (_, d), b in pairs.items() if d == s.index),
-            rules.items_per_microbatch == 3,
-        )  # fmt: skip
-        again = forward if s.recompute else 0.0
-        backward += again
-        compute = (forward + backward) / speed
-        comm = 0.0
-        prev = plan.stages[s.index - 1].ranks if s.index > 0 else s.ranks
-        if prev != s.ranks:  # stages on the same ranks hand their tensors over
-            bandwidth = cluster.bandwidth(min(prev[0], s.ranks[0]), max(prev[-1], s.ranks[-1]))
-            comm = prices.transfer_s(cuts[s.index], bandwidth, s.replicas)
-        every = prices.updates_every(rules, s.replicas, m)
-        ring = prices.ring_s(
-            sums.grad_bytes, s.replicas, cluster.bandwidth(s.ranks[0], s.ranks[-1])
-        )
-        # one step() call per update, over the stage's nodes' tensors
-        optimizer = (sums.optimizer_s + call) / speed if sums.optimizer_s > 0 else 0.0
-        update = prices.update_s(optimizer, every)
-        stages.append(
-            Stage(
-                index=s.index, nodes=s.nodes, replicas=s.replicas, ranks=s.ranks,
-                forward_s=forward / speed, backward_s=backward / speed,
-                backward_input_s=(sums.backward_input_s + sums.loss_backward_s + again) / speed,
-                backward_weight_s=sums.backward_weight_s / speed,
-                comm_s=comm, allreduce_s=ring / every,
-                time_s=prices.stage_time(compute, s.replicas, comm, ring / every, update),
-                recv_bytes=tuple((a, b) for (a, d), b in sorted(pairs.items()) if d == s.index),
-                activation_bytes=kept.in_flight, weight_grad_activation_bytes=kept.for_weights,
-                recompute=s.recompute, recompute_bytes=kept.recomputed,
-                recompute_s=again / speed,
-                param_bytes=sums.param_bytes + copy_params,
-                grad_bytes=sums.grad_bytes + copy_params,
-                weight_bytes=sums.weight_bytes + copy_weights,
-                param_tensors=tensors[s.index],
-                no_grad_from=tuple(sorted(a for a, d in silent if d == s.index)),
-                loss_s=sums.loss_s / speed, optimizer_s=optimizer,
-                accumulate_s=sums.accumulate_s / speed,
-            )
-        )  # fmt: skip
+    pricing = _StagePricing.of(plan, cost_graph, stage_of, rules, prices)
+    stages = [pricing.stage(s) for s in plan.stages]
+    ties, call = pricing.ties, pricing.call
     predicted = bottleneck(stages)
     total = node_sums(cost_graph, cost_graph.nodes)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
