@@ -61,10 +61,11 @@ def compile(  # noqa: A001 - the public name API.md gives it
             fits, the ranks disagree on the model, or the plan needs more ranks than the job.
 
     Example:
+        >>> model, (x,) = pdcompile.zoo.mlp()[:2]  # 4 rows, 10 classes
         >>> pipe = pdcompile.compile(model, (x,), loss_fn=F.cross_entropy, cluster="2",
-        ...                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-        >>> pipe.train_step(x, y)  # the loss, on every rank
-        2.3125
+        ...                          solver="uniform", optimizer=lambda p: SGD(p, lr=0.1))
+        >>> pipe.plan.num_stages, pipe.train_step(x, torch.tensor([0, 1, 2, 3])) > 0
+        (2, True)
     """
     from pdcompile.compiling.build import Builder, wrap
     from pdcompile.compiling.ranks import join
