@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from pdcompile.cost_graph import CostGraph
 from pdcompile.errors import CostError, PdcompileError
+from pdcompile.generators import generators_kept
 from pdcompile.ir import (
     BATCH_DIMS,
     CAPTURE,
@@ -233,7 +234,9 @@ def analyze(gm: fx.GraphModule, example_inputs: Any, **options: Any) -> CostGrap
         (4, 12, (1, 4))
     """
     config = AnalyzeConfig(**options)
-    with phase(f"analyzing {len(gm.graph.nodes)} nodes", enabled=config.progress):
+    progress = phase(f"analyzing {len(gm.graph.nodes)} nodes", enabled=config.progress)
+    device = config.device or next((p.device for p in gm.parameters()), None)
+    with progress, generators_kept(device):  # the profile's runs draw no dropout masks
         passes = _Passes.on(gm, example_inputs, config)
         gm, inputs, targets = passes.gm, passes.inputs, config.targets
         size = graph_batch_size(gm)

@@ -71,14 +71,16 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.compiling.ranks import join
     from pdcompile.compiling.settings import compile_settings
     from pdcompile.compiling.steps import agree, capture, plan_on_rank_0, share
+    from pdcompile.generators import generators_kept
 
     settings = compile_settings(example_inputs, keywords)  # every rank, before joining
     job = join(model, settings.train.startup_timeout)
-    captured = capture(model, settings, job)
-    cluster = agree(captured, settings, job)
-    planned = plan_on_rank_0(model, captured, settings, cluster, job)
-    plan, rules = share(planned, captured, settings, job)
-    builder = Builder(captured, settings, job)
-    program, built = builder.program(plan, rules)
-    executor = builder.executor(program, built, rules)
+    with generators_kept(job.device):  # training's dropout masks: whatever ran here
+        captured = capture(model, settings, job)
+        cluster = agree(captured, settings, job)
+        planned = plan_on_rank_0(model, captured, settings, cluster, job)
+        plan, rules = share(planned, captured, settings, job)
+        builder = Builder(captured, settings, job)
+        program, built = builder.program(plan, rules)
+        executor = builder.executor(program, built, rules)
     return wrap(builder, executor, rules, planned.costs)
