@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pdcompile.codegen.staged_program import Channel
 from pdcompile.errors import PipelineTimeoutError, StageCommError
-from pdcompile.runtime import wire
+from pdcompile.runtime import heartbeat, wire
 from pdcompile.runtime.action_costs import COALESCE_MAX_BYTES
 from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.comm import Key, LocalComm
@@ -185,6 +185,7 @@ class DistributedComm:
         self._waiting: tuple[str, Any, float] | None = None
         self._closed = threading.Event()
         self.watchdog_s = min(60.0, max(1.0, timeout_s / 5))
+        heartbeat.start(rank)  # signs of life, read by a rank that times out
         self._watchdog: threading.Thread | None = None
         # messages between two stages of this rank: handed over, never on the wire
         self._own = LocalComm(rank)
@@ -495,6 +496,8 @@ class DistributedComm:
     ) -> PipelineTimeoutError:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         after = "at once" if waited is None else f"after waiting {waited:.1f} s"
+        if waited is not None and waited >= 0.9 * self.timeout_s:  # timed out: who stopped?
+            reason += heartbeat.stall_note(dist.get_world_size(), self.rank)
         logger.error("rank %d: %s with %s failed %s: %s", self.rank, what, peers(peer), after,
                      reason)  # fmt: skip
         return PipelineTimeoutError(

@@ -38,10 +38,6 @@ MARGIN_S = 15.0  # a loaded machine, beyond the timeout
 PARALLEL = 4  # spawned groups at once (most of a case is waiting)
 CORE = ["start-up", "profile", "groups", "step"]
 MORE = ["resume listing", "re-plan", "save", "load"]
-# what the step machinery cannot tell yet: a rank waiting on a stopped rank through another one
-# (rank 2 receives from rank 1, which receives from a stopped rank 0) times out at the same moment
-# as that one, before its relayed error comes, and names its own peer
-KNOWN = {("step", "STOP"): "a transitive wait names the peer it waited on"}
 CASES = [(p, v, s) for p in CORE for v in range(WORLD) for s in ("STOP", "KILL")] + [
     (p, v, ("STOP", "KILL")[(i + v) % 2]) for i, p in enumerate(MORE) for v in range(WORLD)
 ]
@@ -186,7 +182,7 @@ def _table(rows: list[tuple[tuple[str, int, str], list]]) -> str:
             blamed = message.replace(f"rank {o.rank} gave up", "")
             names = f"rank {victim}" if f"rank {victim}" in blamed else "another rank"
             if f"rank {victim}" not in blamed and "another rank" not in blamed:
-                names = "its peer (" + KNOWN.get((point, sig), "wrong") + ")"
+                names = "wrong"
             lines.append(f"| {point}, SIG{sig} rank {victim} | rank {o.rank} | {error} | "
                          f"{seconds:.1f} | {names} |")  # fmt: skip
     return "\n".join(lines)
@@ -223,8 +219,6 @@ def test_every_survivor_of_a_stopped_or_killed_rank_ends_with_a_named_error() ->
             blamed = message.replace(f"rank {o.rank} gave up", "")
             if not named:
                 bad.append(f"{where} raised {error}, not a PdcompileError: {message[:300]}")
-            elif (point, sig) in KNOWN and "gave up receiving" in message:
-                continue  # the peer it waited on: KNOWN
             elif f"rank {victim}" not in blamed and "another rank" not in blamed:
                 bad.append(f"{where}: the message names no rank at fault: {message[:400]}")
             elif not seconds < STARTUP_S + MARGIN_S:
