@@ -25,28 +25,30 @@ class Placement:
     """The ranks of each stage, the channels and the microbatches of a schedule's orders.
 
     Attributes:
-        ranks: per stage, the ranks of its replicas.
+        ranks: per stage, the ranks of its replicas (a tuple, or a `range`).
         edges: (source stage, destination stage) -> whether gradients flow back along it.
         num_microbatches: microbatches per step (M).
         total: microbatches the orders cover (M, M x steps, or `ENDLESS`); 0: M.
     """
 
-    ranks: tuple[tuple[int, ...], ...]
+    ranks: tuple[Sequence[int], ...]
     edges: Mapping[tuple[int, int], bool] = field(default_factory=dict, compare=False)
     num_microbatches: int = 1
     total: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))
+        ranks = tuple(r if isinstance(r, range) else tuple(r) for r in self.ranks)
+        object.__setattr__(self, "ranks", ranks)
         if not self.total:
             object.__setattr__(self, "total", self.num_microbatches)
 
     @classmethod
     def straight(cls, replicas: Sequence[int], num_microbatches: int, total: int = 0) -> Placement:
-        """Stages with `replicas`, on consecutive ranks, each sending to the next."""
+        """Stages with `replicas`, on consecutive ranks (each stage's a `range`: a stage of
+        100,000 replicas costs no more than one of one), each sending to the next."""
         ranks, first = [], 0
         for r in replicas:
-            ranks.append(tuple(range(first, first + r)))
+            ranks.append(range(first, first + r))
             first += r
         edges = {(s, s + 1): True for s in range(len(replicas) - 1)}
         return cls(tuple(ranks), edges, num_microbatches, total)

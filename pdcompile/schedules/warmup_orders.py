@@ -18,7 +18,7 @@ from typing import Any
 from pdcompile.errors import ScheduleError
 from pdcompile.schedules.action_kinds import ACT, GRAD, B, F, kind
 from pdcompile.schedules.base import PipelineSchedule
-from pdcompile.schedules.placement import Item, Placement
+from pdcompile.schedules.placement import ENDLESS, Item, Placement
 
 __all__ = ["WarmupSchedule", "merge_orders"]
 
@@ -74,19 +74,22 @@ class _Unfolded(Sequence):
         self.count = rules.items_per_microbatch * len(self.mine)
 
     def __len__(self) -> int:
-        return self.count
+        return min(self.count, ENDLESS)  # an endless stream's: as many as `len` counts
+
+    def __iter__(self) -> Iterator[Item]:
+        return (self[t] for t in range(self.count))
 
     def __getitem__(self, t: Any) -> Any:
+        """Item t (0 <= t < `count`: the caller's bound), or the items of a slice."""
         if isinstance(t, slice):
             return [self[i] for i in range(*t.indices(self.count))]
-        if not 0 <= t < self.count:
-            raise IndexError(t)
         letter, k = self.rules.compute_item(self.warmup, self.mine, t)
         return letter, self.stage, k
 
 
 class ReplicaOrders(Mapping):
-    """Every rank's order of a `WarmupSchedule`, each computed when first asked for."""
+    """Every rank's order of a `WarmupSchedule`, each computed when first asked for (a rank
+    that runs no stage of the placement has an empty one)."""
 
     def __init__(self, rules: WarmupSchedule, placement: Placement) -> None:
         self.rules, self.placement = rules, placement
@@ -96,7 +99,7 @@ class ReplicaOrders(Mapping):
         placement = self.placement
         stages = placement.stages_of(rank)
         if not stages:
-            raise KeyError(rank)
+            return ()
         if len(stages) == 1:
             return self._replica(rank, stages[0])
         if self._merged is None:
