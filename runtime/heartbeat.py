@@ -19,23 +19,27 @@ from pdcompile.runtime.bounded import Expired, _default_store, store_host, withi
 
 BEAT_S = 0.5  # seconds between two beats of a process
 WATCH_S = 4 * BEAT_S  # how long a rank that gave up watches the counts
-_started: set[int] = set()  # ranks of this process that beat
+_beating: dict[int, tuple[Any, threading.Thread]] = {}  # rank -> its store and thread
 
 
 def start(rank: int) -> None:
-    """Beat for `rank` from this process until it exits (once per rank and process)."""
+    """Beat for `rank` into the default group's store until the process exits or the store
+    goes (once per rank and store)."""
     store = _default_store()
-    if store is None or rank in _started:
+    if store is None:
         return
-    _started.add(rank)
+    known = _beating.get(rank)
+    if known is not None and known[0] is store and known[1].is_alive():
+        return
     thread = threading.Thread(target=_beat, args=(store, rank), name="pdcompile-heartbeat",
                               daemon=True)  # fmt: skip
+    _beating[rank] = (store, thread)
     thread.start()
 
 
 def _beat(store: Any, rank: int) -> None:
     key = f"pdcompile/beat/{rank}"
-    while True:
+    while _default_store() is store:  # until the group it belongs to is destroyed
         try:
             store.add(key, 1)
         except Exception:  # the store's process is gone: nobody is left to read the beats
