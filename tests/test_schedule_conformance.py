@@ -50,6 +50,8 @@ FAST = 1e30  # bytes/s: transfers take no time
 # (F, I, W) seconds per microbatch and stage: the simulator's even split, and two uneven ones
 TIMES = [(1.0, 1.0, 1.0), (0.7, 1.3, 0.4), (2.0, 0.5, 0.9)]
 REPLICATED = [(2,), (2, 1), (1, 2), (2, 2), (1, 2, 1)]
+# ranks running several stages, not as any chunk count places them (a hand-made plan)
+STACKED = [((0,), (0,), (1,)), ((0,), (1,), (1,)), ((0,), (0,), (0,), (1,)), ((0, 1), (0,), (1,))]
 
 
 def chain(stages: int) -> dict[tuple[int, int], bool]:
@@ -114,10 +116,12 @@ def equal_plan(ranks: Sequence[Sequence[int]], f: float, i: float, w: float) -> 
 
 
 def check_orders(kind: str) -> int:
-    """Build and validate `kind` on every layout it accepts; returns how many."""
+    """Build and validate `kind` on every layout it accepts (also ranks running several stages
+    as a hand-made plan places them); returns how many."""
     rules, built = get_schedule(kind), 0
-    for ranks, v in placements(kind, chunks=sorted({1, 2, *chunks_of(kind)})):
-        shared = v > 1
+    stacked = [(ranks, 1) for ranks in STACKED]
+    for ranks, v in [*placements(kind, chunks=sorted({1, 2, *chunks_of(kind)})), *stacked]:
+        shared = len({r for rs in ranks for r in rs}) < sum(len(rs) for rs in ranks)
         if shared and rules.streaming:
             continue  # streams run one stage per rank (the builder refuses)
         stages = len(ranks)

@@ -102,13 +102,9 @@ class ReplicaOrders(Mapping):
             return ()
         if len(stages) == 1:
             return self._replica(rank, stages[0])
-        if self._merged is None:
-            shared = [
-                (r, s) for r in placement.world for s in placement.stages_of(r)
-                if len(placement.stages_of(r)) > 1
-            ]  # fmt: skip
+        if self._merged is None:  # every rank runs in the rounds: its messages time the others
             orders = {(r, s): [(kind_, k) for kind_, _, k in self._replica(r, s)]
-                      for r, s in shared}  # fmt: skip
+                      for r in placement.world for s in placement.stages_of(r)}  # fmt: skip
             self._merged = merge_orders(placement, orders)
         return self._merged[rank]
 
