@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pdcompile
-from pdcompile.ir import AUTO_LEAVES, CAPTURE
+from pdcompile.core.ir import AUTO_LEAVES, CAPTURE
 
 
 def measure(name: str, repeats: int) -> dict:

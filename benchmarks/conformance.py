@@ -35,8 +35,8 @@ from rich.table import Table
 import pdcompile
 import pdcompile.passes
 import pdcompile.runtime
-from pdcompile.errors import PdcompileError
-from pdcompile.ir import iter_tensors
+from pdcompile.core.errors import PdcompileError
+from pdcompile.core.ir import iter_tensors
 
 STEPS = ("trace", "analyze", "plan-2", "plan-4", "plan-uniform", "codegen", "1f1b", "pipedream")
 NEEDS = {

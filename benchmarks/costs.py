@@ -42,8 +42,8 @@ from rich.table import Table
 from torch.fx.passes.split_module import split_module
 
 import pdcompile
-from pdcompile.ir import MEASURED_S
-from pdcompile.passes.node_runner import COMPUTE_OPS
+from pdcompile.core.ir import MEASURED_S
+from pdcompile.graph.node_runner import COMPUTE_OPS
 
 
 class TinyStack(nn.Module):

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 from netns_hosts import TwoHosts  # noqa: E402
 
-from pdcompile.cluster import Cluster  # noqa: E402
+from pdcompile.core.cluster import Cluster  # noqa: E402
 
 
 def measure(rate_gbit: float, out: Path, timeout_s: float = 200.0) -> float:

@@ -40,12 +40,12 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import PartitionError, Plan, PlanWarning
-from pdcompile.pipelined_module import PipelinedModule
+from pdcompile.compiling.pipelined_module import PipelinedModule
+from pdcompile.core.text import human_bytes
+from pdcompile.passes.planning.recompute_choice import KEY
 from pdcompile.runtime import memory_probe
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
-from pdcompile.search.recompute_choice import KEY
-from pdcompile.text import human_bytes
 
 M, CLUSTER = 4, "2"
 

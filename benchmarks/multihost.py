@@ -32,8 +32,8 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import Cluster, Plan
-from pdcompile.cluster import parse_bytes
-from pdcompile.text import human_bytes, human_seconds
+from pdcompile.core.cluster import parse_bytes
+from pdcompile.core.text import human_bytes, human_seconds
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))  # the harness and the worker the tests use

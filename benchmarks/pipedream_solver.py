@@ -1,4 +1,5 @@
-"""PipeDream's optimizer re-implemented (`pdcompile.passes.solvers.pipedream_optimizer`) against the
+"""PipeDream's optimizer re-implemented (`pdcompile.passes.planning.solvers.pipedream_optimizer`)
+against the
 original, on every run recorded in tests/data/pipedream_reference/vgg16_resnet50.json.
 
 Per run: the original's "Time per stage in pipeline" and ours, their relative error, whether the
@@ -21,8 +22,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pdcompile.cost_graph import CostGraph
-from pdcompile.passes.solvers.pipedream_optimizer import optimize_pipedream
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.passes.planning.solvers.pipedream_optimizer import optimize_pipedream
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 # seconds the unmodified original took (single run), by (model, config)

@@ -33,9 +33,9 @@ from rich.table import Table
 import pdcompile
 from pdcompile import Cluster, CostGraph, PlanWarning
 from pdcompile.cli.bench_instances import synthetic_chain
-from pdcompile.cluster import RuntimeCosts
-from pdcompile.passes.solvers.pipedream_optimizer import optimize_pipedream
-from pdcompile.planning import SOLVERS
+from pdcompile.core.cluster import RuntimeCosts
+from pdcompile.passes.planning.solver_kit import SOLVERS
+from pdcompile.passes.planning.solvers.pipedream_optimizer import optimize_pipedream
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "pipedream"
 ORIGINAL_PIPEDREAM_S = 13.7  # the unmodified original on resnet50, 16 devices at 1.25 GB/s

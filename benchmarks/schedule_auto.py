@@ -30,8 +30,8 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, PlanWarning
-from pdcompile.cluster import RuntimeCosts
-from pdcompile.search.schedule_choice import candidates
+from pdcompile.core.cluster import RuntimeCosts
+from pdcompile.passes.planning.schedule_choice import candidates
 
 CLUSTERS = ("4@10GB/s", "8@10GB/s", "2@10GB/s,2@100MB/s")
 RUNTIME = RuntimeCosts(message_s=1e-4)

@@ -38,7 +38,7 @@ import pdcompile  # noqa: E402
 from pdcompile import Cluster, Plan, Stage  # noqa: E402
 from pdcompile.runtime.distributed import init_process_group  # noqa: E402
 from pdcompile.runtime.executor import DistributedPipeline  # noqa: E402
-from pdcompile.schedules import get_schedule  # noqa: E402
+from pdcompile.scheduling import get_schedule  # noqa: E402
 
 SCHEDULES = [("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h1", 2), ("zb-h2", 1), ("zb-v", 2)]
 STEPS = 5

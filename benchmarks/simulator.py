@@ -48,11 +48,11 @@ from rich.table import Table
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan, Stage
-from pdcompile.plans import consecutive_ranks
+from pdcompile.passes.planning.plans import consecutive_ranks
+from pdcompile.passes.planning.timeline import Event, to_chrome_trace
 from pdcompile.runtime.calibration import Calibration, calibrate
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
-from pdcompile.runtime.timeline import Event, to_chrome_trace
 
 MICROBATCHES = 8
 SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")  # PipeDream's family, measured here

@@ -48,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import pdcompile
-    from pdcompile.planning import make_plan
+    from pdcompile.passes.planning.solver_kit import make_plan
 
     rank = int(os.environ["RANK"])
     os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})  # a core each

@@ -36,7 +36,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile import CostGraph, Plan
-from pdcompile.plans import Stage
+from pdcompile.passes.planning.plans import Stage
 
 MODELS = ("mlp", "gpt", "heavy-head")
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {

@@ -74,7 +74,7 @@ _jobs = iter(range(1 << 20))  # a port and rendezvous id per job
 
 def parse_rate(text: str) -> float | None:
     """`"1.25Gbit/s"` -> bytes per second; `"unshaped"` -> None."""
-    from pdcompile.cluster import parse_bytes
+    from pdcompile.core.cluster import parse_bytes
 
     text = text.strip()
     return None if text == UNSHAPED else parse_bytes(text.removesuffix("/s"), "rate")

@@ -1,7 +1,7 @@
 """Analysis and partitioning passes over the captured graph (installed as `pdcompile.passes`).
 
 Each analysis pass is a function `annotate_x(gm, ...) -> gm` that writes documented `node.meta`
-keys (see `pdcompile.ir` and docs/architecture.md) and never changes what the graph computes.
+keys (see `pdcompile.core.ir` and docs/architecture.md) and never changes what the graph computes.
 Passes over the torch-free CostGraph (coarsening, the solvers) import without torch, so this
 package imports its members lazily.
 """
@@ -12,9 +12,9 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "annotate_scope": "pdcompile.passes.scope",
-    "annotate_shapes": "pdcompile.passes.shapes",
-    "annotate_params": "pdcompile.passes.params",
+    "annotate_scope": "pdcompile.graph.scope",
+    "annotate_shapes": "pdcompile.graph.shapes",
+    "annotate_params": "pdcompile.graph.params",
     "annotate_memory": "pdcompile.passes.memory",
     "annotate_analytic": "pdcompile.passes.analytic",
     "annotate_profile": "pdcompile.passes.profile",

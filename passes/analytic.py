@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from pdcompile.ir import (
+from pdcompile.core.ir import (
     ANALYTIC_S,
     ANALYTIC_SPLIT_S,
     BYTES_MOVED,
@@ -41,16 +41,16 @@ from pdcompile.ir import (
     SPLIT_FLOPS,
     iter_tensors,
 )
-from pdcompile.passes.device_model import DeviceModel
-from pdcompile.passes.flop_rules import flop_counter
-from pdcompile.passes.node_runner import (
+from pdcompile.graph.node_runner import (
     COMPUTE_OPS,
     NodeCall,
     differentiable_outputs,
     record_values,
     weight_nodes,
 )
-from pdcompile.passes.state import preserved_state
+from pdcompile.graph.state import preserved_state
+from pdcompile.passes.device_model import DeviceModel
+from pdcompile.passes.flop_rules import flop_counter
 
 Pair = tuple[float, float]
 

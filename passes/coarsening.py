@@ -12,10 +12,10 @@ from __future__ import annotations
 import heapq
 import math
 
-from pdcompile.cost_attrs import TIME_ATTRS
-from pdcompile.cost_graph import FLOAT_ATTRS, INT_ATTRS, CostGraph
-from pdcompile.errors import CostError
-from pdcompile.row_curves import node_points
+from pdcompile.core.cost_attrs import TIME_ATTRS
+from pdcompile.core.cost_graph import FLOAT_ATTRS, INT_ATTRS, CostGraph
+from pdcompile.core.errors import CostError
+from pdcompile.core.row_curves import node_points
 
 __all__ = ["coarsen"]
 

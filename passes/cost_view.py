@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from pdcompile.cost_graph import CostGraph
-from pdcompile.ir import (
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.ir import (
     ACCUMULATE_S,
     ACTIVATION_BYTES,
     ANALYTIC_S,

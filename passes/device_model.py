@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcompile.errors import CostError
+from pdcompile.core.errors import CostError
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from pdcompile.errors import CostError
+from pdcompile.core.errors import CostError
+from pdcompile.core.regular_file import read_regular_text
 from pdcompile.passes.framework_fold import count_backward, count_forward, count_grad_ops
 from pdcompile.passes.profile_cache import default_cache_dir
-from pdcompile.regular_file import read_regular_text
 
 log = logging.getLogger(__name__)
 

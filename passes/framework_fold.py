@@ -61,7 +61,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdcompile.ir import (
+from pdcompile.core.ir import (
     ANALYTIC_S,
     ANALYTIC_SPLIT_S,
     DEVICE_MODEL,
@@ -75,14 +75,14 @@ from pdcompile.ir import (
     PROFILE,
     iter_tensors,
 )
-from pdcompile.passes.node_runner import (
+from pdcompile.graph.node_runner import (
     COMPUTE_OPS,
     NodeCall,
     differentiable_outputs,
     record_values,
     weight_nodes,
 )
-from pdcompile.passes.state import preserved_state
+from pdcompile.graph.state import preserved_state
 
 if TYPE_CHECKING:
     from pdcompile.passes.framework_cost import FrameworkCost

@@ -42,8 +42,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from pdcompile.errors import CostError
-from pdcompile.ir import (
+from pdcompile.core.errors import CostError
+from pdcompile.core.ir import (
     ACTIVATION_BYTES,
     BUFFER_BYTES,
     GRAD_BYTES,
@@ -53,8 +53,8 @@ from pdcompile.ir import (
     WEIGHT_GRAD_ACTIVATION_BYTES,
     param_table,
 )
-from pdcompile.passes.node_runner import COMPUTE_OPS, NodeCall, weight_nodes
-from pdcompile.passes.state import preserved_state
+from pdcompile.graph.node_runner import COMPUTE_OPS, NodeCall, weight_nodes
+from pdcompile.graph.state import preserved_state
 from pdcompile.passes.weight_grad import weight_grad_reads
 
 # Optimizer state bytes per byte of trainable parameter.

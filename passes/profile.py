@@ -42,9 +42,10 @@ import torch
 import torch.fx as fx
 from rich.console import Console
 
-from pdcompile.errors import UnsettledProfileWarning
-from pdcompile.ir import MEASURED_S, MEASURED_SPLIT_S, MEASURED_SPREAD, PROFILE
-from pdcompile.passes.node_runner import (
+from pdcompile.core.errors import UnsettledProfileWarning
+from pdcompile.core.ir import MEASURED_S, MEASURED_SPLIT_S, MEASURED_SPREAD, PROFILE
+from pdcompile.core.progress import phase
+from pdcompile.graph.node_runner import (
     COMPUTE_OPS,
     NodeCall,
     differentiable_outputs,
@@ -52,6 +53,7 @@ from pdcompile.passes.node_runner import (
     record_values,
     weight_nodes,
 )
+from pdcompile.graph.state import preserved_state
 from pdcompile.passes.profile_cache import (
     CachedProfile,
     ProfileSettings,
@@ -60,9 +62,7 @@ from pdcompile.passes.profile_cache import (
     read_cache,
     write_cache,
 )
-from pdcompile.passes.state import preserved_state
 from pdcompile.passes.timing import device_timer, grad_call_overhead
-from pdcompile.progress import phase
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ def annotate_profile(
         num_threads: CPU threads during profiling (restored afterwards).
         warmup, repeats: untimed and timed runs of each forward and backward.
         cache: True for the default cache directory, a directory, or False for no cache.
-        progress: show progress (`pdcompile.progress`: a bar on a terminal, lines in a log),
+        progress: show progress (`pdcompile.core.progress`: a bar on a terminal, lines in a log),
             and a line saying so when the times come from the cache.
         loaded_by: other processes training on this machine meanwhile (keys the cache; a
             loaded profile is not judged unsettled: its slow repeats are the load).

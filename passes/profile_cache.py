@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from pdcompile.ir import OUTPUTS
-from pdcompile.regular_file import read_regular_text
+from pdcompile.core.ir import OUTPUTS
+from pdcompile.core.regular_file import read_regular_text
 
 log = logging.getLogger(__name__)
 

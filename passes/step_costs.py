@@ -53,8 +53,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdcompile.errors import CostError
-from pdcompile.ir import (
+from pdcompile.core.errors import CostError
+from pdcompile.core.ir import (
     ACCUMULATE_S,
     LOSS_S,
     OPTIMIZER_CALL_S,
@@ -63,10 +63,10 @@ from pdcompile.ir import (
     PARAM_TABLE,
     iter_tensors,
 )
+from pdcompile.graph.state import preserved_state
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.flop_rules import flop_counter
 from pdcompile.passes.profile_cache import default_cache_dir
-from pdcompile.passes.state import preserved_state
 from pdcompile.passes.timing import cache_evictor, device_timer, grad_call_overhead
 
 log = logging.getLogger(__name__)

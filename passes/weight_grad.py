@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pdcompile.passes.node_runner import NodeCall, differentiable_outputs
+from pdcompile.graph.node_runner import NodeCall, differentiable_outputs
 
 __all__ = ["weight_grad_reads"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pdcompile.errors import (
+from pdcompile.core.errors import (
     BatchError,
     CheckpointError,
     CodegenError,
@@ -30,41 +30,41 @@ from pdcompile.errors import (
     TraceWarning,
     UnsettledProfileWarning,
 )
-
-__version__ = "0.1.0"
+from pdcompile.core.version import __version__ as __version__
 
 # public name -> module that defines it
 _LAZY = {
     "trace": "pdcompile.capture.tracing",
-    "analyze": "pdcompile.analysis",
+    "analyze": "pdcompile.compiling.analysis",
     "calibrate": "pdcompile.passes.framework_cost",
     "FrameworkCost": "pdcompile.passes.framework_cost",
-    "CostGraph": "pdcompile.cost_graph",
+    "CostGraph": "pdcompile.core.cost_graph",
     "DeviceModel": "pdcompile.passes.device_model",
-    "Cluster": "pdcompile.cluster",
-    "Plan": "pdcompile.plans",
-    "Stage": "pdcompile.plans",
-    "evaluate": "pdcompile.evaluation",
-    "plan": "pdcompile.planning",
-    "register_solver": "pdcompile.planning",
-    "register_schedule": "pdcompile.schedules.registry",
-    "schedules": "pdcompile.schedules.registry",
-    "PipelineSchedule": "pdcompile.schedules.base",
-    "register_cost_model": "pdcompile.cost_model",
-    "CostModel": "pdcompile.cost_model",
-    "solvers": "pdcompile.planning",
-    "codegen": "pdcompile.codegen.stage_codegen",
+    "Cluster": "pdcompile.core.cluster",
+    "Plan": "pdcompile.passes.planning.plans",
+    "Stage": "pdcompile.passes.planning.plans",
+    "evaluate": "pdcompile.passes.planning.evaluation",
+    "plan": "pdcompile.passes.planning.planner",
+    "register_solver": "pdcompile.passes.planning.solver_kit",
+    "register_schedule": "pdcompile.scheduling.registry",
+    "schedules": "pdcompile.scheduling.registry",
+    "PipelineSchedule": "pdcompile.scheduling.base",
+    "register_cost_model": "pdcompile.passes.planning.cost_model",
+    "CostModel": "pdcompile.passes.planning.cost_model",
+    "solvers": "pdcompile.passes.planning.solver_kit",
+    "codegen": "pdcompile.lowering.stage_codegen",
     "compile": "pdcompile.compiler",
-    "PlanConfig": "pdcompile.compiling.plan_config",
-    "TrainConfig": "pdcompile.compiling.train_config",
-    "Replan": "pdcompile.closed_loop.decision",
-    "PipelinedModule": "pdcompile.pipelined_module",
-    "StagedProgram": "pdcompile.codegen.staged_program",
+    "PlanConfig": "pdcompile.passes.planning.plan_config",
+    "TrainConfig": "pdcompile.runtime.train_config",
+    "Replan": "pdcompile.passes.planning.replan_decision",
+    "PipelinedModule": "pdcompile.compiling.pipelined_module",
+    "StagedProgram": "pdcompile.lowering.staged_program",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",
-    "Simulation": "pdcompile.runtime.simulator",
-    "simulate": "pdcompile.runtime.simulator",
+    "Simulation": "pdcompile.passes.planning.simulator",
+    "simulate": "pdcompile.passes.planning.simulator",
 }
-_SUBMODULES = ("ir", "zoo", "passes", "runtime")
+_SUBMODULES = {"ir": "pdcompile.core.ir", "zoo": "pdcompile.zoo", "passes": "pdcompile.passes",
+               "runtime": "pdcompile.runtime"}  # fmt: skip
 
 __all__ = [
     "BatchError",
@@ -117,10 +117,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        # importing pdcompile.codegen's module made the (callable) package the attribute: keep it
-        value = globals().get(name, value)
     elif name in _SUBMODULES:
-        value = importlib.import_module(f"pdcompile.{name}")
+        value = importlib.import_module(_SUBMODULES[name])
     else:
         raise AttributeError(f"module 'pdcompile' has no attribute {name!r}")
     globals()[name] = value

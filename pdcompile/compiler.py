@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from pdcompile.pipelined_module import PipelinedModule
+    from pdcompile.compiling.pipelined_module import PipelinedModule
 
 
 def compile(  # noqa: A001 - the public name API.md gives it
@@ -71,7 +71,7 @@ def compile(  # noqa: A001 - the public name API.md gives it
     from pdcompile.compiling.ranks import join
     from pdcompile.compiling.settings import compile_settings
     from pdcompile.compiling.steps import agree, capture, plan_on_rank_0, share
-    from pdcompile.generators import generators_kept
+    from pdcompile.core.generators import generators_kept
 
     settings = compile_settings(example_inputs, keywords)  # every rank, before joining
     job = join(model, settings.train.startup_timeout)

@@ -1,6 +1,6 @@
 """Schedules, communication and executors (installed as `pdcompile.runtime`).
 
-The executors run what the schedules of `pdcompile.schedules` build, checked before they run
+The executors run what the schedules of `pdcompile.scheduling` build, checked before they run
 (`validate`); the simulator runs the same actions on modelled time. Imports are lazy.
 """
 
@@ -10,10 +10,10 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "validate_schedule": "pdcompile.runtime.validate",
+    "validate_schedule": "pdcompile.passes.planning.validate",
     "load_full_state_dict": "pdcompile.runtime.checkpoint",
-    "Simulation": "pdcompile.runtime.simulator",
-    "simulate": "pdcompile.runtime.simulator",
+    "Simulation": "pdcompile.passes.planning.simulator",
+    "simulate": "pdcompile.passes.planning.simulator",
 }
 
 __all__ = sorted(_LAZY)

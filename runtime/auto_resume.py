@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 from pdcompile.runtime import manifest
 
 __all__ = ["KEEP", "AutoCheckpoint", "checkpoint_name", "listed"]

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from pdcompile.errors import PipelineTimeoutError
+from pdcompile.core.errors import PipelineTimeoutError
 
 __all__ = ["collective", "store_host", "within"]
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pdcompile.cluster import Cluster, RuntimeCosts
-from pdcompile.codegen.staged_program import Channel
+from pdcompile.core.cluster import Cluster, RuntimeCosts
+from pdcompile.lowering.staged_program import Channel
 from pdcompile.passes.timing import cache_evictor
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.weight_slots import WeightSlots

@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pdcompile.errors import CheckpointError, PdcompileError
+from pdcompile.core.errors import CheckpointError, PdcompileError
 from pdcompile.runtime import manifest
 from pdcompile.runtime.checkpoint_disk import disk_full
 from pdcompile.runtime.checkpoint_entries import (

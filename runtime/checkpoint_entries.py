@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 
 _NUMBERS = (bool, int, float)
 # param group entries kept from the loading optimizer: how it runs, not what it computes

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pdcompile.errors import CheckpointError, PdcompileError, PipelineTimeoutError
+from pdcompile.core.errors import CheckpointError, PdcompileError, PipelineTimeoutError
 
 __all__ = ["Ranks", "local", "ranks_of"]
 

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.cluster import Cluster
-from pdcompile.errors import PartitionError
-from pdcompile.regular_file import read_regular_text
+from pdcompile.core.cluster import Cluster
+from pdcompile.core.errors import PartitionError
+from pdcompile.core.regular_file import read_regular_text
 from pdcompile.runtime.calibration import (
     PROBE,
     PROBE_BYTES,

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pdcompile.codegen.staged_program import Channel
-from pdcompile.errors import StageCommError
+from pdcompile.core.errors import StageCommError
+from pdcompile.lowering.staged_program import Channel
 
 Key = tuple[str, int, int, int]  # (stream "act"/"grad", microbatch, source stage, dest stage)
 

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.codegen.staged_program import Channel
-from pdcompile.errors import PipelineTimeoutError, StageCommError
+from pdcompile.core.errors import PipelineTimeoutError, StageCommError
+from pdcompile.lowering.staged_program import Channel
+from pdcompile.passes.planning.action_costs import COALESCE_MAX_BYTES
 from pdcompile.runtime import heartbeat, wire
-from pdcompile.runtime.action_costs import COALESCE_MAX_BYTES
 from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.comm import Key, LocalComm
 from pdcompile.runtime.message_pool import MessagePool

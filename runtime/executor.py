@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from pdcompile.codegen.staged_program import Channel, StagedProgram
-from pdcompile.compiling.train_config import TrainConfig
-from pdcompile.errors import PipelineTimeoutError
+from pdcompile.core.errors import PipelineTimeoutError
+from pdcompile.lowering.staged_program import Channel, StagedProgram
 from pdcompile.runtime.comm import Key
 from pdcompile.runtime.distributed import DistributedComm
 from pdcompile.runtime.microbatches import Batch
 from pdcompile.runtime.pipeline import Pipeline, executor_schedule
+from pdcompile.runtime.train_config import TrainConfig
 from pdcompile.runtime.worker import StageWorker
-from pdcompile.schedules import Action, PipelineSchedule, Schedule
+from pdcompile.scheduling import Action, PipelineSchedule, Schedule
 
 LOSS = [Channel(-1, -1, "loss", shape=(2,), dtype="float64")]  # (weighted sum, weights)
 

@@ -18,7 +18,8 @@ on a CPU); the smaller ones are flattened together into buckets of up to `BUCKET
 collectives in the same order (gloo and NCCL match them by order); a bucket ready before the one
 ahead of it waits for it.
 
-`overlap_triggers` (`runtime/reduce_overlap.py`, torch-free: the simulator prices the same)
+`overlap_triggers` (`pdcompile/scheduling/reduce_overlap.py`, torch-free: the simulator prices the
+same)
 decides where this is safe. Elsewhere the `allreduce` action starts every bucket itself and
 waits for them together. The
 streaming schedules (`pipedream`, `2bw`) reduce at the action: their gradients live on weight
@@ -32,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from pdcompile.runtime.action_costs import BUCKET_BYTES, COALESCE_MAX_BYTES
+from pdcompile.passes.planning.action_costs import BUCKET_BYTES, COALESCE_MAX_BYTES
 from pdcompile.runtime.comm import Comm
 
 __all__ = ["GradBuckets", "plan_buckets"]

@@ -13,15 +13,15 @@ from typing import Any
 
 import torch.nn as nn
 
-from pdcompile.codegen.staged_program import StagedProgram
-from pdcompile.compiling.train_config import TrainConfig
-from pdcompile.errors import ScheduleError
+from pdcompile.core.errors import ScheduleError
+from pdcompile.lowering.staged_program import StagedProgram
 from pdcompile.runtime.comm import LocalComm
 from pdcompile.runtime.microbatches import Batch
 from pdcompile.runtime.pipeline import Pipeline, executor_schedule
 from pdcompile.runtime.rank_workers import RankWorkers
+from pdcompile.runtime.train_config import TrainConfig
 from pdcompile.runtime.worker import StageWorker
-from pdcompile.schedules import Action, PipelineSchedule, Schedule
+from pdcompile.scheduling import Action, PipelineSchedule, Schedule
 
 
 class LocalPipeline(Pipeline):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pdcompile.errors import LossError
+from pdcompile.core.errors import LossError
 
 
 def checked_loss(

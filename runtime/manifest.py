@@ -24,7 +24,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 from pdcompile.runtime import manifest_lease as lease
 from pdcompile.runtime.manifest_format import FORMAT, MANIFEST, VERSION, Manifest
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Manifest"]
 

@@ -21,7 +21,7 @@ import socket
 import stat
 import time
 
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 
 __all__ = ["STALE_S", "lease_path", "release", "take"]
 

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdcompile.text import human_bytes
+from pdcompile.core.text import human_bytes
 
 if TYPE_CHECKING:
-    from pdcompile.plans import Plan, Stage
+    from pdcompile.passes.planning.plans import Plan, Stage
     from pdcompile.runtime.pipeline import Pipeline
     from pdcompile.runtime.worker import StageWorker
 
@@ -294,7 +294,7 @@ def device_memory(memory: Any, device: torch.device, num_devices: int) -> Any:
     value as given."""
     if memory != "auto":
         return memory
-    from pdcompile.search.recompute_choice import host_memory
+    from pdcompile.passes.planning.recompute_choice import host_memory
 
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     return host_memory(int(os.environ.get("LOCAL_WORLD_SIZE", num_devices)), total)
@@ -381,7 +381,7 @@ def _recomputed(stage: Stage) -> str:
 def compare(plan: Plan, measured: dict[int, RankMemory]) -> dict[int, RankComparison]:
     """Each measured rank against the plan's simulated peak (`rank_memory[r]`), and that peak
     without what a recomputing backward holds inside it (`RankComparison.held`)."""
-    from pdcompile.runtime.simulator import simulate
+    from pdcompile.passes.planning.simulator import simulate
 
     held = simulate(plan).held_memory if plan.rank_memory else []
     out = {}

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from pdcompile.errors import BatchError, ScheduleError
-from pdcompile.ir import iter_tensors
+from pdcompile.core.errors import BatchError, ScheduleError
+from pdcompile.core.ir import iter_tensors
 
 
 @dataclass(frozen=True)

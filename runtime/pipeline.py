@@ -20,17 +20,16 @@ from typing import Any
 
 import torch
 
-from pdcompile.codegen.staged_program import StagedProgram
-from pdcompile.compiling.train_config import TrainConfig
-from pdcompile.errors import BatchError, ConfigError
-from pdcompile.ir import accept_constants
+from pdcompile.core.errors import BatchError, ConfigError
+from pdcompile.core.ir import accept_constants
+from pdcompile.lowering.staged_program import StagedProgram
+from pdcompile.passes.planning.validate import validate_schedule
 from pdcompile.runtime.microbatches import Batch, input_dims, split_batch
 from pdcompile.runtime.rank_workers import RankWorkers
-from pdcompile.runtime.reduce_overlap import overlap_triggers
 from pdcompile.runtime.stream import RankStream
-from pdcompile.runtime.validate import validate_schedule
+from pdcompile.runtime.train_config import TrainConfig
 from pdcompile.runtime.worker import StageWorker
-from pdcompile.schedules import (
+from pdcompile.scheduling import (
     Action,
     PipelineSchedule,
     Schedule,
@@ -39,7 +38,8 @@ from pdcompile.schedules import (
     get_schedule,
     replica_orders,
 )
-from pdcompile.schedules.builder import Layout
+from pdcompile.scheduling.builder import Layout
+from pdcompile.scheduling.reduce_overlap import overlap_triggers
 
 
 def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import torch
 
-from pdcompile.runtime.timeline import Event
+from pdcompile.passes.planning.timeline import Event
 from pdcompile.runtime.worker import StageWorker, ensure_grad
-from pdcompile.schedules import Action
+from pdcompile.scheduling import Action
 
 RANK_WIDE = ("check", "clip")  # with a group: one all-reduce per rank, however many stages
 

@@ -10,7 +10,7 @@ each time it runs, so the recomputation computes on the version the forward used
 
 - `True`: one checkpoint around the stage's call (on the last stage, with the loss: the loss's
   saved tensors, a GPT's log-probabilities, are recomputed too).
-- Boundary nodes: the stage cut into segments (`pdcompile/codegen/stage_segments.py`), one
+- Boundary nodes: the stage cut into segments (`pdcompile/lowering/stage_segments.py`), one
   checkpoint each; the backward recomputes one segment at a time, from the values before it.
 - A split backward (`zb-*`): the forward keeps only the stage's inputs (segments make no
   difference there), and I runs the stage's forward again, whole, with the forward's RNG
@@ -38,9 +38,9 @@ from torch.utils.checkpoint import (
     set_device_states,
 )
 
-from pdcompile.codegen.stage_segments import Segment, cut_stage
-from pdcompile.errors import CodegenError
-from pdcompile.ir import accept_constants
+from pdcompile.core.errors import CodegenError
+from pdcompile.core.ir import accept_constants
+from pdcompile.lowering.stage_segments import Segment, cut_stage
 
 __all__ = ["Forward", "Recompute", "entered"]
 
@@ -71,7 +71,7 @@ class Recompute:
     """How one stage replica's forwards keep and recompute their activations.
 
     Args:
-        module: the stage module (a GraphModule from `pdcompile.codegen`).
+        module: the stage module (a GraphModule from `pdcompile.lowering`).
         spec: the plan's `Stage.recompute`: True or the boundary nodes.
         stage: its index.
         split: the schedule splits the backward into I and W.
@@ -120,7 +120,7 @@ class Recompute:
                     raise CodegenError(
                         f"stage {self.stage}: recompute boundary {name!r} computes a value of "
                         f"type {type(value).__name__}, not a tensor; choose a node computing one "
-                        "tensor (pdcompile.codegen.stage_segments.boundary_choices)"
+                        "tensor (pdcompile.lowering.stage_segments.boundary_choices)"
                     )
                 known[name] = value
         run = functools.partial(self._segment, last, context, loss_of, True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 from collections import deque
 
-from pdcompile.errors import ScheduleError
-from pdcompile.schedules import Action
-from pdcompile.schedules.builder import RankOrder
+from pdcompile.core.errors import ScheduleError
+from pdcompile.scheduling import Action
+from pdcompile.scheduling.builder import RankOrder
 
 ENDLESS = sys.maxsize  # microbatches of a stream: more than any run gives
 

@@ -3,7 +3,8 @@
 A version is a detached copy of the live weights taken after some number of updates, shared by
 every microbatch that computes on it: its forward runs on the copy (`runtime/weight_slots.py`)
 and its backward runs through the same copy, where autograd accumulates the gradients. Which
-versions exist and when they go is `runtime/version_book.py`'s bookkeeping (the simulator
+versions exist and when they go is `pdcompile/scheduling/version_book.py`'s bookkeeping (the
+simulator
 runs the same); a dropped version's gradients move to the live weights, as every copy's do
 before an update (`collect`).
 
@@ -21,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pdcompile.runtime.version_book import VersionBook
-from pdcompile.schedules import PipelineSchedule
+from pdcompile.scheduling import PipelineSchedule
+from pdcompile.scheduling.version_book import VersionBook
 
 Weights = dict[str, torch.Tensor]
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from pdcompile.codegen.staged_program import Channel
-from pdcompile.errors import PipelineTimeoutError, StageCommError
+from pdcompile.core.errors import PipelineTimeoutError, StageCommError
+from pdcompile.lowering.staged_program import Channel
 
 MAGIC = 0x70646332  # "pdc2"
 PREAMBLE = 4  # int64: magic, key checksum, status, error length

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from pdcompile.codegen.staged_program import Channel, StagedProgram
-from pdcompile.compiling.train_config import OptimizerFactory, TrainConfig
-from pdcompile.errors import LossError
+from pdcompile.core.errors import LossError
+from pdcompile.lowering.staged_program import Channel, StagedProgram
+from pdcompile.passes.planning.timeline import Event
 from pdcompile.runtime.comm import Comm, gradient_channels
 from pdcompile.runtime.grad_buckets import GradBuckets
 from pdcompile.runtime.loss_check import checked_loss
@@ -33,10 +33,10 @@ from pdcompile.runtime.memory_probe import MemoryProbe
 from pdcompile.runtime.microbatches import Batch, Microbatch
 from pdcompile.runtime.recompute import Recompute, entered
 from pdcompile.runtime.split_backward import SplitBackward, backward_inputs, fused_reason
-from pdcompile.runtime.timeline import Event
+from pdcompile.runtime.train_config import OptimizerFactory, TrainConfig
 from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.runtime.weight_versions import WeightVersions, copy_weights
-from pdcompile.schedules import Action, PipelineSchedule
+from pdcompile.scheduling import Action, PipelineSchedule
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pdcompile
-from pdcompile.errors import PdcompileError
+from pdcompile.core.errors import PdcompileError
 from pdcompile.runtime import wire
 
 ROWS, MICROBATCHES = 16, 4  # rows per step, microbatches per step

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.plans import Plan, consecutive_ranks
-from pdcompile.schedules.builder import tie_components
-from pdcompile.schedules.pipedream import version, vertical_version
+from pdcompile.passes.planning.plans import Plan, consecutive_ranks
+from pdcompile.scheduling.builder import tie_components
+from pdcompile.scheduling.pipedream import version, vertical_version
 
 
 @contextlib.contextmanager

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdcompile.schedules import PipelineSchedule, get_schedule
-from pdcompile.schedules.registry import SCHEDULES
+from pdcompile.scheduling import PipelineSchedule, get_schedule
+from pdcompile.scheduling.registry import SCHEDULES
 
 
 def builtin_kinds(where: Callable[[PipelineSchedule], bool] | None = None) -> list[str]:

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import pdcompile
 from pdcompile import zoo
 from pdcompile.capture.inputs import bind_inputs
-from pdcompile.ir import iter_tensors
+from pdcompile.core.ir import iter_tensors
 
 
 def example(name: str, *, eval_mode: bool = False) -> tuple[torch.nn.Module, tuple, dict]:

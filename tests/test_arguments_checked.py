@@ -17,8 +17,8 @@ from test_replan import CLUSTER, costs, synthetic
 import pdcompile
 from pdcompile import PartitionError
 from pdcompile.cli.handlers import main
-from pdcompile.runtime.timeline import to_chrome_trace
-from pdcompile.search import recompute_choice
+from pdcompile.passes.planning import recompute_choice
+from pdcompile.passes.planning.timeline import to_chrome_trace
 
 
 @pytest.mark.parametrize(

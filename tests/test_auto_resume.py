@@ -14,7 +14,7 @@ import torch
 from pipeline_support import OPTIMIZERS, mlp_case, varied_batches
 
 import pdcompile
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 from pdcompile.runtime import auto_resume
 
 

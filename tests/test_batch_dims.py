@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pdcompile
-from pdcompile.errors import TraceError
+from pdcompile.core.errors import TraceError
 
 
 class SeqFirstWithTable(nn.Module):

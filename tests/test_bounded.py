@@ -18,7 +18,7 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.errors import PipelineTimeoutError
+from pdcompile.core.errors import PipelineTimeoutError
 from pdcompile.runtime import bounded
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.profile_load import ProfileLoad
@@ -81,7 +81,7 @@ STARTUP_S = 6.0
 def _rank_0_hangs_while_profiling(rank: int, world_size: int, init_file: str) -> tuple:
     """Rank 0 hangs in its profile; rank 1 (which loads it) reports its error and the seconds
     from entering the load to the error."""
-    import pdcompile.analysis as analysis
+    import pdcompile.compiling.analysis as analysis
 
     init_process_group(rank, world_size, init_file=init_file, timeout_s=STARTUP_S)
     torch.manual_seed(0)

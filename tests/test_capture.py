@@ -13,7 +13,7 @@ from support import captured, example, flat, fresh_like
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, module_path
+from pdcompile.core.ir import AUTO_LEAVES, CAPTURE, CONSTANTS, INPUTS, TRAINING, module_path
 
 FX_MODELS = sorted(zoo.ZOO)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import pdcompile
-from pdcompile.errors import TraceError
+from pdcompile.core.errors import TraceError
 
 
 class NoDerivative(nn.Module):

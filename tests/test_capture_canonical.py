@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from spawn import run_ranks
 
 import pdcompile
-from pdcompile.errors import PdcompileError
+from pdcompile.core.errors import PdcompileError
 from pdcompile.runtime.distributed import init_process_group
 
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import pdcompile
-from pdcompile.errors import TraceWarning
+from pdcompile.core.errors import TraceWarning
 
 
 class Branchy(nn.Module):

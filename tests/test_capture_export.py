@@ -8,7 +8,7 @@ from support import captured, example, flat, fresh_like
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.ir import CAPTURE, CONSTANTS, INPUTS, param_table
+from pdcompile.core.ir import CAPTURE, CONSTANTS, INPUTS, param_table
 
 HF_MODELS = sorted(zoo.HF_ZOO)
 

@@ -9,7 +9,7 @@ from support import captured, example
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.ir import OUTPUT_BYTES, OUTPUTS, PARAMS, SCOPE, TensorSpec, param_table
+from pdcompile.core.ir import OUTPUT_BYTES, OUTPUTS, PARAMS, SCOPE, TensorSpec, param_table
 
 ALL_MODELS = sorted(zoo.ZOO) + sorted(zoo.HF_ZOO)
 

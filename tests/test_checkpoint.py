@@ -22,7 +22,7 @@ from spawn import run_ranks
 from torch.distributed.checkpoint import FileSystemReader
 
 import pdcompile
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 from pdcompile.runtime import checkpoint
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.zoo import MLP

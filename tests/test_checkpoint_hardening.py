@@ -29,7 +29,7 @@ from support import WarningRecords
 from torch.distributed.checkpoint import FileSystemWriter
 
 import pdcompile
-from pdcompile.errors import CheckpointError, PdcompileError
+from pdcompile.core.errors import CheckpointError, PdcompileError
 from pdcompile.runtime import checkpoint, manifest
 from pdcompile.runtime.distributed import init_process_group
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from spawn import run_ranks
 from torch.distributed.checkpoint import FileSystemReader
 
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 from pdcompile.runtime import checkpoint, checkpoint_reader, manifest
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.zoo import MLP

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdcompile.errors import CheckpointError
+from pdcompile.core.errors import CheckpointError
 from pdcompile.runtime import checkpoint, manifest
 from pdcompile.zoo import MLP
 

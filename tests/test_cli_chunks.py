@@ -12,7 +12,7 @@ import pdcompile
 from pdcompile import Plan
 from pdcompile.cli.bench_instances import synthetic_chain
 from pdcompile.cli.handlers import main
-from pdcompile.text import human_bytes
+from pdcompile.core.text import human_bytes
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:

@@ -15,13 +15,13 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile.cli.handlers import main
-from pdcompile.cost_graph import CostGraph
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.text import human_bytes
+from pdcompile.passes.planning.plans import Plan
+from pdcompile.passes.planning.timeline import load_trace
 from pdcompile.pictures.gantt import bubble_fraction
 from pdcompile.pictures.stage_colours import CROSSING, stage_colour
-from pdcompile.plans import Plan
 from pdcompile.runtime.distributed import init_process_group
-from pdcompile.runtime.timeline import load_trace
-from pdcompile.text import human_bytes
 
 VGG = Path(__file__).parent / "data" / "pipedream" / "vgg16" / "graph.txt"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from spawn import run_ranks
 
 import pdcompile
-from pdcompile.errors import StageCommError
+from pdcompile.core.errors import StageCommError
 from pdcompile.runtime.distributed import init_process_group
 
 

@@ -21,7 +21,7 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import Cluster, CostGraph
-from pdcompile.errors import PartitionError
+from pdcompile.core.errors import PartitionError
 
 HOSTS = ["a", "a", "b", "b"]
 

@@ -15,9 +15,9 @@ from pipeline_support import OPTIMIZERS, mlp_case
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage
 from pdcompile.cli.handlers import main
-from pdcompile.cost_model import Pricing
-from pdcompile.evaluation import lower_bound
-from pdcompile.planning import make_plan
+from pdcompile.passes.planning.cost_model import Pricing
+from pdcompile.passes.planning.evaluation import lower_bound
+from pdcompile.passes.planning.solver_kit import make_plan
 
 TWO = Cluster.parse("2")
 

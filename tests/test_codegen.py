@@ -14,7 +14,7 @@ from support import captured, flat, fresh_like
 
 import pdcompile
 from pdcompile import Cluster, Plan, Stage, StagedProgram, zoo
-from pdcompile.codegen.staged_program import Channel, TieGroup, batch_dim
+from pdcompile.lowering.staged_program import Channel, TieGroup, batch_dim
 
 MODELS = sorted(zoo.ZOO) + sorted(zoo.HF_ZOO)
 _COSTS: dict[str, pdcompile.CostGraph] = {}

@@ -77,7 +77,7 @@ def test_plans_are_checked_before_the_graph_is_run(monkeypatch) -> None:
     def fail(gm):
         raise AssertionError("code generation started")
 
-    import pdcompile.codegen.stage_codegen as stage_codegen
+    import pdcompile.lowering.stage_codegen as stage_codegen
 
     monkeypatch.setattr(stage_codegen, "describe_values", fail)
     gm, names = mlp_nodes()

@@ -13,7 +13,7 @@ from support import captured, flat, fresh_like
 
 import pdcompile
 from pdcompile import Cluster, CodegenError, Plan, Stage, StagedProgram
-from pdcompile.text import human_seconds
+from pdcompile.core.text import human_seconds
 
 
 def plan_of(groups: Sequence[Sequence[str]]) -> Plan:

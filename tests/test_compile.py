@@ -17,7 +17,7 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.errors import PdcompileError
+from pdcompile.core.errors import PdcompileError
 from pdcompile.runtime.distributed import init_process_group
 
 SGD = OPTIMIZERS["sgd"]

@@ -12,7 +12,7 @@ from pipeline_support import CASES, OPTIMIZERS
 from spawn import run_ranks
 
 import pdcompile
-from pdcompile.errors import PdcompileError
+from pdcompile.core.errors import PdcompileError
 from pdcompile.runtime.distributed import init_process_group
 
 SCHEDULES = ("1f1b", "pipedream", "2bw")

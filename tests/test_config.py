@@ -20,11 +20,11 @@ from pipeline_support import OPTIMIZERS, accumulate_reference, mlp_case, program
 
 import pdcompile
 from pdcompile import Cluster, ConfigError, PartitionError
-from pdcompile.compiling.plan_config import PlanConfig
 from pdcompile.compiling.settings import KEYWORDS, CaptureConfig, compile_settings
-from pdcompile.compiling.train_config import TrainConfig
+from pdcompile.passes.planning.plan_config import PlanConfig
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.schedules import builder, registry
+from pdcompile.runtime.train_config import TrainConfig
+from pdcompile.scheduling import builder, registry
 
 SGD = OPTIMIZERS["sgd"]
 REQUIRED = {"loss_fn": F.mse_loss, "optimizer": SGD}
@@ -108,7 +108,7 @@ def test_settings_that_contradict_each_other_are_config_errors(tmp_path) -> None
 
 
 def test_a_config_error_is_also_of_the_class_its_phase_raised_before() -> None:
-    errors = pdcompile.errors
+    errors = pdcompile.core.errors
     expected = {  # keyword -> the class an `except` written before configs catches
         "num_microbatches": errors.PartitionError, "memory": errors.PartitionError,
         "clip_grad_norm": errors.ScheduleError, "timeout": errors.ScheduleError,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcompile import CostError, CostGraph
-from pdcompile.cost_graph import KINDS, NODE_ATTRS
+from pdcompile.core.cost_graph import KINDS, NODE_ATTRS
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 MODELS = ("vgg16", "resnet50", "gnmt")

@@ -11,8 +11,8 @@ import torch.nn as nn
 from support import captured, example
 
 import pdcompile
-from pdcompile.analysis import graph_inputs
-from pdcompile.ir import (
+from pdcompile.compiling.analysis import graph_inputs
+from pdcompile.core.ir import (
     ACTIVATION_BYTES,
     ANALYTIC_S,
     FLOPS,

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from spawn import RankFailed, run_ranks
 
-from pdcompile.codegen.staged_program import Channel
-from pdcompile.errors import PipelineTimeoutError, StageCommError
+from pdcompile.core.errors import PipelineTimeoutError, StageCommError
+from pdcompile.lowering.staged_program import Channel
 from pdcompile.runtime.distributed import DistributedComm, init_process_group, message_tag
 from pdcompile.runtime.wire import decode_value, encode_value
 

@@ -21,7 +21,7 @@ from pipeline_support import (
 )
 from spawn import run_ranks
 
-from pdcompile.errors import PipelineTimeoutError
+from pdcompile.core.errors import PipelineTimeoutError
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline

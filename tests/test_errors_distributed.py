@@ -25,10 +25,10 @@ from support import WarningRecords
 
 import pdcompile
 from pdcompile import Cluster
-from pdcompile.errors import LossError, PdcompileError, ScheduleError
+from pdcompile.core.errors import LossError, PdcompileError, ScheduleError
+from pdcompile.passes.planning.validate import validate_schedule
 from pdcompile.runtime.distributed import init_process_group
-from pdcompile.runtime.validate import validate_schedule
-from pdcompile.schedules import build_schedule
+from pdcompile.scheduling import build_schedule
 
 SGD = OPTIMIZERS["sgd"]  # with momentum: a skipped step must not touch its state either
 STEP_LR = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)  # noqa: E731

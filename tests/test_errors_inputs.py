@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.errors import BatchError, CheckpointError, LossError, TraceError
+from pdcompile.core.errors import BatchError, CheckpointError, LossError, TraceError
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.errors import CostError, LossError, TraceError
+from pdcompile.core.errors import CostError, LossError, TraceError
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan, zoo
-from pdcompile.errors import CodegenError, CostError, PartitionError
+from pdcompile.core.errors import CodegenError, CostError, PartitionError
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
 DATA = Path(__file__).parent / "data" / "pipedream"

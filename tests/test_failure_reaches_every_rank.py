@@ -23,7 +23,7 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import Cluster, Plan, zoo
-from pdcompile.errors import CodegenError, PartitionError, ScheduleError
+from pdcompile.core.errors import CodegenError, PartitionError, ScheduleError
 
 TIMEOUT_S = 30  # compile's timeouts in the children: every error must come well before them
 FAST_S = 15  # how long a relayed failure may take on a loaded machine
@@ -53,10 +53,10 @@ def case(
 
 def inject(phase: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this rank fail `phase` of `compile` (the others run it as usual)."""
-    import pdcompile.codegen.stage_codegen as stage_codegen
+    import pdcompile.lowering.stage_codegen as stage_codegen
+    import pdcompile.passes.planning.validate as validate
     import pdcompile.runtime.executor as executor
-    import pdcompile.runtime.validate as validate
-    from pdcompile.pipelined_module import PipelinedModule
+    from pdcompile.compiling.pipelined_module import PipelinedModule
 
     def fail(error: Exception):  # noqa: ANN202
         def raising(*args: object, **kwargs: object) -> None:

@@ -68,7 +68,7 @@ def _fault(sig: str, stamp: str) -> None:
 
 def _inject(point: str, sig: str, stamp: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this rank fault on entering `point` (the step, save and load ones are the job's)."""
-    import pdcompile.analysis as analysis
+    import pdcompile.compiling.analysis as analysis
     import pdcompile.compiling.steps as steps
     from pdcompile.closed_loop.move import Replanner
     from pdcompile.runtime.auto_resume import AutoCheckpoint
@@ -107,7 +107,7 @@ def _faulted(
 ) -> tuple[str, bool, str, float]:
     """One case on this rank: (error class, whether a PdcompileError, message, seconds from the
     fault to the error)."""
-    from pdcompile.errors import PdcompileError
+    from pdcompile.core.errors import PdcompileError
     from pdcompile.runtime.distributed import init_process_group
 
     os.environ.update(MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))

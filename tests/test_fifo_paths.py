@@ -12,9 +12,9 @@ import torch
 
 from pdcompile import CostGraph, Plan
 from pdcompile.cli.handlers import main
-from pdcompile.errors import CostError, PartitionError, ScheduleError
+from pdcompile.core.errors import CostError, PartitionError, ScheduleError
 from pdcompile.passes import framework_cost, profile_cache
-from pdcompile.runtime.timeline import load_trace
+from pdcompile.passes.planning.timeline import load_trace
 
 pytestmark = pytest.mark.timeout(30)  # the old loaders blocked in open() forever
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from support import example
 
 import pdcompile
-from pdcompile.analysis import graph_inputs
-from pdcompile.ir import FLOPS
+from pdcompile.compiling.analysis import graph_inputs
+from pdcompile.core.ir import FLOPS
 from pdcompile.passes.analytic import annotate_analytic
 from pdcompile.passes.flop_rules import flop_counter
 

@@ -21,8 +21,8 @@ from support import example
 
 import pdcompile
 from pdcompile.cli.handlers import main
-from pdcompile.errors import CostError
-from pdcompile.ir import ANALYTIC_S, ANALYTIC_SPLIT_S, FOLDED_S, FRAMEWORK_OPS, MEASURED_S
+from pdcompile.core.errors import CostError
+from pdcompile.core.ir import ANALYTIC_S, ANALYTIC_SPLIT_S, FOLDED_S, FRAMEWORK_OPS, MEASURED_S
 from pdcompile.passes import framework_cost
 from pdcompile.passes import profile as profile_pass
 from pdcompile.passes.framework_cost import Fit, FrameworkCost, calibrate, fit_slope

@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile.cli.handlers import main
-from pdcompile.cluster import Cluster
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PdcompileError
-from pdcompile.plans import Plan
+from pdcompile.core.cluster import Cluster
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import PdcompileError
+from pdcompile.passes.planning.plans import Plan
 from pdcompile.runtime import checkpoint
 from pdcompile.zoo import MLP
 

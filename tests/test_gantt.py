@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdcompile.errors import PdcompileError
+from pdcompile.core.errors import PdcompileError
+from pdcompile.passes.planning.timeline import Event
 from pdcompile.pictures.gantt import KINDS, bubble_fraction, plot_timelines, rows, time_unit
-from pdcompile.runtime.timeline import Event
 
 MS = 1e-3
 

@@ -17,8 +17,8 @@ from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.grad_buckets import plan_buckets
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.runtime.reduce_overlap import overlap_triggers
-from pdcompile.schedules import build_schedule
+from pdcompile.scheduling import build_schedule
+from pdcompile.scheduling.reduce_overlap import overlap_triggers
 
 MB = 2**20
 

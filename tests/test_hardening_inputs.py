@@ -28,14 +28,14 @@ from pdcompile import Cluster, CostGraph, Plan
 from pdcompile.cli.bench_instances import synthetic_chain
 from pdcompile.cli.handlers import main
 from pdcompile.cli.progress import progress
-from pdcompile.cluster import MAX_DEVICES
-from pdcompile.cost_graph_json import MAX_BYTES
-from pdcompile.errors import CostError, PartitionError, PdcompileError, ScheduleError
+from pdcompile.core.cluster import MAX_DEVICES
+from pdcompile.core.cost_graph_json import MAX_BYTES
+from pdcompile.core.errors import CostError, PartitionError, PdcompileError, ScheduleError
+from pdcompile.passes.planning.simulator import MAX_ACTIONS, simulated_actions
+from pdcompile.passes.planning.validate import check_layout
 from pdcompile.runtime.distributed import init_process_group
-from pdcompile.runtime.simulator import MAX_ACTIONS, simulated_actions
-from pdcompile.runtime.validate import check_layout
-from pdcompile.schedules import get_schedule
-from pdcompile.schedules.base import MAX_MICROBATCHES
+from pdcompile.scheduling import get_schedule
+from pdcompile.scheduling.base import MAX_MICROBATCHES
 
 GNMT = Path(__file__).parent / "data" / "pipedream" / "gnmt" / "graph.txt"
 COSTS = CostGraph.from_pipedream(GNMT, batch_size=64)
@@ -93,7 +93,7 @@ def test_num_microbatches_above_the_cap_is_refused_by_plan_simulate_and_their_co
 def test_device_counts_above_the_cap_are_refused_while_parsing(text: str) -> None:
     # '99999999999' raised MemoryError listing its ranks; '1000000' planned for minutes
     with pytest.raises(PartitionError, match=rf"above the cap of {MAX_DEVICES} "
-                       r"\(pdcompile.cluster.MAX_DEVICES\); check the counts"):  # fmt: skip
+                       r"\(pdcompile.core.cluster.MAX_DEVICES\); check the counts"):  # fmt: skip
         Cluster.parse(text)
 
 
@@ -111,7 +111,9 @@ def test_every_other_way_to_a_cluster_has_the_device_cap() -> None:
 @pytest.mark.timeout(120)
 def test_a_plan_for_a_large_cluster_says_its_simulation_is_over_the_budget() -> None:
     # plan(costs, 100000) looped forever (twice the devices is above the schedules' cap)
-    budget = r"above the budget of 2,000,000 \(pdcompile.runtime.simulator.MAX_ACTIONS\); use"
+    budget = (
+        r"above the budget of 2,000,000 \(pdcompile.passes.planning.simulator.MAX_ACTIONS\); use"
+    )
     size = r"simulating 65536 microbatches of \d+ stages on 100000 ranks under 1f1b"
     with pytest.raises(PartitionError, match=rf"{size} runs about [\d,]+ actions.*, {budget}"):
         pdcompile.plan(COSTS, 100000)
@@ -179,7 +181,7 @@ def test_huge_costs_are_refused_by_the_loaders_naming_the_node_and_the_cap(capsy
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(doc))
     seconds = r"forward_s is 1e\+308 seconds, above the 1e\+12 one node may cost " \
-              r"\(pdcompile.cost_graph_json.MAX_SECONDS\)"  # fmt: skip
+              r"\(pdcompile.core.cost_graph_json.MAX_SECONDS\)"  # fmt: skip
     with pytest.raises(CostError, match=rf"{costs}: node 'node1': {seconds}"):
         CostGraph.load(costs)
     huge = CostGraph(batch_size=4)  # in memory: refused when written, as it would be when read
@@ -370,7 +372,7 @@ def test_simulate_refuses_zero_microbatches_instead_of_ignoring_them() -> None:
 
 
 def test_a_schedule_that_accepts_no_count_is_refused_not_searched_forever() -> None:
-    from pdcompile.schedules import get_schedule
+    from pdcompile.scheduling import get_schedule
 
     class Picky(type(get_schedule("1f1b"))):
         def check(self, replicas, num_microbatches, ties=()):  # noqa: ANN001, ANN201

@@ -13,13 +13,13 @@ from test_solvers import chain
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, evaluate
-from pdcompile.evaluation import price
-from pdcompile.plans import consecutive_ranks
-from pdcompile.schedules import get_schedule
+from pdcompile.passes.planning.evaluation import price
+from pdcompile.passes.planning.plans import consecutive_ranks
+from pdcompile.scheduling import get_schedule
 
 # random and small clusters give replica counts that do not divide the microbatches: the warning
 # is not the point here (tests/test_replica_balance.py asserts it)
-pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.errors.PlanWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.core.errors.PlanWarning")
 
 SCHEDULES = ("1f1b", "gpipe", "pipedream", "2bw")
 DATA = Path(__file__).parent / "data" / "pipedream"
@@ -334,11 +334,11 @@ def test_cpsat_encodes_memory_counts_of_both_the_stages_and_the_warmup(memory) -
     (CP-SAT pairs the two one-hots): its optimum is brute force's under the same counts."""
     from ortools.sat.python import cp_model
 
-    from pdcompile.cost_model import Pricing, get_cost_model
-    from pdcompile.passes.solvers.cpsat import _Model
-    from pdcompile.passes.solvers.dp import Prefix
-    from pdcompile.schedules.base import MemoryCounts
-    from pdcompile.schedules.one_f_one_b import OneForwardOneBackward
+    from pdcompile.passes.planning.cost_model import Pricing, get_cost_model
+    from pdcompile.passes.planning.solvers.cpsat import _Model
+    from pdcompile.passes.planning.solvers.dp import Prefix
+    from pdcompile.scheduling.base import MemoryCounts
+    from pdcompile.scheduling.one_f_one_b import OneForwardOneBackward
 
     class Both(OneForwardOneBackward):
         def memory_counts(self, stages_from_here, warmup, num_microbatches, deepest):

@@ -15,9 +15,9 @@ from pipeline_support import accumulate_reference
 from spawn import run_ranks
 
 import pdcompile
-from pdcompile.cluster import Cluster
-from pdcompile.passes.mutation import is_inplace
-from pdcompile.plans import Plan, Stage
+from pdcompile.core.cluster import Cluster
+from pdcompile.graph.mutation import is_inplace
+from pdcompile.passes.planning.plans import Plan, Stage
 from pdcompile.runtime.distributed import init_process_group
 
 

@@ -1,11 +1,11 @@
-"""The phases' folders and the directions their imports point: capture and passes never import
-the runtime or the CLI, the runtime never imports the CLI or capture, nothing imports the CLI,
-and the schedules, the planner's searches and the re-planning decision are torch-free. Read
-from the source (every import, inside functions too)."""
+"""The floor plan: the package's folders in processing order, and one rule read from the source
+(every import, inside functions too): a folder imports only folders listed before it. The list
+is docs/architecture.md's ("Folders in processing order"), so the document and the code agree."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -14,68 +14,78 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder -> the installed package it is
 PACKAGES = {ROOT / "pdcompile": "pdcompile", ROOT / "passes": "pdcompile.passes",
             ROOT / "runtime": "pdcompile.runtime"}  # fmt: skip
+DOC = ROOT / "docs" / "architecture.md"
+TORCH_FREE = ("pdcompile.scheduling", "pdcompile.passes.planning")  # importable without torch
 
 
-def modules() -> dict[str, set[str]]:
-    """Installed module name -> every module it imports."""
+def folders() -> list[str]:
+    """The folders as docs/architecture.md lists them, first to last (installed names)."""
+    text = DOC.read_text().split("## Folders in processing order", 1)[1].split("\n## ", 1)[0]
+    paths = re.findall(r"^\d+\. `([\w/]+)/`", text, flags=re.M)
+    top = {"pdcompile": "pdcompile", "passes": "pdcompile.passes", "runtime": "pdcompile.runtime"}
+    return [".".join((top[p.split("/")[0]], *p.split("/")[1:])) for p in paths]
+
+
+def modules() -> dict[str, tuple[str, set[str]]]:
+    """Installed module name -> (its folder, every pdcompile module it imports)."""
     found = {}
     for folder, package in PACKAGES.items():
         for path in folder.rglob("*.py"):
             parts = path.relative_to(folder).with_suffix("").parts
             name = ".".join((package, *parts)).removesuffix(".__init__")
+            home = name if path.name == "__init__.py" else name.rpartition(".")[0]
             imported = set()
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     imported |= {a.name for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            found[name] = imported
+                    imported |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            found[name] = (home, imported)
     return found
 
 
-def within(name: str, package: str) -> bool:
-    return name == package or name.startswith(package + ".")
+def folder_of(name: str, known: dict[str, tuple[str, set[str]]]) -> str | None:
+    """The folder of module `name` (or of the module a name imported from it belongs to)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return known[name][0] if name else None
 
 
-RULES = [  # (importers, what they must not import)
-    ("pdcompile.capture", ("pdcompile.runtime", "pdcompile.cli")),
-    ("pdcompile.passes", ("pdcompile.runtime", "pdcompile.cli")),
-    ("pdcompile.runtime", ("pdcompile.cli", "pdcompile.capture")),
-    ("pdcompile.schedules", ("torch", "pdcompile.runtime", "pdcompile.cli")),
-    ("pdcompile.search", ("torch", "pdcompile.runtime", "pdcompile.cli")),
-    ("pdcompile.closed_loop.decision", ("torch", "pdcompile.runtime", "pdcompile.cli")),
-    ("pdcompile", ("pdcompile.cli",)),  # nothing outside the CLI imports it
-]
-
-
-@pytest.mark.parametrize(("importers", "forbidden"), RULES)
-def test_imports_point_down(importers: str, forbidden: tuple[str, ...]) -> None:
+def test_a_folder_imports_only_folders_listed_before_it() -> None:
+    order, found = folders(), modules()
+    unlisted = sorted({home for home, _ in found.values()} - set(order))
+    assert not unlisted, f"folders docs/architecture.md does not list: {unlisted}"
     wrong = [
-        f"{name} imports {target}"
-        for name, imported in modules().items()
-        if within(name, importers) and not within(name, "pdcompile.cli")
+        f"{name} ({home}) imports {target} ({there})"
+        for name, (home, imported) in found.items()
         for target in sorted(imported)
-        if any(within(target, f) for f in forbidden)
+        if target.startswith("pdcompile")
+        and (there := folder_of(target, found)) is not None
+        and order.index(there) > order.index(home)
     ]
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_phases_have_their_folders() -> None:
+@pytest.mark.parametrize("package", TORCH_FREE)
+def test_the_schedules_and_the_planner_are_torch_free(package: str) -> None:
     found = modules()
-    for module in ("pdcompile.capture.tracing", "pdcompile.codegen.stage_codegen",
-                   "pdcompile.cli.handlers", "pdcompile.cli.parser", "pdcompile.pictures.gantt",
-                   "pdcompile.schedules.one_f_one_b", "pdcompile.schedules.pipedream"):  # fmt: skip
-        assert module in found, module
-    flat = [p.name for p in (ROOT / "pdcompile").glob("*.py")]
-    # 25 since issue 30-31 added progress, plan_words and regular_file; issue 33 brings it to ~10
-    assert len(flat) <= 25, f"pdcompile/ holds {len(flat)} files again: {sorted(flat)}"
+    wrong = [f"{name} imports {t}" for name, (_, imported) in found.items()
+             if name.startswith(package)
+             for t in imported if t == "torch" or t.startswith("torch.")]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+def test_few_modules_lie_flat_in_pdcompile() -> None:
+    flat = sorted(p.name for p in (ROOT / "pdcompile").glob("*.py"))
+    assert len(flat) <= 10, f"pdcompile/ holds {len(flat)} files: {flat}"
 
 
 def test_the_rule_catches_a_wrong_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check itself: a pass importing the runtime is reported."""
-    bad = tmp_path / "passes"
-    bad.mkdir()
-    (bad / "leaky.py").write_text("def f():\n    from pdcompile.runtime.simulator import run\n")
-    monkeypatch.setitem(PACKAGES, bad, "pdcompile.passes")
-    with pytest.raises(AssertionError, match="pdcompile.passes.leaky imports pdcompile.runtime"):
-        test_imports_point_down("pdcompile.passes", ("pdcompile.runtime",))
+    """The check itself: a core module importing the runtime is reported."""
+    bad = tmp_path / "pdcompile"
+    (bad / "core").mkdir(parents=True)
+    leaky = "def f():\n    from pdcompile.runtime.wire import pack\n"
+    (bad / "core" / "leaky.py").write_text(leaky)
+    monkeypatch.setitem(PACKAGES, bad, "pdcompile")
+    with pytest.raises(AssertionError, match="pdcompile.core.leaky .pdcompile.core. imports"):
+        test_a_folder_imports_only_folders_listed_before_it()

@@ -19,7 +19,7 @@ from pipeline_support import (
     varied_batches,
 )
 
-from pdcompile.errors import ScheduleError
+from pdcompile.core.errors import ScheduleError
 from pdcompile.runtime.local import LocalPipeline
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731

@@ -26,14 +26,14 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.evaluation import simulated
-from pdcompile.pipelined_module import PipelinedModule
+from pdcompile.compiling.pipelined_module import PipelinedModule
+from pdcompile.core.text import human_bytes
+from pdcompile.passes.planning.evaluation import simulated
+from pdcompile.passes.planning.recompute_choice import segment_boundaries, with_recompute
 from pdcompile.runtime import memory_probe
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.search.recompute_choice import segment_boundaries, with_recompute
-from pdcompile.text import human_bytes
 
 M = 4  # microbatches per step
 STEPS = 4  # enough calls for pipedream and 2bw to reach their steady state

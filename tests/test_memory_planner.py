@@ -1,5 +1,5 @@
 """The planner that chooses activation recomputation (`plan(..., memory=, recompute=)`,
-`pdcompile.search.recompute_choice`), checked against runs.
+`pdcompile.passes.planning.recompute_choice`), checked against runs.
 
 The GPT-style decoder of `test_memory_model` on 2 devices: the smallest memory any plan without
 recomputation fits in is found by bisection with `recompute=False`; under a limit below it the
@@ -22,9 +22,7 @@ from test_memory_model import CASES, STEPS, TOLERANCE, M, _batch, _costs
 
 import pdcompile
 from pdcompile import Cluster, PartitionError
-from pdcompile.runtime import memory_probe
-from pdcompile.runtime.distributed import init_process_group
-from pdcompile.search.recompute_choice import (
+from pdcompile.passes.planning.recompute_choice import (
     KEY,
     MARGIN,
     host_memory,
@@ -33,6 +31,8 @@ from pdcompile.search.recompute_choice import (
     segment_boundaries,
     with_recompute,
 )
+from pdcompile.runtime import memory_probe
+from pdcompile.runtime.distributed import init_process_group
 
 CASE = "gpt"
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from spawn import run_ranks
 
-from pdcompile.codegen.staged_program import Channel
+from pdcompile.lowering.staged_program import Channel
 from pdcompile.runtime.distributed import DistributedComm, init_process_group
 from pdcompile.runtime.message_pool import SLOTS, MessagePool
 

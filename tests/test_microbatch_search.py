@@ -12,9 +12,9 @@ import pytest
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning
 from pdcompile.cli.handlers import main
-from pdcompile.cluster import RuntimeCosts
-from pdcompile.search.microbatch_count import MAX_COUNTS, TIE, batch_settings, divisors
-from pdcompile.search.schedule_choice import auto_table, candidates, layouts
+from pdcompile.core.cluster import RuntimeCosts
+from pdcompile.passes.planning.microbatch_count import MAX_COUNTS, TIE, batch_settings, divisors
+from pdcompile.passes.planning.schedule_choice import auto_table, candidates, layouts
 
 EQUAL = CostGraph.load("docs/pictures/chain8.json")  # 8 equal layers, batch 8
 G = 64

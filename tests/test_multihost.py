@@ -105,7 +105,7 @@ def host_a_reported(out: Path) -> bool:
     return {0, 1} <= {r["rank"] for r in reports(out)}
 
 
-def host(stage: pdcompile.plans.Stage) -> str:
+def host(stage: pdcompile.passes.planning.plans.Stage) -> str:
     """The host of a stage's ranks (ranks 0-1 are host A's, 2-3 host B's)."""
     labels = {"ab"[rank // 2] for rank in stage.ranks}
     assert len(labels) == 1, f"stage {stage.index} spans the link: ranks {stage.ranks}"

@@ -41,8 +41,8 @@ def test_wheel_maps_passes_and_runtime_under_pdcompile(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("pdcompile-*.whl")
     files = zipfile.ZipFile(wheel).namelist()
     assert "pdcompile/passes/__init__.py" in files and "pdcompile/runtime/__init__.py" in files
-    assert "pdcompile/passes/shapes.py" in files and "pdcompile/capture/tracing.py" in files
-    assert "pdcompile/passes/solvers/dp.py" in files
+    assert "pdcompile/graph/shapes.py" in files and "pdcompile/capture/tracing.py" in files
+    assert "pdcompile/passes/planning/solvers/dp.py" in files
     tops = {f.split("/")[0] for f in files if not f.split("/")[0].endswith(".dist-info")}
     assert tops == {"pdcompile"}
     entry_points = next(f for f in files if f.endswith("entry_points.txt"))

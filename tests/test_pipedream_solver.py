@@ -1,4 +1,4 @@
-"""PipeDream's hierarchical optimizer (`pdcompile.passes.solvers.pipedream_optimizer`).
+"""PipeDream's hierarchical optimizer (`pdcompile.passes.planning.solvers.pipedream_optimizer`).
 
 - Every run in tests/data/pipedream_reference (26 runs of the unmodified original on vgg16 and
   resnet50): same time per stage, number of states, single-machine time and speed-up; same
@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PartitionError
-from pdcompile.passes.solvers.pipedream_optimizer import (
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import PartitionError
+from pdcompile.passes.planning.solvers.pipedream_optimizer import (
     _blocks,
     _hierarchy,
     _options,
@@ -383,8 +383,8 @@ def test_gnmt_sanity(config):
 def test_gnmt_independent_of_hash_seed():
     """gnmt has cuts with several extra nodes, whose order PipeDream takes from a string set."""
     code = (
-        "import json, sys; from pdcompile.cost_graph import CostGraph; "
-        "from pdcompile.passes.solvers.pipedream_optimizer import optimize_pipedream; "
+        "import json, sys; from pdcompile.core.cost_graph import CostGraph; "
+        "from pdcompile.passes.planning.solvers.pipedream_optimizer import optimize_pipedream; "
         f"g = CostGraph.from_pipedream({str(DATA / 'pipedream' / 'gnmt' / 'graph.txt')!r}); "
         "r = optimize_pipedream(g, [4, 4], [1e10, 1.25e9], activation_compression_ratio=1.0); "
         "print(json.dumps([r.time_per_stage, r.levels, r.stages]))"

@@ -13,12 +13,12 @@ from pipeline_support import OPTIMIZERS, mlp_case
 import pdcompile
 from pdcompile import CostGraph, Plan
 from pdcompile.cli.handlers import main
-from pdcompile.evaluation import rescore
+from pdcompile.passes.planning.evaluation import rescore
+from pdcompile.passes.planning.plan_words import ALTERNATIVE, describe, step_warning
+from pdcompile.passes.planning.schedule_choice import auto_table
+from pdcompile.passes.planning.solver_kit import SOLVERS
+from pdcompile.passes.planning.timeline import Event
 from pdcompile.pictures.gantt import KINDS, plot_timelines
-from pdcompile.plan_words import ALTERNATIVE, describe, step_warning
-from pdcompile.planning import SOLVERS
-from pdcompile.runtime.timeline import Event
-from pdcompile.search.schedule_choice import auto_table
 
 FIGURE = r"(\d+\.\d\d (?:s|ms|us))"
 

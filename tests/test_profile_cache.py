@@ -17,9 +17,9 @@ import pytest
 from support import example
 
 import pdcompile
-from pdcompile.analysis import graph_inputs
-from pdcompile.errors import UnsettledProfileWarning
-from pdcompile.ir import MEASURED_S, PROFILE
+from pdcompile.compiling.analysis import graph_inputs
+from pdcompile.core.errors import UnsettledProfileWarning
+from pdcompile.core.ir import MEASURED_S, PROFILE
 from pdcompile.passes import profile as profile_pass
 from pdcompile.passes import profile_cache
 from pdcompile.passes.profile import annotate_profile

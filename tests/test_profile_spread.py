@@ -18,13 +18,13 @@ import pytest
 from support import example
 
 import pdcompile
-from pdcompile.analysis import graph_inputs
 from pdcompile.cli.handlers import main
-from pdcompile.errors import UnsettledProfileWarning
-from pdcompile.ir import MEASURED_SPREAD, PROFILE
+from pdcompile.compiling.analysis import graph_inputs
+from pdcompile.core.errors import UnsettledProfileWarning
+from pdcompile.core.ir import MEASURED_SPREAD, PROFILE
+from pdcompile.graph.node_runner import COMPUTE_OPS
 from pdcompile.passes import profile as profile_pass
 from pdcompile.passes import profile_cache
-from pdcompile.passes.node_runner import COMPUTE_OPS
 from pdcompile.passes.profile import _Alone, _Samples, _spread, _summarize, annotate_profile
 
 QUIET, SLOW = 1e-3, 3e-3

@@ -1,4 +1,4 @@
-"""`pdcompile.progress` (issue 30, item 8): long work says what it does and for how long, in a
+"""`pdcompile.core.progress` (issue 30, item 8): long work says what it does and for how long, in a
 log as lines with the elapsed time, on a terminal as a bar; short work says nothing; in a
 distributed job only rank 0 speaks. A fake clock stands in for the seconds."""
 
@@ -15,8 +15,8 @@ import pytest
 from rich.console import Console
 
 import pdcompile
-from pdcompile import progress
 from pdcompile.cli.bench_instances import synthetic_chain
+from pdcompile.core import progress
 
 
 class FakeClock:
@@ -41,7 +41,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 @pytest.fixture
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The progress lines logged (INFO on `pdcompile.progress`), as they are logged."""
+    """The progress lines logged (INFO on `pdcompile.core.progress`), as they are logged."""
     caplog.set_level(logging.INFO, logger=progress.LOGGER)
 
     class View(list):
@@ -153,7 +153,7 @@ def test_a_script_without_logging_sees_the_lines_on_stderr(tmp_path) -> None:
     """What a torchrun user sees: the program configured no logging, stderr is a pipe."""
     script = textwrap.dedent("""
         import time
-        from pdcompile import progress
+        from pdcompile.core import progress
         progress.THRESHOLD_S, progress.TICK_S = 0.05, 0.01
         with progress.phase("capturing Jamba"):
             progress.note("torch.export")
@@ -165,7 +165,7 @@ def test_a_script_without_logging_sees_the_lines_on_stderr(tmp_path) -> None:
     said = run.stderr.splitlines()
     assert said[0] == "pdcompile: capturing Jamba: 0 s, torch.export"
     assert said[-1] == "pdcompile: capturing Jamba: done in 0 s"
-    quiet = "import logging; logging.getLogger('pdcompile.progress').setLevel('WARNING')\n"
+    quiet = "import logging; logging.getLogger('pdcompile.core.progress').setLevel('WARNING')\n"
     run = subprocess.run([sys.executable, "-c", quiet + script], capture_output=True, text=True,
                          env=env, timeout=120, check=True)  # fmt: skip
     assert run.stderr == ""

@@ -1,5 +1,5 @@
 """Activation recomputation (`Stage.recompute`: `runtime/recompute.py`,
-`pdcompile/codegen/stage_segments.py`).
+`pdcompile/lowering/stage_segments.py`).
 
 Single-process tier: the GPT with dropout on, cut in 2 stages (4 for `interleaved-1f1b` and
 `zb-v`), trains 5 steps under every schedule with each stage recomputed whole (True) and in
@@ -29,9 +29,9 @@ from support import Ops
 
 import pdcompile
 from pdcompile import zoo
-from pdcompile.codegen.stage_segments import cut_stage
-from pdcompile.ir import OUTPUTS
-from pdcompile.pipelined_module import PipelinedModule
+from pdcompile.compiling.pipelined_module import PipelinedModule
+from pdcompile.core.ir import OUTPUTS
+from pdcompile.lowering.stage_segments import cut_stage
 from pdcompile.runtime import recompute
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline

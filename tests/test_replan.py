@@ -15,9 +15,14 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import CostGraph, PartitionError, Plan, Replan
-from pdcompile.closed_loop.decision import StageTime, decide, measured_stage_times, rescaled
-from pdcompile.runtime.timeline import Event
-from pdcompile.stage_sums import node_sums
+from pdcompile.passes.planning.replan_decision import (
+    StageTime,
+    decide,
+    measured_stage_times,
+    rescaled,
+)
+from pdcompile.passes.planning.stage_sums import node_sums
+from pdcompile.passes.planning.timeline import Event
 
 CLUSTER = "2@1GB/s"
 STEPS = 4
@@ -221,7 +226,7 @@ def test_two_ranks_move_together_and_a_rank_dying_in_the_move_loses_nothing(tmp_
 
 def test_plan_command_replans_from_a_recorded_trace(tmp_path, capsys) -> None:
     from pdcompile.cli.handlers import main
-    from pdcompile.runtime.timeline import load_trace, trace_meta
+    from pdcompile.passes.planning.timeline import load_trace, trace_meta
 
     true, wrong = costs()
     _, x, y = case()

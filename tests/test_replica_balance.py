@@ -16,9 +16,9 @@ from pipeline_support import OPTIMIZERS, mlp_case
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning, Stage
 from pdcompile.cli.handlers import main
-from pdcompile.planning import settled_microbatches
-from pdcompile.replica_splits import UnevenSplit, replica_split
-from pdcompile.schedules import get_schedule
+from pdcompile.passes.planning.replica_splits import UnevenSplit, replica_split
+from pdcompile.passes.planning.solver_kit import settled_microbatches
+from pdcompile.scheduling import get_schedule
 
 
 def chain(times, params, outs) -> CostGraph:

@@ -12,12 +12,12 @@ from torch import nn
 
 import pdcompile
 from pdcompile import CostGraph
-from pdcompile.closed_loop.decision import StageTime, rescaled
-from pdcompile.errors import CostError
-from pdcompile.evaluation import rescore
+from pdcompile.core.errors import CostError
+from pdcompile.core.row_curves import monotone, value_at
 from pdcompile.passes.coarsening import coarsen
-from pdcompile.row_curves import monotone, value_at
-from pdcompile.stage_sums import node_sums
+from pdcompile.passes.planning.evaluation import rescore
+from pdcompile.passes.planning.replan_decision import StageTime, rescaled
+from pdcompile.passes.planning.stage_sums import node_sums
 
 TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
 DATA = Path(__file__).parent / "data" / "pipedream"

@@ -16,9 +16,9 @@ from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning
 from pdcompile.cli.bench_instances import load_instance
 from pdcompile.cli.handlers import main
 from pdcompile.cli.solver_bench import run_bench
-from pdcompile.schedules import get_schedule, schedules
-from pdcompile.search.microbatch_count import TIE, fastest_fitting
-from pdcompile.search.schedule_choice import auto_table, candidates, layouts
+from pdcompile.passes.planning.microbatch_count import TIE, fastest_fitting
+from pdcompile.passes.planning.schedule_choice import auto_table, candidates, layouts
+from pdcompile.scheduling import get_schedule, schedules
 
 
 def chain(times: list[float], params: list[int], outs: list[int]) -> CostGraph:

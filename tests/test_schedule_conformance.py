@@ -32,17 +32,17 @@ from test_split_memory_budget import chain as kept_chain
 
 import pdcompile
 from pdcompile import Cluster, PartitionError, Plan, ScheduleError, Stage, evaluate
-from pdcompile.plans import consecutive_ranks
-from pdcompile.registry import Registry
+from pdcompile.core.registry import Registry
+from pdcompile.passes.planning.plans import consecutive_ranks
 from pdcompile.runtime import validate_schedule
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.schedules import build_schedule, get_schedule
-from pdcompile.schedules.action_kinds import SPLIT
+from pdcompile.scheduling import build_schedule, get_schedule
+from pdcompile.scheduling.action_kinds import SPLIT
 
 # random replica layouts give splits the warning is about (tests/test_replica_balance.py)
-pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.errors.PlanWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.core.errors.PlanWarning")
 
 KINDS = sorted(pdcompile.schedules())
 ACT, PARAM, GRAD, WEIGHT = 100, 10, 10, 30  # bytes per stage (a W pending keeps all of ACT)
@@ -391,15 +391,17 @@ def test_orders_that_skip_a_microbatch_are_refused() -> None:
 
 def test_registered_kinds_are_found_by_listing_the_package() -> None:
     """No registry line names a built-in schedule or solver: their packages are listed."""
-    from pdcompile.planning import SOLVERS
-    from pdcompile.schedules.registry import SCHEDULES
+    from pdcompile.passes.planning.solver_kit import SOLVERS
+    from pdcompile.scheduling.registry import SCHEDULES
 
     modules = {type(get_schedule(kind)).__module__ for kind in KINDS}
-    assert {m for m in modules if m.startswith("pdcompile.schedules.")} <= set(SCHEDULES.builtins)
-    assert {"pdcompile.schedules.zb_v", "pdcompile.schedules.action_kinds"} <= set(
+    assert {m for m in modules if m.startswith("pdcompile.scheduling.")} <= set(SCHEDULES.builtins)
+    assert {"pdcompile.scheduling.zb_v", "pdcompile.scheduling.action_kinds"} <= set(
         SCHEDULES.builtins
     )
-    assert "pdcompile.passes.solvers.reach" in SOLVERS.builtins  # listed, though it registers none
+    assert (
+        "pdcompile.passes.planning.solvers.reach" in SOLVERS.builtins
+    )  # listed, though it registers none
 
 
 def test_a_new_file_in_a_registrys_package_registers_itself(

@@ -25,7 +25,7 @@ from test_schedule_conformance import (
 
 import pdcompile
 from pdcompile.runtime import validate_schedule
-from pdcompile.schedules import PipelineSchedule, Placement, build_schedule, register_schedule
+from pdcompile.scheduling import PipelineSchedule, Placement, build_schedule, register_schedule
 
 
 @register_schedule("looped-bfs")
@@ -64,7 +64,7 @@ def test_it_plans_and_simulates_with_chunks_and_its_memory_is_walked() -> None:
     assert [s.ranks[0] for s in plan.stages] == [0, 1, 2, 3] * 2
     sim = pdcompile.simulate(plan)
     assert plan.step_time == sim.time_per_step and plan.rank_memory == tuple(sim.peak_memory)
-    rules = pdcompile.schedules.get_schedule(KIND)
+    rules = pdcompile.scheduling.get_schedule(KIND)
     assert rules.closed_forms is None and check_closed_forms(KIND) == 0
     # GPipe's order on each stage: every microbatch of the replica in flight
     assert [rules.in_flight_bound([1] * 4, s, 8) for s in range(4)] == [8] * 4

@@ -29,8 +29,8 @@ from pdcompile.runtime import validate_schedule
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.schedules import WarmupSchedule, build_schedule, register_schedule
-from pdcompile.schedules.builder import compute_order
+from pdcompile.scheduling import WarmupSchedule, build_schedule, register_schedule
+from pdcompile.scheduling.builder import compute_order
 
 
 @register_schedule("1f1b-deep")

@@ -18,14 +18,14 @@ from test_solvers import random_dags
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan
-from pdcompile.plans import consecutive_ranks
+from pdcompile.passes.planning.plans import consecutive_ranks
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.schedules import get_schedule
-from pdcompile.schedules.action_kinds import FUSED
+from pdcompile.scheduling import get_schedule
+from pdcompile.scheduling.action_kinds import FUSED
 
 # random and small clusters give replica counts that do not divide the microbatches: the warning
 # is not the point here (tests/test_replica_balance.py asserts it)
-pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.errors.PlanWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.core.errors.PlanWarning")
 
 # the fused kinds of one stage per rank (each checked on equal stages, its closed forms against
 # its simulated actions, by tests/test_schedule_conformance.py)

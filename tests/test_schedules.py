@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcompile.errors import ScheduleError
+from pdcompile.core.errors import ScheduleError
 from pdcompile.runtime import validate_schedule
-from pdcompile.schedules import Action, Schedule, build_schedule, get_schedule
-from pdcompile.schedules.builder import compute_order, tie_components
-from pdcompile.schedules.pipedream import version, vertical_version
-from pdcompile.schedules.two_bw import two_bw_version
+from pdcompile.scheduling import Action, Schedule, build_schedule, get_schedule
+from pdcompile.scheduling.builder import compute_order, tie_components
+from pdcompile.scheduling.pipedream import version, vertical_version
+from pdcompile.scheduling.two_bw import two_bw_version
 
 
 def warmup(replicas: list[int], stage: int) -> int:

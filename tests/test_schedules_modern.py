@@ -35,12 +35,12 @@ from support import Ops
 
 import pdcompile
 from pdcompile import Cluster, Plan, ScheduleError, Stage, zoo
-from pdcompile.pipelined_module import PipelinedModule
+from pdcompile.compiling.pipelined_module import PipelinedModule
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
 from pdcompile.runtime.split_backward import backward_inputs
-from pdcompile.schedules import build_schedule, get_schedule
+from pdcompile.scheduling import build_schedule, get_schedule
 
 ACT, WEIGHT, GRAD = 100, 30, 10  # bytes per stage
 

@@ -13,11 +13,12 @@ from pipeline_support import mlp_case, program_for
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, simulate
-from pdcompile.cluster import RuntimeCosts
-from pdcompile.plans import consecutive_ranks
+from pdcompile.core.cluster import RuntimeCosts
+from pdcompile.passes.planning.plans import consecutive_ranks
+from pdcompile.passes.planning.timeline import load_trace
+from pdcompile.pictures.gantt import plot_simulation
 from pdcompile.runtime.local import LocalPipeline
-from pdcompile.runtime.timeline import load_trace
-from pdcompile.schedules import get_schedule
+from pdcompile.scheduling import get_schedule
 
 F, B = 1.0, 2.0  # seconds per microbatch of every stage
 ACT, PARAM, WEIGHT = 100, 10, 30  # bytes per stage
@@ -167,7 +168,8 @@ def test_replicated_stage_averages_with_a_ring_allreduce():
     assert sorted(e.rank for e in reduce) == [0, 1]
     ring = 2 * (2 - 1) / 2 * 500 / bandwidth
     # the reduction starts when both replicas are halfway through their last backward
-    # (runtime/reduce_overlap.py), and the action ends at the later of its start and its end
+    # (pdcompile/scheduling/reduce_overlap.py), and the action ends at the later of its start and
+    # its end
     halfway = max((e.start + e.end) / 2 for e in sim.timeline if e.rank in (0, 1)
                   and e.kind == "B" and e.microbatch in (2, 3))  # fmt: skip
     expected = max(max(e.start for e in reduce), halfway + ring)
@@ -252,7 +254,7 @@ def test_chrome_trace_and_plot(tmp_path):
     sim = simulate(equal_plan([1, 1]), schedule="1f1b", num_microbatches=3)
     sim.to_chrome_trace(tmp_path / "sim.json")
     assert load_trace(tmp_path / "sim.json") == sim.timeline
-    sim.plot(tmp_path / "sim.png")
+    plot_simulation(sim, tmp_path / "sim.png")
     assert (tmp_path / "sim.png").stat().st_size > 1000
 
 

@@ -11,7 +11,7 @@ import networkx as nx
 import pytest
 from rich.console import Console
 
-from pdcompile import Cluster, CostGraph, PartitionError, SpecError, evaluate, planning
+from pdcompile import Cluster, CostGraph, PartitionError, SpecError, evaluate
 from pdcompile.cli.bench_instances import (
     load_instance,
     load_instances,
@@ -21,6 +21,7 @@ from pdcompile.cli.bench_instances import (
 from pdcompile.cli.bench_report import results_json, results_table, summary_table
 from pdcompile.cli.handlers import main
 from pdcompile.cli.solver_bench import load_plugin, run_bench
+from pdcompile.passes.planning import planner, solver_kit
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 FAST = ["dynprog", "uniform", "params", "blocks", "pipedream"]
@@ -30,7 +31,7 @@ import os
 import time
 
 import pdcompile
-from pdcompile.planning import make_plan
+from pdcompile.passes.planning.solver_kit import make_plan
 
 
 @pdcompile.register_solver("one_stage")
@@ -63,11 +64,11 @@ def plugin(tmp_path):
     """A plugin file; its module and the solvers it registers are removed afterwards."""
     path = tmp_path / "my_solvers.py"
     path.write_text(PLUGIN)
-    planning.solvers()  # the built-in solvers register once, on first use: before the snapshot
-    saved, modules = dict(planning.SOLVERS._items), set(sys.modules)
+    solver_kit.solvers()  # the built-in solvers register once, on first use: before the snapshot
+    saved, modules = dict(solver_kit.SOLVERS._items), set(sys.modules)
     yield str(path)
-    planning.SOLVERS._items.clear()
-    planning.SOLVERS._items.update(saved)
+    solver_kit.SOLVERS._items.clear()
+    solver_kit.SOLVERS._items.update(saved)
     for name in set(sys.modules) - modules:
         if name.startswith("_pdcompile_plugin_"):
             del sys.modules[name]
@@ -172,7 +173,7 @@ def test_every_solver_on_every_instance_scored_by_evaluate() -> None:
                 assert r.solve_time_s >= 0 and 1 <= r.num_devices_used <= 4
     # pipedream's own predicted time is replaced by evaluate's
     vgg = next(r for r in results if r.instance == "vgg16" and r.solver == "pipedream")
-    made = planning.plan(instances[0].cost_graph, clusters[0], solver="pipedream",
+    made = planner.plan(instances[0].cost_graph, clusters[0], solver="pipedream",
                          schedule="pipedream")  # fmt: skip
     assert vgg.predicted_time == evaluate(made, instances[0].cost_graph).predicted_time
     assert vgg.predicted_time != made.predicted_time
@@ -209,7 +210,7 @@ def test_a_plugin_solver_joins_and_failures_are_results(plugin) -> None:
     assert by["one_stage"].ratio_to_best > 1 and by["dynprog"].ratio_to_best == 1.0
     assert by["broken"].status == "failed" and by["broken"].predicted_time is None
     assert by["broken"].note == "ZeroDivisionError: division by zero"
-    assert {"one_stage", "broken", "sleepy"} <= set(planning.solvers())
+    assert {"one_stage", "broken", "sleepy"} <= set(solver_kit.solvers())
 
 
 def test_timeouts_and_crashes_in_the_worker_never_end_the_run(plugin) -> None:

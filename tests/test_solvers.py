@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, Stage, evaluate
-from pdcompile.cost_model import CostModel, register_cost_model
-from pdcompile.evaluation import price
-from pdcompile.plans import consecutive_ranks
-from pdcompile.schedules import get_schedule
+from pdcompile.passes.planning.cost_model import CostModel, register_cost_model
+from pdcompile.passes.planning.evaluation import price
+from pdcompile.passes.planning.plans import consecutive_ranks
+from pdcompile.scheduling import get_schedule
 
 # random clusters and counts give replica counts that do not divide the microbatches: the
 # warning is not the point here (tests/test_replica_balance.py asserts it)
-pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.errors.PlanWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.core.errors.PlanWarning")
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 
@@ -73,7 +73,7 @@ def test_cluster_parse_levels_bandwidths_and_round_trip() -> None:
     assert c.bandwidth(0, 7) == 300e9 and c.bandwidth(7, 8) == 25e9 / 8
     assert c.level_of(8, 15) == 0 and c.level_of(0, 127) == 1
     assert Cluster.parse(str(c), memory="80GB") == c
-    assert Cluster.parse("4").levels[0].bandwidth == pdcompile.cluster.DEFAULT_BANDWIDTH
+    assert Cluster.parse("4").levels[0].bandwidth == pdcompile.core.cluster.DEFAULT_BANDWIDTH
     assert Cluster.from_json(c.to_json()) == c
 
 
@@ -145,8 +145,8 @@ def test_register_a_solver_and_plan_with_it() -> None:
     @pdcompile.register_solver("single")
     def single(cost_graph, cluster, options):
         """Everything on device 0."""
-        return pdcompile.planning.make_plan(cost_graph, cluster, [(cost_graph.nodes, 1)],
-                                            options, "single")  # fmt: skip
+        kit = pdcompile.passes.planning.solver_kit
+        return kit.make_plan(cost_graph, cluster, [(cost_graph.nodes, 1)], options, "single")
 
     assert pdcompile.solvers()["single"] == "Everything on device 0."
     g = chain([1.0, 2.0], [1, 1], [1, 1], [4, 4])
@@ -231,7 +231,7 @@ def test_streaming_plans_default_to_whole_rounds_of_replicas() -> None:
     """Twice the devices (8) is not a multiple of 3 replicas: the default rounds up to 9, as
     pipedream's and 2bw's schedules need (and as 1f1b, which accepts 8, gets too, so no replica
     idles: tests/test_replica_balance.py); an explicit count is kept."""
-    from pdcompile.schedules import build_schedule
+    from pdcompile.scheduling import build_schedule
 
     g = chain([10.0, 1.0, 1.0, 1.0], [0, 1000, 1000, 0], [1] * 4, [10] * 4)
     cluster = Cluster.parse("4@100B/s")
@@ -247,7 +247,7 @@ def test_streaming_plans_default_to_whole_rounds_of_replicas() -> None:
 
 
 def test_split_ties_marks_the_stages_holding_part_of_a_tie() -> None:
-    from pdcompile.passes.solvers.dp import split_ties
+    from pdcompile.passes.planning.solvers.dp import split_ties
 
     for spots in ([1, 4], [0, 2, 5], [3, 6], [0, 6]):
         split = split_ties(7, [spots])
@@ -263,7 +263,9 @@ def test_plan_refuses_a_solvers_replicated_tie_stage_under_pipedream() -> None:
         """Two stages, the first replicated."""
         nodes = cost_graph.nodes
         groups = [(nodes[:1], cluster.num_devices - 1), (nodes[1:], 1)]
-        return pdcompile.planning.make_plan(cost_graph, cluster, groups, options, "replicate_all")
+        return pdcompile.passes.planning.solver_kit.make_plan(
+            cost_graph, cluster, groups, options, "replicate_all"
+        )
 
     g = chain([1.0, 1.0, 1.0], [8, 8, 8], [1, 1, 1], [4, 4, 4])
     g.meta["ties"] = [{"nodes": ["n0", "n2"], "grad_bytes": 32}]

@@ -13,10 +13,9 @@ import torch.nn as nn
 
 import pdcompile
 from pdcompile import CostGraph
-from pdcompile.analysis import graph_inputs
-from pdcompile.errors import CostError
-from pdcompile.evaluation import rescore
-from pdcompile.ir import (
+from pdcompile.compiling.analysis import graph_inputs
+from pdcompile.core.errors import CostError
+from pdcompile.core.ir import (
     ACTIVATION_BYTES,
     ANALYTIC_S,
     ANALYTIC_SPLIT_S,
@@ -33,10 +32,11 @@ from pdcompile.passes.coarsening import coarsen
 from pdcompile.passes.cost_view import to_cost_graph
 from pdcompile.passes.device_model import PRESETS
 from pdcompile.passes.memory import annotate_memory
+from pdcompile.passes.planning.evaluation import rescore
+from pdcompile.passes.planning.plans import Plan
+from pdcompile.passes.planning.stage_sums import kept_for_weights
 from pdcompile.passes.profile import annotate_profile
 from pdcompile.passes.profile_cache import CACHE_FORMAT
-from pdcompile.plans import Plan
-from pdcompile.stage_sums import kept_for_weights
 
 DATA = Path(__file__).parent / "data" / "pipedream"
 B, IN, HIDDEN, OUT = 32, 96, 256, 64  # rows, and the widths of the three Linears

@@ -15,7 +15,7 @@ from test_solvers import skeleton
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, evaluate
-from pdcompile.schedules import get_schedule
+from pdcompile.scheduling import get_schedule
 
 SOLVERS = ("dp", "ideal", "cpsat")
 SPLIT = ("zb-h1", "zb-h2")

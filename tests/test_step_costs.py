@@ -14,16 +14,16 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pdcompile
-from pdcompile.cluster import Cluster, RuntimeCosts
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import CostError, PartitionError
+from pdcompile.core.cluster import Cluster, RuntimeCosts
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import CostError, PartitionError
 from pdcompile.passes import step_costs
 from pdcompile.passes.coarsening import coarsen
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.memory import STEP_BYTES
+from pdcompile.passes.planning.action_costs import stage_costs
+from pdcompile.passes.planning.plans import Plan, Stage
 from pdcompile.passes.step_costs import describe_optimizer
-from pdcompile.plans import Plan, Stage
-from pdcompile.runtime.action_costs import stage_costs
 
 
 def chain(
@@ -248,7 +248,9 @@ def test_rescore_scales_the_loss_not_the_optimizer_step() -> None:
         chain(loss_s=3.0, optimizer_s=0.5),
     )
     plan = plan.with_(microbatch_size=8)
-    double = pdcompile.evaluation.rescore(plan, microbatch_size=16, num_microbatches=8)
+    double = pdcompile.passes.planning.evaluation.rescore(
+        plan, microbatch_size=16, num_microbatches=8
+    )
     again = pdcompile.evaluate(plan, chain(loss_s=3.0, optimizer_s=0.5).scaled(16), None, None, 8)
     for mine, truth in zip(double.stages, again.stages, strict=True):
         assert mine.loss_s == pytest.approx(truth.loss_s)

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcompile.errors import ScheduleError
-from pdcompile.plans import consecutive_ranks
+from pdcompile.core.errors import ScheduleError
+from pdcompile.passes.planning.plans import consecutive_ranks
 from pdcompile.runtime.pipeline import cuts
 from pdcompile.runtime.stream import RankStream
-from pdcompile.schedules import build_schedule, replica_orders
-from pdcompile.schedules.builder import Layout
+from pdcompile.scheduling import build_schedule, replica_orders
+from pdcompile.scheduling.builder import Layout
 
 
 @st.composite

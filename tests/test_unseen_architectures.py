@@ -65,7 +65,7 @@ def _train_group(rank: int, world_size: int, init_file: str, names: list[str]) -
     """On one rank: each architecture compiled on a process group of its own, trained
     `STEPS_TRAINED` steps; its loss, this rank's `state_dict()`, its stage, or its error."""
     import pdcompile
-    from pdcompile.errors import PdcompileError
+    from pdcompile.core.errors import PdcompileError
     from pdcompile.runtime.distributed import init_process_group
 
     warnings.simplefilter("ignore", FutureWarning)  # torch's and transformers' deprecations

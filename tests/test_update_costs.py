@@ -1,4 +1,5 @@
-"""What every update runs besides the optimizer step, priced (runtime/action_costs.py): clipping
+"""What every update runs besides the optimizer step, priced (passes/planning/action_costs.py):
+clipping
 the gradients' norm (each rank's own sums and scaling, then one number all-reduced over the
 clip group) and the non-finite check (one number all-reduced). `compile` marks its plan with
 what it runs (`Plan.clip`, `Plan.skip_nonfinite`), so `explain()`'s step time includes them."""
@@ -11,8 +12,8 @@ from pipeline_support import mlp_case
 
 import pdcompile
 from pdcompile import Cluster, Plan, Stage, simulate
-from pdcompile.cluster import RuntimeCosts
-from pdcompile.plans import consecutive_ranks
+from pdcompile.core.cluster import RuntimeCosts
+from pdcompile.passes.planning.plans import consecutive_ranks
 
 F, B, GRAD, TENSORS = 1.0, 2.0, 300, 4
 ALPHA, COLLECTIVE = 0.05, 0.2

@@ -30,11 +30,11 @@ from spawn import run_ranks
 
 import pdcompile
 from pdcompile import Cluster, Plan, Stage
-from pdcompile.codegen.staged_program import Channel
-from pdcompile.errors import StageCommError
+from pdcompile.core.errors import StageCommError
+from pdcompile.lowering.staged_program import Channel
 from pdcompile.runtime import wire
 from pdcompile.runtime.distributed import init_process_group
-from pdcompile.schedules import get_schedule
+from pdcompile.scheduling import get_schedule
 
 DTYPES = [
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,

@@ -23,7 +23,7 @@ import re
 import torch
 import torch.fx as fx
 
-from pdcompile.passes.mutation import written_input
+from pdcompile.graph.mutation import written_input
 
 _NUMBERED = re.compile(r"^(.*?)(?:_\d+)?$")
 _RANDOM_NAMES = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "exponential")

@@ -27,9 +27,9 @@ from pdcompile.capture.fx_capture import describe_failure
 from pdcompile.capture.graph_module import CapturedGraphModule
 from pdcompile.capture.inputs import BoundInputs
 from pdcompile.capture.outputs import model_output
-from pdcompile.errors import TraceError
-from pdcompile.passes.mutation import written_input
-from pdcompile.passes.node_runner import record_values
+from pdcompile.core.errors import TraceError
+from pdcompile.graph.mutation import written_input
+from pdcompile.graph.node_runner import record_values
 
 # recent torch warns inside its own export (pytree's LeafSpec): nothing a user can act on
 LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from pdcompile.errors import TraceError
-from pdcompile.ir import iter_tensors
-from pdcompile.passes.mutation import AUGMENTED, inplace_position, target_name, written_input
+from pdcompile.core.errors import TraceError
+from pdcompile.core.ir import iter_tensors
+from pdcompile.graph.mutation import AUGMENTED, inplace_position, target_name, written_input
 
 
 def inplace_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:

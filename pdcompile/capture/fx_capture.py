@@ -20,7 +20,7 @@ from pdcompile.capture.graph_module import CapturedGraphModule
 from pdcompile.capture.inputs import BoundInputs
 from pdcompile.capture.leaf_policy import TRACEABLE_FORWARDS, LeafPolicy
 from pdcompile.capture.outputs import keep_output_structure, model_output, returns_dict
-from pdcompile.errors import TraceError
+from pdcompile.core.errors import TraceError
 
 _TORCH_DIR = os.path.dirname(os.path.dirname(fx.__file__))
 _MAX_AUTO_LEAVES = 256

@@ -8,8 +8,8 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-from pdcompile.errors import TraceError
-from pdcompile.ir import accept_constants
+from pdcompile.core.errors import TraceError
+from pdcompile.core.ir import accept_constants
 
 
 class CapturedGraphModule(fx.GraphModule):

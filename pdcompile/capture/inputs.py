@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from pdcompile.errors import TraceError
-from pdcompile.ir import iter_tensors
+from pdcompile.core.errors import TraceError
+from pdcompile.core.ir import iter_tensors
 
 # Arguments bound to these values when the caller leaves them out: a pipeline trains without a
 # key/value cache, and a cache object in the output defeats torch.export.

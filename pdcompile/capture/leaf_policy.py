@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from pdcompile.errors import TraceError
+from pdcompile.core.errors import TraceError
 
 _PRIMITIVE_PACKAGES = ("torch.nn.modules.", "torch.ao.nn.")
 

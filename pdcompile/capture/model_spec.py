@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from pdcompile.errors import SpecError
+from pdcompile.core.errors import SpecError
 
 
 @dataclass(frozen=True)

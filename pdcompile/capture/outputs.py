@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from pdcompile.passes.state import preserved_state
+from pdcompile.graph.state import preserved_state
 
 
 def model_output(model: nn.Module, args: tuple, kwargs: dict) -> Any:

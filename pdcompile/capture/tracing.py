@@ -18,8 +18,8 @@ from pdcompile.capture.functionalize import functionalize, inplace_nodes
 from pdcompile.capture.fx_capture import capture_fx
 from pdcompile.capture.inputs import BoundInputs, bind_inputs
 from pdcompile.capture.leaf_policy import LeafPolicy
-from pdcompile.errors import TraceError, TraceWarning
-from pdcompile.ir import (
+from pdcompile.core.errors import TraceError, TraceWarning
+from pdcompile.core.ir import (
     AUTO_LEAVES,
     BATCH_DIMS,
     CAPTURE,
@@ -28,13 +28,13 @@ from pdcompile.ir import (
     TRAINING,
     iter_tensors,
 )
-from pdcompile.passes.mutation import is_inplace
-from pdcompile.passes.node_runner import record_values
-from pdcompile.passes.params import annotate_params
-from pdcompile.passes.scope import annotate_scope
-from pdcompile.passes.shapes import annotate_shapes
-from pdcompile.passes.state import preserved_state
-from pdcompile.progress import note, phase
+from pdcompile.core.progress import note, phase
+from pdcompile.graph.mutation import is_inplace
+from pdcompile.graph.node_runner import record_values
+from pdcompile.graph.params import annotate_params
+from pdcompile.graph.scope import annotate_scope
+from pdcompile.graph.shapes import annotate_shapes
+from pdcompile.graph.state import preserved_state
 
 METHODS = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -73,7 +73,7 @@ def trace(
 
     Returns:
         A GraphModule, called with the tensor inputs only (by position or by name), returning what
-        the model returns. `gm.meta` and `node.meta` carry the keys listed in `pdcompile.ir`.
+        the model returns. `gm.meta` and `node.meta` carry the keys listed in `pdcompile.core.ir`.
 
     Raises:
         TraceError: no path captures the model, a captured graph computes something else, the

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import SpecError
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import SpecError
 
 __all__ = ["Instance", "load_instance", "load_instances", "synthetic_chain", "synthetic_dag"]
 
@@ -104,9 +104,9 @@ def _pipedream_files(path: Path) -> list[Path]:
 
 
 def _model_costs(spec_text: str, analytic: bool) -> CostGraph:
-    from pdcompile.analysis import analyze
     from pdcompile.capture.model_spec import load_model_spec
     from pdcompile.capture.tracing import trace
+    from pdcompile.compiling.analysis import analyze
 
     spec = load_model_spec(spec_text)
     gm = trace(spec.model, spec.example_inputs, example_kwargs=spec.example_kwargs)

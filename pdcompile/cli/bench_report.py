@@ -13,7 +13,7 @@ from rich.text import Text
 
 from pdcompile.cli.bench_instances import Instance
 from pdcompile.cli.solver_bench import BenchResult
-from pdcompile.text import human_seconds
+from pdcompile.core.text import human_seconds
 
 __all__ = ["pairs_table", "results_json", "results_table", "summary_table"]
 

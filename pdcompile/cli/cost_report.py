@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from pdcompile.cost_graph import CostGraph
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.text import dot_quote, human_bytes, human_seconds
+from pdcompile.passes.planning.plans import Plan
 from pdcompile.pictures.stage_colours import crosses, crossing_edge, stage_colour, stages_of
-from pdcompile.plans import Plan
-from pdcompile.text import dot_quote, human_bytes, human_seconds
 
 if TYPE_CHECKING:  # torch-free at run time
     from pdcompile.passes.framework_cost import FrameworkCost

@@ -11,8 +11,8 @@ from typing import Any
 import torch.fx as fx
 from rich.table import Table
 
-from pdcompile.errors import PdcompileError
-from pdcompile.ir import (
+from pdcompile.core.errors import PdcompileError
+from pdcompile.core.ir import (
     AUTO_LEAVES,
     CAPTURE,
     CONSTANTS,
@@ -25,9 +25,9 @@ from pdcompile.ir import (
     param_table,
     target_name,
 )
+from pdcompile.core.text import dot_quote, human_bytes
+from pdcompile.passes.planning.plans import Plan
 from pdcompile.pictures.stage_colours import crosses, crossing_edge, stage_colour, stages_of
-from pdcompile.plans import Plan
-from pdcompile.text import dot_quote, human_bytes
 
 GRAPHVIZ_HINT = (
     "Graphviz's `dot` program was not found; install Graphviz (Debian/Ubuntu: "

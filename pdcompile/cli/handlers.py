@@ -27,8 +27,8 @@ from rich.table import Table
 
 from pdcompile.cli.parser import RECOMPUTE, build_parser
 from pdcompile.cli.progress import progress
-from pdcompile.errors import PartitionError, PdcompileError, SpecError
-from pdcompile.regular_file import read_regular_text
+from pdcompile.core.errors import PartitionError, PdcompileError, SpecError
+from pdcompile.core.regular_file import read_regular_text
 
 
 def _leaf_modules(model: Any, names: Sequence[str]) -> list[Any]:
@@ -66,7 +66,7 @@ def _trace_spec(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _cost_file(path: str) -> Any:
     """The CostGraph in a `.json` or PipeDream `graph.txt` named on the command line, else None."""
-    from pdcompile.cost_graph import CostGraph
+    from pdcompile.core.cost_graph import CostGraph
 
     if path.endswith(".json"):
         loader = CostGraph.load
@@ -99,7 +99,7 @@ def _write(data: str | bytes, out: str | None) -> None:
 
 def _graph(args: argparse.Namespace) -> int:
     from pdcompile.cli.cost_report import cost_dot, cost_table
-    from pdcompile.plans import Plan
+    from pdcompile.passes.planning.plans import Plan
 
     if args.plan and args.format in ("txt", "json"):
         raise PdcompileError(
@@ -137,8 +137,8 @@ def _graph(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from pdcompile.analysis import analyze
     from pdcompile.cli.cost_report import cost_table, framework_line, noisy_table
+    from pdcompile.compiling.analysis import analyze
 
     spec, gm = _trace_spec(args)
     costs = analyze(
@@ -187,7 +187,7 @@ def _costs(args: argparse.Namespace) -> tuple[Any, str]:
     costs = _cost_file(args.spec)
     if costs is not None:
         return costs, os.path.basename(os.path.dirname(os.path.abspath(args.spec)))
-    from pdcompile.analysis import analyze
+    from pdcompile.compiling.analysis import analyze
 
     spec, gm = _trace_spec(args)
     costs = analyze(gm, spec.example_inputs, example_kwargs=spec.example_kwargs,
@@ -196,7 +196,7 @@ def _costs(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    from pdcompile.cluster import Cluster
+    from pdcompile.core.cluster import Cluster
 
     return Cluster.parse(args.cluster, memory=args.memory)
 
@@ -230,10 +230,10 @@ def _measure_cluster(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pdcompile.errors import PlanWarning
-    from pdcompile.planning import plan
-    from pdcompile.search.microbatch_count import counts_table
-    from pdcompile.search.schedule_choice import auto_table
+    from pdcompile.core.errors import PlanWarning
+    from pdcompile.passes.planning.microbatch_count import counts_table
+    from pdcompile.passes.planning.planner import plan
+    from pdcompile.passes.planning.schedule_choice import auto_table
 
     costs, _ = _costs(args)
     if args.measured:
@@ -265,10 +265,10 @@ def _planning(costs: Any, cluster: Any, solver: str) -> str:
 def _replan(args: argparse.Namespace, costs: Any) -> int:
     """`plan --measured TRACE`: the plan the trace ran, re-priced on the measured stage times,
     against a new plan of those costs under the same schedule (`replan.decide`)."""
-    from pdcompile.closed_loop.decision import decide, measured_stage_times
-    from pdcompile.errors import PlanWarning
-    from pdcompile.plans import Plan
-    from pdcompile.runtime.timeline import load_trace, trace_meta
+    from pdcompile.core.errors import PlanWarning
+    from pdcompile.passes.planning.plans import Plan
+    from pdcompile.passes.planning.replan_decision import decide, measured_stage_times
+    from pdcompile.passes.planning.timeline import load_trace, trace_meta
 
     ran = trace_meta(args.measured).get("plan")
     if ran is None:
@@ -290,11 +290,11 @@ def _replan(args: argparse.Namespace, costs: Any) -> int:
 
 
 def _codegen(args: argparse.Namespace) -> int:
-    from pdcompile.analysis import analyze
-    from pdcompile.codegen.stage_codegen import codegen
-    from pdcompile.cost_graph import CostGraph
-    from pdcompile.planning import plan
-    from pdcompile.plans import Plan
+    from pdcompile.compiling.analysis import analyze
+    from pdcompile.core.cost_graph import CostGraph
+    from pdcompile.lowering.stage_codegen import codegen
+    from pdcompile.passes.planning.planner import plan
+    from pdcompile.passes.planning.plans import Plan
 
     if args.plan:
         _refuse_with_plan_file(args, "solver", "memory", "schedule", "microbatches", "chunks")
@@ -333,7 +333,7 @@ def _refuse_with_plan_file(args: argparse.Namespace, *options: str) -> None:
 
 def _is_plan_file(path: str) -> bool:
     """Whether `path` is a Plan JSON (`pdcompile plan --out`), by its format marker."""
-    from pdcompile.plans import FORMAT
+    from pdcompile.passes.planning.plans import FORMAT
 
     if not (path.endswith(".json") and os.path.isfile(path)):
         return False
@@ -344,11 +344,11 @@ def _is_plan_file(path: str) -> bool:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from pdcompile.passes.planning.planner import plan
+    from pdcompile.passes.planning.plans import Plan
+    from pdcompile.passes.planning.simulator import simulate
+    from pdcompile.passes.planning.timeline import load_trace
     from pdcompile.pictures.gantt import plot_timelines
-    from pdcompile.planning import plan
-    from pdcompile.plans import Plan
-    from pdcompile.runtime.simulator import simulate
-    from pdcompile.runtime.timeline import load_trace
 
     figure, kind = (args.png, "png") if args.png else (args.svg, "svg")
     if figure and not figure.lower().endswith(f".{kind}"):
@@ -391,7 +391,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _simulation_table(sim: Any) -> Table:
     """Time per step, and per rank its stages (several with chunks), bubble fraction and peak
     memory."""
-    from pdcompile.text import human_bytes, human_seconds
+    from pdcompile.core.text import human_bytes, human_seconds
 
     p = sim.plan
     stages_of_rank: dict[int, list[str]] = {}
@@ -412,7 +412,7 @@ def _simulation_table(sim: Any) -> Table:
 
 
 def _solvers(args: argparse.Namespace) -> int:
-    from pdcompile.planning import SOLVERS, solvers
+    from pdcompile.passes.planning.solver_kit import SOLVERS, solvers
 
     for name, description in solvers().items():
         print(f"{name:12s} {description}")
@@ -425,7 +425,7 @@ def _bench_solvers(args: argparse.Namespace) -> int:
     from pdcompile.cli.bench_instances import load_instances
     from pdcompile.cli.bench_report import pairs_table, results_json, results_table, summary_table
     from pdcompile.cli.solver_bench import run_bench
-    from pdcompile.cluster import Cluster
+    from pdcompile.core.cluster import Cluster
 
     instances = load_instances(args.inputs, analytic=args.analytic)
     clusters = [Cluster.parse(text, memory=args.memory) for text in args.cluster]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pdcompile.schedules import schedules
-from pdcompile.search.schedule_choice import AUTO
+from pdcompile.passes.planning.schedule_choice import AUTO
+from pdcompile.scheduling import schedules
 
 FORMATS = ("txt", "json", "dot", "svg", "png")
 # = pdcompile.capture.tracing.METHODS, repeated so the CLI starts without importing torch

@@ -1,9 +1,9 @@
-"""Progress of a long command: `pdcompile.progress` shown at once, on the CLI's console.
+"""Progress of a long command: `pdcompile.core.progress` shown at once, on the CLI's console.
 
 A spinner with the elapsed time says what runs; where the work says how far it is (such as each
-round of the `dp` solver's bisection, `pdcompile.progress.note`), a bar and its message follow
+round of the `dp` solver's bisection, `pdcompile.core.progress.note`), a bar and its message follow
 it. On a terminal the display goes when the work ends; elsewhere (standard error a pipe or a
-file) the work's own progress lines appear after `pdcompile.progress.THRESHOLD_S`, and nothing
+file) the work's own progress lines appear after `pdcompile.core.progress.THRESHOLD_S`, and nothing
 is drawn on a `console` that is no terminal.
 """
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
-from pdcompile.progress import phase
+from pdcompile.core.progress import phase
 
 
 @contextmanager

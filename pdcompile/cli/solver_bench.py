@@ -25,13 +25,14 @@ from types import ModuleType
 from typing import Any
 
 from pdcompile.cli.bench_instances import Instance
-from pdcompile.cluster import Cluster
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PartitionError, ScheduleError, SpecError
-from pdcompile.evaluation import evaluate, lower_bound
-from pdcompile.planning import SOLVERS, chunk_layout, plan, solvers
-from pdcompile.plans import Plan
-from pdcompile.search.schedule_choice import AUTO, check_auto_chunks
+from pdcompile.core.cluster import Cluster
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import PartitionError, ScheduleError, SpecError
+from pdcompile.passes.planning.evaluation import evaluate, lower_bound
+from pdcompile.passes.planning.planner import chunk_layout, plan
+from pdcompile.passes.planning.plans import Plan
+from pdcompile.passes.planning.schedule_choice import AUTO, check_auto_chunks
+from pdcompile.passes.planning.solver_kit import SOLVERS, solvers
 
 __all__ = ["BenchResult", "load_plugin", "run_bench"]
 
@@ -55,7 +56,7 @@ def load_plugin(spec: str) -> ModuleType:
 
 
 def _known_schedule(name: str) -> None:
-    from pdcompile.schedules import get_schedule
+    from pdcompile.scheduling import get_schedule
 
     if name == AUTO:
         return
@@ -69,7 +70,7 @@ def _check_chunks(chunks: int | None, kinds: Sequence[str], clusters: Sequence[C
     """Refuse a chunk count every solver would fail alike on, before any solver runs: beside
     "auto" (which chooses its own), or one a schedule does not place on a cluster's ranks
     (`planning.chunk_layout`, `plan()`'s own check)."""
-    from pdcompile.schedules import get_schedule
+    from pdcompile.scheduling import get_schedule
 
     if chunks is None:
         return

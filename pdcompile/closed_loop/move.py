@@ -23,10 +23,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pdcompile.closed_loop.decision import Decision, Replan, StageTime, decide, measured_stage_times
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import CheckpointError, PdcompileError
-from pdcompile.plans import Plan
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import CheckpointError, PdcompileError
+from pdcompile.passes.planning.plans import Plan
+from pdcompile.passes.planning.replan_decision import (
+    Decision,
+    Replan,
+    StageTime,
+    decide,
+    measured_stage_times,
+)
 from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.checkpoint_entries import transfer
 from pdcompile.runtime.executor import DistributedPipeline
@@ -190,8 +196,8 @@ def resume_saved_plan(
     stages (`build`), load the checkpoint again, and say so (`resumed_note`, logged, in
     `explain()`). A checkpoint's plan this job cannot run (another world size or model) leaves
     the job on its own plan, with a warning. `phase`: compile's agreement of the ranks."""
-    from pdcompile.runtime.validate import check_layout
-    from pdcompile.schedules import check_nonfinite
+    from pdcompile.passes.planning.validate import check_layout
+    from pdcompile.scheduling import check_nonfinite
 
     saved, running, path = module.saved_plan, module.pipeline.program.plan, module.resumed_from
     if saved is None or path is None or _layout(saved) == _layout(running):

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcompile.codegen.staged_program import StagedProgram
+from pdcompile.compiling.pipelined_module import PipelinedModule
 from pdcompile.compiling.ranks import Job, Phase
 from pdcompile.compiling.settings import Settings
 from pdcompile.compiling.steps import Captured
 from pdcompile.compiling.weights import materialize
-from pdcompile.cost_graph import CostGraph
-from pdcompile.pipelined_module import PipelinedModule
-from pdcompile.plans import Plan
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.lowering.staged_program import StagedProgram
+from pdcompile.passes.planning.plans import Plan
 from pdcompile.runtime.pipeline import Pipeline
-from pdcompile.schedules import PipelineSchedule, Schedule, get_schedule
+from pdcompile.scheduling import PipelineSchedule, Schedule, get_schedule
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Builder:
         model on the meta device) and its schedule under `rules`, built once (a schedule that
         does not build fails here, on every rank); agreed within `wait_s` (default: the
         start-up timeout)."""
-        from pdcompile.codegen.stage_codegen import codegen
+        from pdcompile.lowering.stage_codegen import codegen
         from pdcompile.runtime.pipeline import program_schedule
 
         job, train = self.job, self.settings.train

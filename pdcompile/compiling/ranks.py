@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pdcompile import errors
-from pdcompile.errors import PdcompileError, PipelineTimeoutError
-from pdcompile.plans import Plan
+from pdcompile.core import errors
+from pdcompile.core.errors import PdcompileError, PipelineTimeoutError
+from pdcompile.passes.planning.plans import Plan
 
 AFTER_TIMEOUT_S = 2.0  # how long a rank that timed out waits to agree on a phase
 Phase = Callable[..., contextlib.AbstractContextManager[None]]

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile.compiling.plan_config import PlanConfig
-from pdcompile.compiling.train_config import TrainConfig
-from pdcompile.errors import ConfigError, PlanConfigError
+from pdcompile.core.errors import ConfigError, PlanConfigError
+from pdcompile.passes.planning.plan_config import PlanConfig
+from pdcompile.runtime.train_config import TrainConfig
 
 # config fields that are not `compile` keywords (`plan()`'s and the executors' own)
 NOT_COMPILE = ("microbatch_size", "replica_counts", "chunks", "solver_options", "stash")

@@ -8,14 +8,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from pdcompile.cluster import DEFAULT_BANDWIDTH, Cluster
 from pdcompile.compiling.ranks import Job, check_fingerprints, collective, fingerprint, share_plan
 from pdcompile.compiling.settings import Settings
 from pdcompile.compiling.weights import on_meta, to_meta
-from pdcompile.cost_graph import CostGraph
-from pdcompile.errors import PlanConfigError
-from pdcompile.plans import Plan
-from pdcompile.schedules import PipelineSchedule, get_schedule
+from pdcompile.core.cluster import DEFAULT_BANDWIDTH, Cluster
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import PlanConfigError
+from pdcompile.passes.planning.plans import Plan
+from pdcompile.scheduling import PipelineSchedule, get_schedule
 
 
 class Captured(NamedTuple):
@@ -130,7 +130,7 @@ def plan_on_rank_0(
 
 def _costs(captured: Captured, settings: Settings, loaded_by: int) -> CostGraph:
     """The costs to plan with: `costs=` (read), else the graph's, profiled or analytic."""
-    from pdcompile import analysis
+    from pdcompile.compiling import analysis
 
     given = settings.plan.costs
     if given is not None:
@@ -145,7 +145,7 @@ def _costs(captured: Captured, settings: Settings, loaded_by: int) -> CostGraph:
 
 def _plan(costs: CostGraph, cluster: Cluster, settings: Settings, job: Job) -> Plan:
     """`plan()` with the settings, on `cluster`, `memory="auto"` read on this rank's device."""
-    from pdcompile.planning import plan
+    from pdcompile.passes.planning.planner import plan
     from pdcompile.runtime.memory_probe import device_memory
 
     config = settings.plan
@@ -159,8 +159,8 @@ def share(
     """Rank 0's plan on every rank, and the schedule that runs it; then every rank prepares it
     (in an agreed phase): re-scored at a count given that differs, simulated with the clipping
     and non-finite check every update runs, checked against the job."""
-    from pdcompile.evaluation import rescore, simulated
-    from pdcompile.runtime.validate import check_layout
+    from pdcompile.passes.planning.evaluation import rescore, simulated
+    from pdcompile.passes.planning.validate import check_layout
 
     config, train = settings.plan, settings.train
     shared = None

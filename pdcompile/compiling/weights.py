@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from pdcompile.compiling.train_config import Weights
-from pdcompile.errors import CheckpointError, PdcompileError
+from pdcompile.core.errors import CheckpointError, PdcompileError
+from pdcompile.runtime.train_config import Weights
 
 
 def on_meta(module: nn.Module) -> bool:

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdcompile.errors import PdcompileError
-from pdcompile.runtime.timeline import Event, shifted
-from pdcompile.schedules.action_kinds import TABLE, is_compute
+from pdcompile.core.errors import PdcompileError
+from pdcompile.passes.planning.timeline import Event, shifted
+from pdcompile.scheduling.action_kinds import TABLE, is_compute
 
 # kind -> (legend label, colour), from the action table; kinds without a colour (push, pop,
 # check) are drawn grey, unlabelled
@@ -158,3 +158,12 @@ def _draw_panel(
 def _idle_style(kind: str) -> dict[str, Any]:
     """Hatching for the kinds drawn as idle ({} for the others)."""
     return {"hatch": _HATCH[0], "edgecolor": _HATCH[1], "linewidth": 0} if kind in IDLE else {}
+
+
+def plot_simulation(sim: Any, path: str | Path, title: str | None = None) -> None:
+    """Draw a `Simulation`'s timeline as a Gantt chart (one row per rank) to `path`."""
+    plan = sim.plan
+    default = (
+        f"simulated {plan.schedule}, {plan.num_stages} stages, {plan.num_microbatches} microbatches"
+    )
+    plot_timelines([(title or default, sim.timeline)], path)

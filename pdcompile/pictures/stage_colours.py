@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdcompile.errors import PartitionError
-from pdcompile.plans import Plan
-from pdcompile.text import dot_quote, human_bytes
+from pdcompile.core.errors import PartitionError
+from pdcompile.core.text import dot_quote, human_bytes
+from pdcompile.passes.planning.plans import Plan
 
 # ColorBrewer Set3: light enough for black labels; stages beyond 12 reuse them in order
 COLOURS = (

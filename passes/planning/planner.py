@@ -1,0 +1,340 @@
+"""`pdcompile.plan`: the searches (schedule, microbatch count, recomputation, chunks) around a
+solver of `solver_kit`'s registry, and the simulation of the plan it returns. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any
+
+from pdcompile.core.cluster import AUTO, Cluster
+from pdcompile.core.cost_graph import CostGraph
+from pdcompile.core.errors import PartitionError, PlanConfigError, PlanWarning, ScheduleError
+from pdcompile.core.progress import phase
+from pdcompile.passes.planning.evaluation import price, simulated
+from pdcompile.passes.planning.microbatch_count import plan_microbatches
+from pdcompile.passes.planning.plan_config import PlanConfig
+from pdcompile.passes.planning.plans import Plan
+from pdcompile.passes.planning.recompute_choice import limited, plan_recompute
+from pdcompile.passes.planning.schedule_choice import plan_auto
+from pdcompile.passes.planning.solver_kit import SOLVERS
+from pdcompile.scheduling import PipelineSchedule
+from pdcompile.scheduling.base import MAX_MICROBATCHES
+
+CHUNK_TRIES = 4  # cuts of a chunked plan under a memory limit, bisecting the stage budget
+
+
+def plan(
+    cost_graph: CostGraph,
+    cluster: Cluster | str | int | None = None,
+    *,
+    config: PlanConfig | None = None,
+    **options: Any,
+) -> Plan:
+    """Cut `cost_graph` into pipeline stages with replica counts for `cluster`.
+
+    Args:
+        cost_graph: costs per node (from `analyze`, `CostGraph.load` or `from_pipedream`).
+        cluster: the devices: a `Cluster`, its text (e.g. "8@300GB/s,2@25Gbit/s") or a number
+            of devices (`Cluster.coerce`); with `config`, its own.
+        config: the settings (`PlanConfig`), instead of `options`.
+        options: `PlanConfig`'s fields, each documented there: `solver`, `schedule` (or
+            "auto"), `num_microbatches`, `microbatch_size`, `replica_counts`, `chunks`,
+            `allow_async`, `global_batch_size`, `memory`, `recompute`; any other keyword is
+            the solver's own option.
+
+    Returns:
+        The Plan, with `solve_time_s` set.
+
+    Warns:
+        PlanWarning: a stage's replicas run different numbers of microbatches per step (the
+            microbatch count is not a multiple of its replica count): the message gives the
+            split, what the short replicas idle and the way out (`Plan.uneven_splits`; the
+            same text closes `str(plan)`).
+
+    Raises:
+        ConfigError: (a `PartitionError` too) a bad setting: unknown solver or schedule,
+            `cluster` is no cluster, a count out of range.
+        PartitionError: bad `replica_counts` for the cluster, a plan whose simulation would
+            exceed `runtime.simulator.MAX_ACTIONS` or whose figures no plan file holds, or no
+            plan exists (the message says why).
+    """
+    config = planning_config(cluster, config, options)
+    nodes = cost_graph.graph.number_of_nodes()
+    with phase(f"planning {nodes} nodes on {config.cluster.num_devices} devices"):
+        return _planned(cost_graph, config)
+
+
+def planning_config(
+    cluster: Cluster | str | int | None, config: PlanConfig | None, options: dict[str, Any]
+) -> PlanConfig:
+    """`plan()`'s settings: `config` as given, else `cluster` and `options` (a `PlanConfig`'s
+    fields, the rest the solver's options), checked.
+
+    Raises:
+        ConfigError: both forms, or a bad setting (as `PlanConfig`), or no cluster.
+    """
+    if config is None:
+        fields = {f.name for f in dataclasses.fields(PlanConfig)}
+        solver_options = {k: v for k, v in options.items() if k not in fields}
+        settings = {k: v for k, v in options.items() if k in fields}
+        if cluster is None or cluster == AUTO:  # a job measures it; plan() cannot
+            try:
+                Cluster.coerce(cluster)
+            except PartitionError as exc:
+                raise PlanConfigError(str(exc)) from None
+        config = PlanConfig(cluster=cluster, **settings, solver_options=solver_options)
+    elif cluster is not None or options:
+        raise PlanConfigError(
+            f"give plan() its settings either as config= or as keywords, not both: got "
+            f"config= and {['cluster'] * (cluster is not None) + sorted(options)}"
+        )
+    if config.cluster is None:
+        raise PlanConfigError("plan() needs a cluster: PlanConfig(cluster=...) is None")
+    return config
+
+
+def _planned(cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """`plan` once checked: the searches (schedule, microbatch count, recomputation), each
+    planning through `plan` again, or the solver's plan."""
+    cluster = config.cluster
+    if config.memory is not None:
+        cluster = limited(cluster, config.memory)
+    if config.auto:
+        return plan_auto(plan, cost_graph, cluster, **_keywords(
+            config, "allow_async", "solver", "num_microbatches", "microbatch_size",
+            "replica_counts", "chunks", "global_batch_size", "recompute"))  # fmt: skip
+    if config.global_batch_size is not None:
+        return plan_microbatches(plan, cost_graph, cluster, **_keywords(
+            config, "global_batch_size", "num_microbatches", "microbatch_size", "solver",
+            "schedule", "replica_counts", "chunks", "recompute"))  # fmt: skip
+    if config.recompute is True or (config.recompute is None and cluster.memory is not None):
+        with warnings.catch_warnings():  # the plans tried; the one returned warns below
+            warnings.simplefilter("ignore", PlanWarning)
+            result = plan_recompute(plan, cost_graph, cluster, **_keywords(
+                config, "recompute", "solver", "schedule", "num_microbatches",
+                "microbatch_size", "replica_counts", "chunks"))  # fmt: skip
+        for split in result.uneven_splits:
+            warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=3)
+        return result
+    return _solved(cost_graph, config.replace(cluster=cluster))
+
+
+def _keywords(config: PlanConfig, *names: str) -> dict[str, Any]:
+    """`config`'s fields `names` and its solver options, as `plan()`'s keywords (the searches
+    call `plan` with them)."""
+    return {**{name: getattr(config, name) for name in names}, **config.solver_options}
+
+
+def _solved(cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """The solver's plan on `config.cluster` (its memory limit applied), at the microbatch
+    count given or the one `settled_microbatches` settles, simulated."""
+    solver, cluster, rules = config.solver, config.cluster, config.rules
+    if cost_graph.graph.number_of_nodes() == 0:
+        raise PartitionError("the cost graph has no nodes; nothing to plan")
+    if config.microbatch_size not in (None, cost_graph.batch_size):
+        cost_graph = cost_graph.scaled(config.microbatch_size)
+    chunks = rules.default_chunks if config.chunks is None else config.chunks
+    options = dict(config.solver_options)
+    if chunks != 1:
+        chunked = _plan_chunks(cost_graph, cluster, solver, rules, chunks,
+                               config.num_microbatches, options)  # fmt: skip
+        chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+        return chunked
+    # solvers search with twice the devices (within the cap); the count the plan runs is
+    # settled after. A count the caller gave limits the replicas to those the schedule accepts
+    given = config.num_microbatches
+    searched = given or min(2 * cluster.num_devices, MAX_MICROBATCHES)
+    options.update(schedule=rules, num_microbatches=searched, even_microbatches=given is None)
+    allowed = _allowed_replicas(config, rules, searched)
+    if allowed != tuple(range(1, cluster.num_devices + 1)):
+        options["replica_counts"] = allowed
+    start = time.perf_counter()
+    result = SOLVERS.get(solver)(cost_graph, cluster, options)
+    seconds = time.perf_counter() - start
+    _check_solved(result, config, allowed)
+    result = simulated(result, rules).with_(solve_time_s=seconds)
+    result.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+    for split in result.uneven_splits:
+        warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=4)
+    return result
+
+
+def _allowed_replicas(
+    config: PlanConfig, rules: PipelineSchedule, searched: int
+) -> tuple[int, ...]:
+    """The replica counts a stage may have: `replica_counts` (those above the devices drop),
+    and with a count given, those the schedule accepts at it.
+
+    Raises:
+        PartitionError: none is left.
+    """
+    counts = tuple(range(1, config.cluster.num_devices + 1))
+    allowed = counts
+    if config.replica_counts is not None:
+        allowed = tuple(r for r in counts if r in set(config.replica_counts))
+        if not allowed:
+            raise PartitionError(
+                f"replica_counts={config.replica_counts}: no stage of a cluster of "
+                f"{len(counts)} devices can have that many replicas; add smaller counts (1 "
+                "always fits)"
+            )
+    if config.num_microbatches is not None:
+        allowed = tuple(r for r in allowed if rules.accepts([r], searched))
+        if not allowed:
+            raise PartitionError(
+                f"{rules.name} accepts none of replica_counts="
+                f"{tuple(config.replica_counts or ())} with {config.num_microbatches} "
+                f"microbatches; add 1 or counts dividing {config.num_microbatches}"
+            )
+    return allowed
+
+
+def _check_solved(result: Plan, config: PlanConfig, allowed: tuple[int, ...]) -> None:
+    """Refuse a solver's plan that breaks the settings: replicas on a stage holding a tied
+    tensor where the schedule does not replicate ties, replica counts outside
+    `replica_counts`, or another microbatch count than the one given."""
+    solver, rules, given = config.solver, config.rules, config.num_microbatches
+    _check_tied_replicas(result, solver, rules)
+    if config.replica_counts is not None and any(s.replicas not in allowed for s in result.stages):
+        raise PartitionError(
+            f"solver {solver!r} gave stages {[s.replicas for s in result.stages]} replicas, "
+            f"outside replica_counts={config.replica_counts}; it does not search within them: "
+            "use solver 'dynprog', 'ideal' or 'cpsat'"
+        )
+    if given is not None and result.num_microbatches != given:
+        try:  # the schedule's own reason
+            rules.check([s.replicas for s in result.stages], given)
+        except ScheduleError as exc:
+            raise PartitionError(f"solver {solver!r} found {result.num_stages} stages, but "
+                                 f"{exc}") from None  # fmt: skip
+
+
+def _check_tied_replicas(plan: Plan, solver: str, rules: PipelineSchedule) -> None:
+    """A schedule that does not replicate ties needs one replica on each stage holding a tied
+    tensor's copy (`pipedream`: replicas update once per round of them, so a replicated copy
+    would update at another pace)."""
+    if rules.replicates_ties:
+        return
+    for stages, _ in plan.ties:
+        for s in stages:
+            if plan.stages[s].replicas > 1:
+                raise PartitionError(
+                    f"solver {solver!r} gave stage {s} {plan.stages[s].replicas} replicas, but it "
+                    f"holds a copy of a tensor that stages {list(stages)} share (tied weights): "
+                    f"under {rules.name} such a stage needs one replica; use solver 'dynprog', "
+                    "which keeps to this, or a schedule that replicates ties (e.g. '2bw')"
+                )
+
+
+def chunk_layout(
+    rules: PipelineSchedule, num_ranks: int, chunks: Any, num_microbatches: int | None = None
+) -> tuple[list[tuple[int, ...]], int]:
+    """The ranks of `num_ranks` x `chunks` stages as `rules` places them (`chunk_rank`), and the
+    microbatch count they run: `num_microbatches`, else the first from 2p the layout accepts.
+
+    Raises:
+        PartitionError: `chunks` is no integer >= 1, or the schedule does not run that layout
+            (with that count).
+    """
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise PartitionError(f"chunks must be an integer >= 1 (stages per rank), got {chunks!r}")
+    p, count = num_ranks, num_ranks * chunks
+    try:
+        ranks = [(rules.chunk_rank(i, p, chunks),) for i in range(count)]
+        m = num_microbatches or 2 * p
+        while True:  # the count the schedule accepts on this layout
+            try:
+                rules.check([1] * count, m)
+                rules.check_layout(ranks, m)
+                return ranks, m
+            except ScheduleError:
+                if num_microbatches is not None or m >= MAX_MICROBATCHES:
+                    raise
+                m += 1
+    except ScheduleError as exc:
+        raise PartitionError(f"{rules.name} with chunks={chunks} on {p} ranks: {exc}") from None
+
+
+def _plan_chunks(
+    cost_graph: CostGraph, cluster: Cluster, solver: str, rules: PipelineSchedule, chunks: int,
+    num_microbatches: int | None, options: dict[str, Any],
+) -> Plan:  # fmt: skip
+    """`chunks` stages per rank, one replica each: the solver cuts the graph into p x chunks
+    stages as for as many devices, each with 1/chunks of a device's memory, all on the
+    cluster's slowest link (a rank's stages are not neighbours); the schedule places them
+    (`chunk_rank`), and the plan is priced and simulated on the real cluster at the first
+    microbatch count from 2p on (or the one given) its layout accepts. Under a memory limit the
+    solver's budget per stage (its 1F1B counts are not the schedule's) is bisected as a share of
+    a device, from 1/chunks, over `CHUNK_TRIES` cuts: a plan whose ranks fit in the simulation
+    raises it, one that overshoots (or no plan at all) lowers it; the fastest fitting plan is
+    returned, else the one overshooting least."""
+    ranks, m = chunk_layout(rules, cluster.num_devices, chunks, num_microbatches)
+    if cluster.memory is None:
+        return _placed(cost_graph, cluster, solver, rules, ranks, None, m, options)
+    # the solver's stage budget, as a share of a device: the largest whose plan fits the ranks
+    low, high, share = 0.0, 2.0, 1 / chunks
+    fitting: Plan | None = None
+    over: Plan | None = None
+    failure: PartitionError | None = None
+    for _ in range(CHUNK_TRIES):
+        try:
+            result = _placed(cost_graph, cluster, solver, rules, ranks, share * cluster.memory,
+                             m, options)  # fmt: skip
+        except PartitionError as exc:  # nothing fits so small a budget
+            failure, low = failure or exc, share
+        else:
+            if result.fits_memory:
+                low = share
+                if fitting is None or result.step_time < fitting.step_time:
+                    fitting = result
+            else:
+                high = share
+                if over is None or max(result.rank_memory) < max(over.rank_memory):
+                    over = result
+        share = (low + high) / 2
+    if fitting or over:
+        return fitting or over
+    assert failure is not None
+    raise failure
+
+
+def _placed(
+    cost_graph: CostGraph, cluster: Cluster, solver: str, rules: PipelineSchedule,
+    ranks: list[tuple[int]], budget: float | None, num_microbatches: int,
+    options: dict[str, Any],
+) -> Plan:  # fmt: skip
+    """The virtual plan (`_virtual_plan`) with its stages on `ranks`, under `rules`, priced and
+    simulated on the real cluster."""
+    found = _virtual_plan(cost_graph, cluster, solver, ranks, budget, num_microbatches, options)
+    stages = tuple(dataclasses.replace(s, ranks=ranks[s.index]) for s in found.stages)
+    skeleton = found.with_(stages=stages, cluster=cluster, schedule=rules.name,
+                           num_microbatches=num_microbatches)  # fmt: skip
+    return simulated(price(skeleton, cost_graph)).with_(solve_time_s=found.solve_time_s)
+
+
+def _virtual_plan(
+    cost_graph: CostGraph, cluster: Cluster, solver: str, ranks: list[tuple[int]],
+    budget: float | None, num_microbatches: int, options: dict[str, Any],
+) -> Plan:  # fmt: skip
+    """The solver's 1F1B plan of one stage per rank `ranks` gives each stage, on a cluster of
+    as many devices on the slowest link, `budget` bytes each."""
+    slowest = cluster.levels[-1]
+    virtual = Cluster(
+        [(len(ranks), slowest.bandwidth, slowest.latency)],
+        memory=budget,
+        speed=None if cluster.speed is None else [cluster.speed[r] for (r,) in ranks],
+        runtime=cluster.runtime,
+    )
+    found = plan(cost_graph, virtual, solver=solver, schedule="1f1b",
+                 num_microbatches=num_microbatches, replica_counts=[1], chunks=1,
+                 recompute=False, **options)  # fmt: skip
+    if found.num_stages != len(ranks):
+        chunks = len(ranks) // cluster.num_devices
+        raise PartitionError(
+            f"solver {solver!r} cut the graph into {found.num_stages} stages, but chunks={chunks} "
+            f"on {cluster.num_devices} ranks needs {len(ranks)}; use fewer chunks or solver "
+            "'uniform'"
+        )
+    return found

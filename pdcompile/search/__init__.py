@@ -1,2 +1,0 @@
-"""The planner's searches around the solvers: the microbatch count for a fixed batch
-(`microbatch_count`) and `schedule="auto"` (`schedule_choice`). Torch-free."""
