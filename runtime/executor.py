@@ -29,6 +29,7 @@ from pdcompile.runtime.pipeline import Pipeline, executor_schedule
 from pdcompile.runtime.train_config import TrainConfig
 from pdcompile.runtime.worker import StageWorker
 from pdcompile.scheduling import Action, PipelineSchedule, Schedule
+from pdcompile.scheduling.action_kinds import RECV, SEND
 
 LOSS = [Channel(-1, -1, "loss", shape=(2,), dtype="float64")]  # (weighted sum, weights)
 
@@ -113,13 +114,13 @@ class DistributedPipeline(Pipeline):
         position.setdefault(self.rank, 0)
         if stop is not None:  # the messages from this rank the peers receive in this call
             received = {
-                peer: {a.key for a in acts[position[peer] : stop[peer]] if a.kind == "recv"
+                peer: {a.key for a in acts[position[peer] : stop[peer]] if a.kind == RECV
                        and a.peer == self.rank}
                 for peer, acts in actions.items() if peer != self.rank
             }  # fmt: skip
         runner = self.ranks[self.rank]
         for a in mine[position[self.rank] : end]:  # receives posted early: no sender waits
-            if a.kind == "recv":
+            if a.kind == RECV:
                 runner.expect(a)
         try:
             while position[self.rank] < end:
@@ -145,8 +146,8 @@ class DistributedPipeline(Pipeline):
         )
         timeout = isinstance(exc, PipelineTimeoutError)  # peers raise the same class
         workers = self.ranks[self.rank].by_stage
-        for a in rest[1:] if failed.kind == "send" else rest:
-            if a.kind == "send" and a.microbatch in workers[a.stage].data:
+        for a in rest[1:] if failed.kind == SEND else rest:
+            if a.kind == SEND and a.microbatch in workers[a.stage].data:
                 self.comm.send_error(a.peer, *workers[a.stage].message(a), text, timeout)
         if self.owed_loss is not None:  # nor will this step's loss come
             for peer in self.world:

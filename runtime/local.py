@@ -22,6 +22,7 @@ from pdcompile.runtime.rank_workers import RankWorkers
 from pdcompile.runtime.train_config import TrainConfig
 from pdcompile.runtime.worker import StageWorker
 from pdcompile.scheduling import Action, PipelineSchedule, Schedule
+from pdcompile.scheduling.action_kinds import RECV
 
 
 class LocalPipeline(Pipeline):
@@ -92,7 +93,7 @@ def _run(
             while position[rank] < stop[rank]:
                 a = actions[rank][position[rank]]
                 comm = workers[rank].comm
-                if a.kind == "recv" and not comm.has(a.peer, a.key):
+                if a.kind == RECV and not comm.has(a.peer, a.key):
                     break
                 if a.is_collective:
                     if not all(

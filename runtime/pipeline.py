@@ -38,6 +38,7 @@ from pdcompile.scheduling import (
     get_schedule,
     replica_orders,
 )
+from pdcompile.scheduling.action_kinds import needs_microbatch
 from pdcompile.scheduling.builder import Layout
 from pdcompile.scheduling.reduce_overlap import overlap_triggers
 
@@ -336,8 +337,7 @@ def _first_needing(stream: RankStream, bound: int, start: int) -> int:
 
 
 def _needs(a: Action, bound: int) -> bool:
-    forward = a.kind in ("F", "push") or (a.kind in ("send", "recv") and a.stream == "act")
-    return forward and a.microbatch >= bound
+    return needs_microbatch(a.kind, a.stream) and a.microbatch >= bound
 
 
 def _reaches(stream: RankStream, start: int, stop: int, collective: Action) -> bool:

@@ -18,8 +18,9 @@ import torch
 from pdcompile.passes.planning.timeline import Event
 from pdcompile.runtime.worker import StageWorker, ensure_grad
 from pdcompile.scheduling import Action
+from pdcompile.scheduling.action_kinds import ALLREDUCE, CHECK, CLIP
 
-RANK_WIDE = ("check", "clip")  # with a group: one all-reduce per rank, however many stages
+RANK_WIDE = (CHECK, CLIP)  # with a group: one all-reduce per rank, however many stages
 
 
 class RankWorkers:
@@ -36,7 +37,7 @@ class RankWorkers:
     def run(self, a: Action) -> None:
         if a.kind in RANK_WIDE and a.group:
             self._together(a)
-        elif a.kind == "allreduce" and a.tie >= 0 and len(self._holders(a.tie)) > 1:
+        elif a.kind == ALLREDUCE and a.tie >= 0 and len(self._holders(a.tie)) > 1:
             self._tie(a)
         else:
             self.by_stage[a.stage].run(a)
@@ -83,7 +84,7 @@ class RankWorkers:
         stages' squared gradient norms (`clip`); recorded on the timeline of `a`'s stage."""
         workers, start = list(self), time.perf_counter()
         device = workers[0].tensor_device()
-        if a.kind == "check":
+        if a.kind == CHECK:
             value = float(any(w.nonfinite_loss() for w in workers))
             total = torch.tensor([value], device=device)
         else:
@@ -91,7 +92,7 @@ class RankWorkers:
             total = torch.tensor([value], dtype=torch.float64, device=device)
         self.comm.all_reduce([total], a.group, a.collective)
         for worker in workers:
-            if a.kind == "check":
+            if a.kind == CHECK:
                 worker.nonfinite_flag = total
             else:
                 worker.norm_squares = total

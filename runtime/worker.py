@@ -37,6 +37,7 @@ from pdcompile.runtime.train_config import OptimizerFactory, TrainConfig
 from pdcompile.runtime.weight_slots import WeightSlots
 from pdcompile.runtime.weight_versions import WeightVersions, copy_weights
 from pdcompile.scheduling import Action, PipelineSchedule
+from pdcompile.scheduling.action_kinds import CHECK, CLIP
 
 log = logging.getLogger(__name__)
 
@@ -423,9 +424,9 @@ class StageWorker:
     def finish(self, a: Action) -> None:
         """Complete a collective once every member has taken part (the local executor runs
         the members one after another; an all-reduce may land only with the last)."""
-        if a.kind == "check":
+        if a.kind == CHECK:
             self.skip = bool(self.nonfinite_flag[0] > 0)
-        if a.kind == "clip" and a.group and not self.skip:
+        if a.kind == CLIP and a.group and not self.skip:
             self._scale(float(self.norm_squares[0]))
 
     def _scale(self, squares: float) -> None:

@@ -26,6 +26,7 @@ from pdcompile.runtime import memory_probe
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.microbatches import batch_rows
 from pdcompile.runtime.pipeline import Pipeline
+from pdcompile.scheduling.action_kinds import ALLREDUCE, CLIP, COMPUTE, RECV, SEND, STEP, kind
 
 log = logging.getLogger(__name__)
 
@@ -407,15 +408,15 @@ class PipelinedModule:
         seconds: dict[str, float] = {}
         for e in events:
             seconds[e.kind] = seconds.get(e.kind, 0.0) + e.duration
-        microbatches = sum(1 for e in events if e.kind in ("B", "W"))
-        updates = sum(1 for e in events if e.kind == "step")
+        microbatches = sum(1 for e in events if kind(e.kind).ends)
+        updates = sum(1 for e in events if e.kind == STEP)
 
         def per(kinds: tuple[str, ...], n: int) -> str:
             return human_seconds(sum(seconds.get(k, 0.0) for k in kinds) / n) if n else "-"
 
         predicted = self.plan.stages[stage]
         parts = [
-            f"forward+backward {per(('F', 'B', 'I', 'W'), microbatches)}/microbatch (predicted "
+            f"forward+backward {per(COMPUTE, microbatches)}/microbatch (predicted "
             f"{human_seconds(predicted.forward_s + predicted.backward_s)}/minibatch of "
             f"{self.plan.microbatch_size or 'the profiled'} rows)"
         ]
@@ -427,10 +428,10 @@ class PipelinedModule:
                 f"runs {mine} of the step's {split.num_microbatches} microbatches (stage "
                 f"{stage}'s replicas: {'/'.join(map(str, split.counts))})"
             )
-        if "send" in seconds or "recv" in seconds:
-            parts.append(f"send+receive {per(('send', 'recv'), microbatches)}/microbatch")
-        if "allreduce" in seconds or "clip" in seconds:
-            parts.append(f"all-reduce+clip {per(('allreduce', 'clip'), updates)}/update")
+        if SEND in seconds or RECV in seconds:
+            parts.append(f"send+receive {per((SEND, RECV), microbatches)}/microbatch")
+        if ALLREDUCE in seconds or CLIP in seconds:
+            parts.append(f"all-reduce+clip {per((ALLREDUCE, CLIP), updates)}/update")
         return parts
 
     def save_trace(self, path: str | Path, steps: int | None = None) -> None:
