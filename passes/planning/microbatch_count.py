@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -27,6 +27,7 @@ from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
 from pdcompile.core.progress import each
 from pdcompile.core.text import human_bytes, human_seconds
+from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.scheduling.base import MAX_MICROBATCHES
 
@@ -148,17 +149,10 @@ def batch_settings(
     return [(m, g // m) for m in spread(divisors(g))]
 
 
-def plan_microbatches(
-    planner: Callable[..., Plan],
-    cost_graph: CostGraph,
-    *args: Any,
-    global_batch_size: int,
-    num_microbatches: int | None = None,
-    microbatch_size: int | None = None,
-    **kwargs: Any,
-) -> Plan:
-    """The fastest fitting plan of `planner(cost_graph, *args, num_microbatches=M,
-    microbatch_size=G // M, **kwargs)` over `batch_settings` (`planner` is `pdcompile.plan`).
+def plan_microbatches(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """With `global_batch_size` G, the fastest fitting plan over `batch_settings`, `inner` (the
+    planner's next layer) planning each count M at G // M rows per microbatch; else `inner`'s
+    plan.
 
     A count the schedule refuses (or that cannot be planned) is listed with the reason. Without
     a fitting plan the fastest is returned (its `fits_memory` False, as `plan()` returns it).
@@ -166,45 +160,46 @@ def plan_microbatches(
     Raises:
         PartitionError: no count could be planned (the message gives the first reasons).
     """
-    settings = batch_settings(cost_graph, global_batch_size, num_microbatches, microbatch_size)
+    g = config.global_batch_size
+    if g is None:
+        return inner(cost_graph, config)
+    settings = batch_settings(cost_graph, g, config.num_microbatches, config.microbatch_size)
     start = time.perf_counter()
     found: list[tuple[Plan, list[warnings.WarningMessage]]] = []
     rows: list[dict[str, Any]] = []
     with shared_scaling():
         for m, size in each(settings, "microbatch counts", lambda s: f"M={s[0]}"):
-            _plan_count(planner, scaled_to(cost_graph, size), args, kwargs, m, size, found, rows)
+            one = config.replace(num_microbatches=m, microbatch_size=size, global_batch_size=None)
+            _plan_count(inner, scaled_to(cost_graph, size), one, found, rows)
     if not found:
         reasons = "; ".join(f"M={r['num_microbatches']}: {r['skipped']}" for r in rows[:3])
         more = f" (and {len(rows) - 3} more)" if len(rows) > 3 else ""
         raise PartitionError(
-            f"no microbatch count of global_batch_size={global_batch_size} could be planned: "
-            f"{reasons}{more}"
+            f"no microbatch count of global_batch_size={g} could be planned: {reasons}{more}"
         )
     best, caught = found[fastest_fitting([p for p, _ in found])]
     for row in rows:
         row["chosen"] = row["num_microbatches"] == best.num_microbatches
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    options = {**best.options, SEARCH_KEY: rows, "global_batch_size": global_batch_size}
+    options = {**best.options, SEARCH_KEY: rows, "global_batch_size": g}
     return best.with_(options=options, solve_time_s=time.perf_counter() - start)
 
 
 def _plan_count(
-    planner: Callable[..., Plan],
+    inner: Planner,
     cost_graph: CostGraph,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    m: int,
-    size: int,
+    config: PlanConfig,
     found: list[tuple[Plan, list[warnings.WarningMessage]]],
     rows: list[dict[str, Any]],
 ) -> None:
-    """Plan one count (`cost_graph` already at `size` rows), adding it to `found` and `rows`."""
+    """Plan one count (`config`'s; `cost_graph` already at its rows), adding it to `found` and
+    `rows`."""
+    m, size = config.num_microbatches, config.microbatch_size
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            result = planner(cost_graph, *args, num_microbatches=m, microbatch_size=size,
-                             **kwargs)  # fmt: skip
+            result = inner(cost_graph, config)
         except PartitionError as exc:
             rows.append({"num_microbatches": m, "microbatch_size": size, "skipped": str(exc)})
             return

@@ -120,6 +120,10 @@ class PlanConfig:
         return dataclasses.replace(self, **changes)
 
 
+# a layer of `plan()`: what plans a cost graph under a config (the searches take the next one)
+Planner = Callable[[CostGraph, "PlanConfig"], Plan]
+
+
 def _read(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """`check` (a phase's own check), its error raised as a `PlanConfigError`."""
 

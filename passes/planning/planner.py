@@ -4,8 +4,10 @@ solver of `solver_kit`'s registry, and the simulation of the plan it returns. To
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from pdcompile.core.cluster import AUTO, Cluster
@@ -14,7 +16,7 @@ from pdcompile.core.errors import PartitionError, PlanConfigError, PlanWarning, 
 from pdcompile.core.progress import phase
 from pdcompile.passes.planning.evaluation import price, simulated
 from pdcompile.passes.planning.microbatch_count import plan_microbatches
-from pdcompile.passes.planning.plan_config import PlanConfig
+from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.recompute_choice import limited, plan_recompute
 from pdcompile.passes.planning.schedule_choice import plan_auto
@@ -63,7 +65,19 @@ def plan(
     config = planning_config(cluster, config, options)
     nodes = cost_graph.graph.number_of_nodes()
     with phase(f"planning {nodes} nodes on {config.cluster.num_devices} devices"):
-        return _planned(cost_graph, config)
+        result = _layered(SEARCHES)(cost_graph, config)
+    for split in result.uneven_splits:
+        warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=2)
+    return result
+
+
+def _layered(searches: tuple[Callable[..., Plan], ...]) -> Planner:
+    """`searches` as layers, the first outermost: each plans through the next, the solver's
+    plan (`_solved`) innermost."""
+    planner: Planner = _solved
+    for search in reversed(searches):
+        planner = functools.partial(search, planner)
+    return planner
 
 
 def planning_config(
@@ -92,61 +106,49 @@ def planning_config(
         )
     if config.cluster is None:
         raise PlanConfigError("plan() needs a cluster: PlanConfig(cluster=...) is None")
+    if config.memory is not None:  # the layers read the limit off the cluster
+        config = config.replace(cluster=limited(config.cluster, config.memory), memory=None)
     return config
 
 
-def _planned(cost_graph: CostGraph, config: PlanConfig) -> Plan:
-    """`plan` once checked: the searches (schedule, microbatch count, recomputation), each
-    planning through `plan` again, or the solver's plan."""
-    cluster = config.cluster
-    if config.memory is not None:
-        cluster = limited(cluster, config.memory)
-    if config.auto:
-        return plan_auto(plan, cost_graph, cluster, **_keywords(
-            config, "allow_async", "solver", "num_microbatches", "microbatch_size",
-            "replica_counts", "chunks", "global_batch_size", "recompute"))  # fmt: skip
-    if config.global_batch_size is not None:
-        return plan_microbatches(plan, cost_graph, cluster, **_keywords(
-            config, "global_batch_size", "num_microbatches", "microbatch_size", "solver",
-            "schedule", "replica_counts", "chunks", "recompute"))  # fmt: skip
-    if config.recompute is True or (config.recompute is None and cluster.memory is not None):
-        with warnings.catch_warnings():  # the plans tried; the one returned warns below
-            warnings.simplefilter("ignore", PlanWarning)
-            result = plan_recompute(plan, cost_graph, cluster, **_keywords(
-                config, "recompute", "solver", "schedule", "num_microbatches",
-                "microbatch_size", "replica_counts", "chunks"))  # fmt: skip
-        for split in result.uneven_splits:
-            warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=3)
-        return result
-    return _solved(cost_graph, config.replace(cluster=cluster))
+def plan_chunks(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """With more than one stage per rank (`chunks`, else the schedule's `default_chunks`), the
+    plan `_plan_chunks` places, `inner` (the planner's next layer) cutting the stages; else
+    `inner`'s plan."""
+    rules = config.rules
+    chunks = rules.default_chunks if config.chunks is None else config.chunks
+    if chunks == 1:
+        return inner(cost_graph, config)
+    chunked = _plan_chunks(inner, _at_rows(cost_graph, config), config, chunks)
+    chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
+    return chunked
 
 
-def _keywords(config: PlanConfig, *names: str) -> dict[str, Any]:
-    """`config`'s fields `names` and its solver options, as `plan()`'s keywords (the searches
-    call `plan` with them)."""
-    return {**{name: getattr(config, name) for name in names}, **config.solver_options}
+# the searches, outermost first, each a layer around the next (`_layered`): the schedule, the
+# microbatch count, recomputation, stages per rank; the solver's plan innermost
+SEARCHES = (plan_auto, plan_microbatches, plan_recompute, plan_chunks)
+
+
+def _at_rows(cost_graph: CostGraph, config: PlanConfig) -> CostGraph:
+    """`cost_graph` scaled to `config.microbatch_size` rows (as it is without one)."""
+    if config.microbatch_size in (None, cost_graph.batch_size):
+        return cost_graph
+    return cost_graph.scaled(config.microbatch_size)
 
 
 def _solved(cost_graph: CostGraph, config: PlanConfig) -> Plan:
-    """The solver's plan on `config.cluster` (its memory limit applied), at the microbatch
-    count given or the one `settled_microbatches` settles, simulated."""
+    """The solver's plan of one stage per rank on `config.cluster` (its memory limit applied),
+    at the microbatch count given or the one `settled_microbatches` settles, simulated."""
     solver, cluster, rules = config.solver, config.cluster, config.rules
     if cost_graph.graph.number_of_nodes() == 0:
         raise PartitionError("the cost graph has no nodes; nothing to plan")
-    if config.microbatch_size not in (None, cost_graph.batch_size):
-        cost_graph = cost_graph.scaled(config.microbatch_size)
-    chunks = rules.default_chunks if config.chunks is None else config.chunks
-    options = dict(config.solver_options)
-    if chunks != 1:
-        chunked = _plan_chunks(cost_graph, cluster, solver, rules, chunks,
-                               config.num_microbatches, options)  # fmt: skip
-        chunked.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
-        return chunked
+    cost_graph = _at_rows(cost_graph, config)
     # solvers search with twice the devices (within the cap); the count the plan runs is
     # settled after. A count the caller gave limits the replicas to those the schedule accepts
     given = config.num_microbatches
     searched = given or min(2 * cluster.num_devices, MAX_MICROBATCHES)
-    options.update(schedule=rules, num_microbatches=searched, even_microbatches=given is None)
+    options = {**config.solver_options, "schedule": rules, "num_microbatches": searched,
+               "even_microbatches": given is None}  # fmt: skip
     allowed = _allowed_replicas(config, rules, searched)
     if allowed != tuple(range(1, cluster.num_devices + 1)):
         options["replica_counts"] = allowed
@@ -156,8 +158,6 @@ def _solved(cost_graph: CostGraph, config: PlanConfig) -> Plan:
     _check_solved(result, config, allowed)
     result = simulated(result, rules).with_(solve_time_s=seconds)
     result.to_dict()  # figures no plan file holds raise here, not when it is saved or sent
-    for split in result.uneven_splits:
-        warnings.warn(PlanWarning(result.uneven_note(split)), stacklevel=4)
     return result
 
 
@@ -257,12 +257,9 @@ def chunk_layout(
         raise PartitionError(f"{rules.name} with chunks={chunks} on {p} ranks: {exc}") from None
 
 
-def _plan_chunks(
-    cost_graph: CostGraph, cluster: Cluster, solver: str, rules: PipelineSchedule, chunks: int,
-    num_microbatches: int | None, options: dict[str, Any],
-) -> Plan:  # fmt: skip
-    """`chunks` stages per rank, one replica each: the solver cuts the graph into p x chunks
-    stages as for as many devices, each with 1/chunks of a device's memory, all on the
+def _plan_chunks(inner: Planner, cost_graph: CostGraph, config: PlanConfig, chunks: int) -> Plan:
+    """`chunks` stages per rank, one replica each: the solver (`inner`) cuts the graph into
+    p x chunks stages as for as many devices, each with 1/chunks of a device's memory, all on the
     cluster's slowest link (a rank's stages are not neighbours); the schedule places them
     (`chunk_rank`), and the plan is priced and simulated on the real cluster at the first
     microbatch count from 2p on (or the one given) its layout accepts. Under a memory limit the
@@ -270,9 +267,11 @@ def _plan_chunks(
     a device, from 1/chunks, over `CHUNK_TRIES` cuts: a plan whose ranks fit in the simulation
     raises it, one that overshoots (or no plan at all) lowers it; the fastest fitting plan is
     returned, else the one overshooting least."""
-    ranks, m = chunk_layout(rules, cluster.num_devices, chunks, num_microbatches)
+    cluster = config.cluster
+    ranks, m = chunk_layout(config.rules, cluster.num_devices, chunks, config.num_microbatches)
+    place = functools.partial(_placed, inner, cost_graph, config.replace(num_microbatches=m), ranks)
     if cluster.memory is None:
-        return _placed(cost_graph, cluster, solver, rules, ranks, None, m, options)
+        return place(None)
     # the solver's stage budget, as a share of a device: the largest whose plan fits the ranks
     low, high, share = 0.0, 2.0, 1 / chunks
     fitting: Plan | None = None
@@ -280,8 +279,7 @@ def _plan_chunks(
     failure: PartitionError | None = None
     for _ in range(CHUNK_TRIES):
         try:
-            result = _placed(cost_graph, cluster, solver, rules, ranks, share * cluster.memory,
-                             m, options)  # fmt: skip
+            result = place(share * cluster.memory)
         except PartitionError as exc:  # nothing fits so small a budget
             failure, low = failure or exc, share
         else:
@@ -301,25 +299,25 @@ def _plan_chunks(
 
 
 def _placed(
-    cost_graph: CostGraph, cluster: Cluster, solver: str, rules: PipelineSchedule,
-    ranks: list[tuple[int]], budget: float | None, num_microbatches: int,
-    options: dict[str, Any],
+    inner: Planner, cost_graph: CostGraph, config: PlanConfig, ranks: list[tuple[int]],
+    budget: float | None,
 ) -> Plan:  # fmt: skip
-    """The virtual plan (`_virtual_plan`) with its stages on `ranks`, under `rules`, priced and
-    simulated on the real cluster."""
-    found = _virtual_plan(cost_graph, cluster, solver, ranks, budget, num_microbatches, options)
+    """The virtual plan (`_virtual_plan`) with its stages on `ranks`, under `config`'s schedule,
+    priced and simulated on the real cluster."""
+    found = _virtual_plan(inner, cost_graph, config, ranks, budget)
     stages = tuple(dataclasses.replace(s, ranks=ranks[s.index]) for s in found.stages)
-    skeleton = found.with_(stages=stages, cluster=cluster, schedule=rules.name,
-                           num_microbatches=num_microbatches)  # fmt: skip
+    skeleton = found.with_(stages=stages, cluster=config.cluster, schedule=config.rules.name,
+                           num_microbatches=config.num_microbatches)  # fmt: skip
     return simulated(price(skeleton, cost_graph)).with_(solve_time_s=found.solve_time_s)
 
 
 def _virtual_plan(
-    cost_graph: CostGraph, cluster: Cluster, solver: str, ranks: list[tuple[int]],
-    budget: float | None, num_microbatches: int, options: dict[str, Any],
+    inner: Planner, cost_graph: CostGraph, config: PlanConfig, ranks: list[tuple[int]],
+    budget: float | None,
 ) -> Plan:  # fmt: skip
-    """The solver's 1F1B plan of one stage per rank `ranks` gives each stage, on a cluster of
-    as many devices on the slowest link, `budget` bytes each."""
+    """The solver's 1F1B plan (`inner`'s) of one stage per rank `ranks` gives each stage, on a
+    cluster of as many devices on the slowest link, `budget` bytes each."""
+    cluster = config.cluster
     slowest = cluster.levels[-1]
     virtual = Cluster(
         [(len(ranks), slowest.bandwidth, slowest.latency)],
@@ -327,14 +325,14 @@ def _virtual_plan(
         speed=None if cluster.speed is None else [cluster.speed[r] for (r,) in ranks],
         runtime=cluster.runtime,
     )
-    found = plan(cost_graph, virtual, solver=solver, schedule="1f1b",
-                 num_microbatches=num_microbatches, replica_counts=[1], chunks=1,
-                 recompute=False, **options)  # fmt: skip
+    one_each = config.replace(cluster=virtual, schedule="1f1b", replica_counts=(1,), chunks=1,
+                              recompute=False)  # fmt: skip
+    found = inner(cost_graph, one_each)
     if found.num_stages != len(ranks):
         chunks = len(ranks) // cluster.num_devices
         raise PartitionError(
-            f"solver {solver!r} cut the graph into {found.num_stages} stages, but chunks={chunks} "
-            f"on {cluster.num_devices} ranks needs {len(ranks)}; use fewer chunks or solver "
-            "'uniform'"
+            f"solver {config.solver!r} cut the graph into {found.num_stages} stages, but "
+            f"chunks={chunks} on {cluster.num_devices} ranks needs {len(ranks)}; use fewer "
+            "chunks or solver 'uniform'"
         )
     return found

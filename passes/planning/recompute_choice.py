@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +41,7 @@ from pdcompile.core.errors import PartitionError
 from pdcompile.core.text import human_bytes, human_seconds
 from pdcompile.passes.planning.evaluation import price, simulated
 from pdcompile.passes.planning.microbatch_count import fastest_fitting
+from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan, Stage
 from pdcompile.passes.planning.stage_sums import producer_bytes
 from pdcompile.scheduling import get_schedule
@@ -184,30 +185,26 @@ def with_recompute(plan: Plan, cost_graph: CostGraph, choice: Sequence[Recompute
     return simulated(price(plan.with_(stages=stages), cost_graph))
 
 
-def plan_recompute(
-    planner: Callable[..., Plan],
-    cost_graph: CostGraph,
-    cluster: Cluster,
-    *,
-    recompute: bool | None,
-    **kwargs: Any,
-) -> Plan:
-    """The fastest fitting plan of the three kinds the module describes, `planner` being
-    `pdcompile.plan` (called with `recompute=False`; `kwargs` are its other arguments).
+def plan_recompute(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """With `recompute=True`, or None under a memory limit, the fastest fitting plan of the
+    three kinds the module describes, `inner` (the planner's next layer) cutting each with
+    `recompute=False`; else `inner`'s plan.
 
     Raises:
         PartitionError: no plan fits (naming the least memory one tried needs and the stage
             that sets it), or the solver cannot plan at all.
     """
-    size = kwargs.get("microbatch_size")
+    recompute, cluster = config.recompute, config.cluster
+    if not (recompute is True or (recompute is None and cluster.memory is not None)):
+        return inner(cost_graph, config)
+    size = config.microbatch_size
     costs = cost_graph.scaled(size) if size and size != cost_graph.batch_size else cost_graph
-    limit = cluster.memory
-    free_cluster = Cluster.from_dict({**cluster.to_dict(), "memory": None})
-    free = planner(cost_graph, free_cluster, recompute=False, **kwargs)
+    off = config.replace(recompute=False)
+    free = inner(cost_graph, off.replace(cluster=_unlimited(cluster)))
     candidates: list[Plan] = []
     if recompute is None:
         try:
-            base = planner(cost_graph, cluster, recompute=False, **kwargs)
+            base = inner(cost_graph, off)
         except PartitionError:
             base = None
         if base is not None and base.fits_memory:
@@ -215,9 +212,9 @@ def plan_recompute(
                 return base
             candidates.append(base)
     on = [_recomputing(free.with_(cluster=cluster), costs, recompute)]
-    on += _cut_for_recomputation(planner, cost_graph, costs, cluster, recompute, kwargs)
-    chunks = kwargs.get("chunks") or get_schedule(free.schedule).default_chunks
-    if chunks == 1 and 1 in (kwargs.get("replica_counts") or (1,)):  # one stage per device
+    on += _cut_for_recomputation(inner, off, cost_graph, costs, recompute)
+    chunks = config.chunks or config.rules.default_chunks
+    if chunks == 1 and 1 in (config.replica_counts or (1,)):  # one stage per device
         try:
             least = least_memory(costs, free.with_(cluster=cluster))
         except PartitionError:  # the schedule does not run that many stages (e.g. 2bw, M < S)
@@ -226,9 +223,14 @@ def plan_recompute(
             on.append(_recomputing(least, costs, recompute))
     candidates += [p for p in on if p.fits_memory]
     if not candidates:
-        raise PartitionError(_no_fit(on, limit))
+        raise PartitionError(_no_fit(on, cluster.memory))
     best = candidates[fastest_fitting(candidates)]
-    return _annotated(best, costs, limit)
+    return _annotated(best, costs, cluster.memory)
+
+
+def _unlimited(cluster: Cluster, memory: float | None = None) -> Cluster:
+    """`cluster` with `memory` bytes per device (None: no limit)."""
+    return Cluster.from_dict({**cluster.to_dict(), "memory": memory})
 
 
 def _recomputing(plan: Plan, costs: CostGraph, recompute: bool | None) -> Plan:
@@ -260,22 +262,22 @@ def _peak(plan: Plan, ranks: Sequence[int]) -> int:
 
 
 def _cut_for_recomputation(
-    planner: Callable[..., Plan], cost_graph: CostGraph, costs: CostGraph, cluster: Cluster,
-    recompute: bool | None, kwargs: dict[str, Any],
+    inner: Planner, off: PlanConfig, cost_graph: CostGraph, costs: CostGraph,
+    recompute: bool | None,
 ) -> list[Plan]:  # fmt: skip
-    """The solver's plans of the `recompute_view`, its share of the limit bisected: a plan
-    that fits once recomputing raises the share, one that does not (or no plan) lowers it."""
-    view = recompute_view(cost_graph)
+    """The solver's plans of the `recompute_view` (`inner` under `off`, recompute=False), its
+    share of the limit bisected: a plan that fits once recomputing raises the share, one that
+    does not (or no plan) lowers it."""
+    view, cluster = recompute_view(cost_graph), off.cluster
     limit = cluster.memory
     if limit is None:  # recompute=True alone: the cut for it, once
-        cut = planner(view, cluster, recompute=False, **kwargs)
+        cut = inner(view, off)
         return [_recomputing(cut.with_(cluster=cluster), costs, recompute)]
     low, high, share = 0.0, 2.0, 1.0
     found = []
     for _ in range(TRIES):
-        budget = Cluster.from_dict({**cluster.to_dict(), "memory": share * limit})
         try:
-            cut = planner(view, budget, recompute=False, **kwargs)
+            cut = inner(view, off.replace(cluster=_unlimited(cluster, share * limit)))
         except PartitionError:
             low, share = share, (share + high) / 2
             continue

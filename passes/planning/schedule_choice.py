@@ -16,13 +16,11 @@ chunks. Its `options["auto"]` holds the best plan per (schedule, chunks), one ro
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pdcompile.core.cluster import Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
 from pdcompile.core.progress import each
@@ -33,6 +31,7 @@ from pdcompile.passes.planning.microbatch_count import (
     fastest_fitting,
     shared_scaling,
 )
+from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.scheduling import get_schedule, schedules
 from pdcompile.scheduling.registry import SCHEDULES
@@ -89,18 +88,10 @@ def layouts(
     return [None, *((d,) for d in divisors(num_devices))]
 
 
-def plan_auto(
-    planner: Callable[..., Plan],
-    cost_graph: CostGraph,
-    cluster: Cluster | str | int,
-    *,
-    allow_async: bool = False,
-    replica_counts: Sequence[int] | None = None,
-    **kwargs: Any,
-) -> Plan:
-    """The fastest fitting plan over `candidates(allow_async)` and their `layouts`,
-    `planner(cost_graph, cluster, schedule=name, chunks=v, replica_counts=..., **kwargs)` each
-    (`planner` is `pdcompile.plan`; with `global_batch_size` it searches the microbatch count).
+def plan_auto(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Plan:
+    """With schedule="auto", the fastest fitting plan over `candidates(allow_async)` and their
+    `layouts`, `inner` (the planner's next layer) planning each with its schedule, chunks and
+    replica counts; else `inner`'s plan.
 
     A candidate that cannot be planned (e.g. it does not accept the `num_microbatches` given) is
     listed with the reason and skipped. Without a fitting candidate, the fastest of all is
@@ -109,15 +100,20 @@ def plan_auto(
     Raises:
         PartitionError: no candidate could be planned (the message gives each one's reason).
     """
-    check_auto_chunks(kwargs.pop("chunks", None))
-    devices = Cluster.coerce(cluster).num_devices
+    if not config.auto:
+        return inner(cost_graph, config)
+    check_auto_chunks(config.chunks)
+    devices = config.cluster.num_devices
     start = time.perf_counter()
     found: list[tuple[int, Plan, list[warnings.WarningMessage]]] = []
     rows: list[dict[str, Any]] = []
-    plan_one = functools.partial(planner, cost_graph, cluster, **kwargs)
+
+    def plan_one(**changes: Any) -> Plan:
+        return inner(cost_graph, config.replace(**changes))
+
     with shared_scaling():  # every schedule plans the same microbatch sizes
-        for name, chunks in each(candidates(allow_async), "schedules", _candidate):
-            tried = layouts(devices, chunks, replica_counts)
+        for name, chunks in each(candidates(config.allow_async), "schedules", _candidate):
+            tried = layouts(devices, chunks, config.replica_counts)
             _plan_candidate(plan_one, name, chunks, tried, found, rows)
     if not found:
         reasons = "; ".join(f"{r['schedule']} (chunks={r['chunks']}): {r['skipped']}" for r in rows)
