@@ -434,3 +434,16 @@ def test_an_unknown_cost_model_is_refused(solver) -> None:
     g = chain([1.0, 1.0], [10, 10], [1, 1], [4, 4])
     with pytest.raises(PartitionError, match="unknown cost model 'nope'"):
         pdcompile.plan(g, Cluster.parse("2"), solver=solver, cost_model="nope")
+
+
+def test_a_cost_model_file_in_its_package_registers_itself() -> None:
+    """`compute-only` is a file in `passes/planning/cost_models/` and on no registry list: free
+    links make two stages of 1 s the plan where the default keeps one device."""
+    from pdcompile.passes.planning.cost_model import COST_MODELS, cost_models
+
+    assert "compute-only" in cost_models()
+    assert "pdcompile.passes.planning.cost_models.compute_only" in COST_MODELS.builtins
+    g = chain([1.0, 1.0], [1000, 1000], [1, 1], [1000, 0])
+    free = pdcompile.plan(g, Cluster.parse("2@100B/s"), num_microbatches=2,
+                          cost_model="compute-only")  # fmt: skip
+    assert [s.replicas for s in free.stages] == [1, 1] and free.predicted_time == pytest.approx(1.0)

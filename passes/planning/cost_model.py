@@ -90,7 +90,9 @@ class CostModel:
         )
 
 
-COST_MODELS: Registry[CostModel] = Registry("cost model", (), PartitionError)
+COST_MODELS: Registry[CostModel] = Registry(
+    "cost model", (), PartitionError, package="pdcompile.passes.planning.cost_models"
+)
 COST_MODELS.add("pdcompile", CostModel())
 
 
