@@ -50,11 +50,10 @@ class CostModel:
         replicas. CP-SAT and the bisection's closed forms take the factor (r - 1) / r apart."""
         return 2 * self.ring_s(grad_bytes, 2, bandwidth)
 
-    def updates_every(
-        self, schedule: str | PipelineSchedule, replicas: int, num_microbatches: int
-    ) -> int:
-        """Microbatches of a stage with `replicas` per update (and per all-reduce)."""
-        return get_schedule(schedule).round_size((replicas,), 0, num_microbatches)
+    def updates_every(self, rules: PipelineSchedule, replicas: int, num_microbatches: int) -> int:
+        """Microbatches of a stage with `replicas` per update (and per all-reduce) under the
+        schedule `rules`."""
+        return rules.round_size((replicas,), 0, num_microbatches)
 
     def allreduce_s(self, grad_bytes: Any, replicas: Any, bandwidth: Any, every: Any) -> Any:
         """A stage's share of its all-reduce per microbatch: one ring per `every` microbatches

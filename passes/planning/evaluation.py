@@ -360,6 +360,7 @@ def rescore(
     factor = rows / plan.microbatch_size if plan.microbatch_size else 1.0
     prices = get_cost_model(cost_model or plan.options.get("cost_model", "pdcompile"))
     count = num_microbatches or plan.num_microbatches
+    rules = _rules(plan)
     ratios = _time_ratios(plan, rows, factor)
     stages = []
     for s, (f, b, i, w, loss, _) in zip(plan.stages, ratios, strict=True):
@@ -367,8 +368,8 @@ def rescore(
         forward, comm = s.forward_s * f, s.comm_s * factor
         backward = (s.backward_s - s.recompute_s) * b + again
         # one all-reduce per update: its share per microbatch follows the microbatches per update
-        before = prices.updates_every(plan.schedule, s.replicas, plan.num_microbatches)
-        after = prices.updates_every(plan.schedule, s.replicas, count)
+        before = prices.updates_every(rules, s.replicas, plan.num_microbatches)
+        after = prices.updates_every(rules, s.replicas, count)
         allreduce = s.allreduce_s * before / after
         # the loss scales with the rows (it is in forward and backward); the optimizer step not
         update = prices.update_s(s.optimizer_s, after)
@@ -389,14 +390,16 @@ def rescore(
         stages=tuple(stages), microbatch_size=rows, num_microbatches=count,
         predicted_time=predicted, lower_bound=bound,
         gap=predicted / bound - 1 if bound > 0 else 0.0,
-        data_parallel_time=_data_parallel_time(plan, whole, prices, count),
-        options=_rescaled_words(plan, whole, factor, prices, count),
+        data_parallel_time=_data_parallel_time(plan, whole, prices, rules, count),
+        options=_rescaled_words(plan, whole, factor, prices, rules, count),
     )  # fmt: skip
     result = simulated(scaled)
     return result.with_(options=_rescaled_searches(result, plan))
 
 
-def _data_parallel_time(plan: Plan, whole: float, prices: CostModel, count: int) -> float:
+def _data_parallel_time(
+    plan: Plan, whole: float, prices: CostModel, rules: PipelineSchedule, count: int
+) -> float:
     """`plan.data_parallel_time` after `rescore`: its compute (the lower bound's, on one of all
     the devices at the slowest speed) grown by `whole`; its all-reduce and optimizer step per
     microbatch follow the microbatches per update, as a stage's do."""
@@ -404,12 +407,14 @@ def _data_parallel_time(plan: Plan, whole: float, prices: CostModel, count: int)
     speeds = cluster.speed or (1.0,) * cluster.num_devices
     compute = plan.lower_bound * math.fsum(speeds) / (min(speeds) * cluster.num_devices)
     rest = max(0.0, plan.data_parallel_time - compute)
-    before = prices.updates_every(plan.schedule, cluster.num_devices, plan.num_microbatches)
-    after = prices.updates_every(plan.schedule, cluster.num_devices, count)
+    before = prices.updates_every(rules, cluster.num_devices, plan.num_microbatches)
+    after = prices.updates_every(rules, cluster.num_devices, count)
     return compute * whole + rest * before / after
 
 
-def _rescaled_words(plan: Plan, whole: float, factor: float, prices: CostModel, count: int) -> dict:
+def _rescaled_words(
+    plan: Plan, whole: float, factor: float, prices: CostModel, rules: PipelineSchedule, count: int
+) -> dict:
     """`plan.options` with the figures its sentence shows (`plan_words`) rescaled: the largest
     node's time and the compared pipeline's bottleneck grow with the compute as the whole
     graph's (`whole`), its transfers with the rows (`factor`)."""
@@ -418,8 +423,8 @@ def _rescaled_words(plan: Plan, whole: float, factor: float, prices: CostModel, 
     if largest:
         options[LARGEST] = [largest[0], largest[1] * whole]
     if other:
-        before = prices.updates_every(plan.schedule, 1, plan.num_microbatches)
-        after = prices.updates_every(plan.schedule, 1, count)
+        before = prices.updates_every(rules, 1, plan.num_microbatches)
+        after = prices.updates_every(rules, 1, count)
         parts = {"compute_s": other["compute_s"] * whole, "comm_s": other["comm_s"] * factor,
                  "other_s": other["other_s"] * before / after}  # fmt: skip
         options[ALTERNATIVE] = {**other, **parts, "predicted_time": math.fsum(parts.values())}
