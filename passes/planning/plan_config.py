@@ -154,7 +154,7 @@ def _schedule(value: Any) -> PipelineSchedule | str:
             f"schedule must be a name from pdcompile.schedules(), a PipelineSchedule or 'auto', "
             f"got {type(value).__name__} {value!r}"
         )
-    return get_schedule(value)
+    return value if isinstance(value, PipelineSchedule) else get_schedule(value)
 
 
 @_read
