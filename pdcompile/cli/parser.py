@@ -68,7 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add_command in (  # in the order `pdcompile --help` lists them
+        _add_graph,
+        _add_profile,
+        _add_calibrate,
+        _add_plan,
+        _add_codegen,
+        _add_simulate,
+        _add_solvers,
+        _add_bench_solvers,
+    ):
+        add_command(commands)
+    return parser
 
+
+def _add_graph(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile graph`: a model's captured graph, or a CostGraph's nodes with their costs."""
     graph = commands.add_parser(
         "graph",
         help="show a model's captured graph, or a CostGraph",
@@ -89,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _capture_options(graph)
 
+
+def _add_profile(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile profile`: label every node with its costs and write the CostGraph."""
     profile = commands.add_parser(
         "profile",
         help="measure (or estimate) what every node costs and write the CostGraph",
@@ -112,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _capture_options(profile)
 
+
+def _add_calibrate(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile calibrate`: this machine's per-operation framework cost, or the cluster's."""
     calibrate = commands.add_parser(
         "calibrate",
         help="measure the per-operation framework cost of this machine (seconds)",
@@ -132,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         "caches it for compile (--no-cache: not saved)",
     )  # fmt: skip
 
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile plan`: cut a model into stages for a cluster."""
     plan = commands.add_parser(
         "plan",
         help="cut a model into pipeline stages for a cluster",
@@ -161,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", default="dynprog", help="a name from `pdcompile solvers`")
     plan.add_argument("--out", metavar="FILE", help="write the Plan JSON here")
 
+
+def _add_codegen(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile codegen`: write one module per stage of a plan."""
     generate = commands.add_parser(
         "codegen",
         help="generate one module per pipeline stage and write their source",
@@ -183,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", required=True, metavar="DIR", help="folder to write")
     _capture_options(generate)
 
+
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile simulate`: a plan's simulated step, Gantt chart and Chrome trace."""
     simulation = commands.add_parser(
         "simulate",
         help="simulate a plan's schedule: Gantt chart, Chrome trace, bubble and memory per rank",
@@ -203,8 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a measured run's trace (PipelinedModule.save_trace), drawn above the simulation",
     )  # fmt: skip
 
+
+def _add_solvers(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile solvers`: list the registered solvers."""
     commands.add_parser("solvers", help="list the registered solvers")
 
+
+def _add_bench_solvers(commands: argparse._SubParsersAction) -> None:
+    """`pdcompile bench-solvers` (alias `compare`): solvers compared on instances."""
     bench = commands.add_parser(
         "bench-solvers",
         aliases=["compare"],
@@ -244,4 +280,3 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument("--analytic", action="store_true", help="SPECs are costed analytically")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON here")
-    return parser
