@@ -15,7 +15,7 @@ import pdcompile
 from pdcompile import Cluster, CostGraph, PartitionError, Plan, PlanWarning
 from pdcompile.cli.bench_instances import load_instance
 from pdcompile.cli.handlers import main
-from pdcompile.cli.solver_bench import run_bench
+from pdcompile.cli.solver_bench import BenchSettings, run_bench
 from pdcompile.passes.planning.microbatch_count import TIE, fastest_fitting
 from pdcompile.passes.planning.schedule_choice import auto_table, candidates, layouts
 from pdcompile.scheduling import get_schedule, schedules
@@ -171,7 +171,7 @@ def test_plan_command_prints_the_table(capsys) -> None:
 
 def test_bench_solvers_compares_solver_schedule_pairs(capsys) -> None:
     results = run_bench(load_instance("chain:10"), [Cluster.parse("4")], ["dynprog", "uniform"],
-                        schedules=["1f1b", "zb-v", "auto"])  # fmt: skip
+                        BenchSettings(schedules=["1f1b", "zb-v", "auto"]))  # fmt: skip
     assert [(r.solver, r.schedule) for r in results] == [
         (s, k) for s in ("dynprog", "uniform") for k in ("1f1b", "zb-v", "auto")
     ]
@@ -185,7 +185,8 @@ def test_bench_solvers_compares_solver_schedule_pairs(capsys) -> None:
     out = capsys.readouterr().out
     assert code == 0 and "dynprog / 1f1b" in out and "dynprog / zb-h1" in out
     with pytest.raises(PartitionError, match="unknown schedule"):
-        run_bench(load_instance("chain:4"), [Cluster.parse("2")], ["dynprog"], schedules=["nope"])
+        run_bench(load_instance("chain:4"), [Cluster.parse("2")], ["dynprog"],
+                  BenchSettings(schedules=["nope"]))  # fmt: skip
 
 
 def test_compile_auto_runs_the_chosen_schedule_and_explains_the_choice() -> None:

@@ -20,7 +20,7 @@ from pdcompile.cli.bench_instances import (
 )
 from pdcompile.cli.bench_report import results_json, results_table, summary_table
 from pdcompile.cli.handlers import main
-from pdcompile.cli.solver_bench import load_plugin, run_bench
+from pdcompile.cli.solver_bench import BenchSettings, load_plugin, run_bench
 from pdcompile.passes.planning import planner, solver_kit
 
 DATA = Path(__file__).parent / "data" / "pipedream"
@@ -158,7 +158,7 @@ def test_every_solver_on_every_instance_scored_by_evaluate() -> None:
     instances = [*load_instance(str(DATA / "vgg16")), *load_instance("chain:20"),
                  *load_instance("dag:25"), *load_instance("pdcompile.zoo:mlp")]  # fmt: skip
     clusters = [Cluster.parse("4@1.25GB/s"), Cluster.parse("2@10GB/s,2@1.25GB/s")]
-    results = run_bench(instances, clusters, FAST, schedule="pipedream")
+    results = run_bench(instances, clusters, FAST, BenchSettings(schedule="pipedream"))
     assert len(results) == len(instances) * len(clusters) * len(FAST)
     assert all(r.status == "ok" and r.schedule == "pipedream" for r in results)
     for instance in instances:
@@ -181,7 +181,7 @@ def test_every_solver_on_every_instance_scored_by_evaluate() -> None:
 
 def test_slow_exact_solvers_on_a_tiny_instance_with_a_time_limit() -> None:
     results = run_bench(load_instance("dag:8"), [Cluster.parse("3")], ["ideal", "cpsat", "dynprog"],
-                        time_limit_s=60)  # fmt: skip
+                        BenchSettings(time_limit_s=60))  # fmt: skip
     by = {r.solver: r for r in results}
     assert all(r.status == "ok" for r in results)
     assert by["ideal"].predicted_time <= by["dynprog"].predicted_time + 1e-12
@@ -195,7 +195,7 @@ def test_unknown_solvers_and_bad_limits_are_clear_errors() -> None:
     with pytest.raises(PartitionError, match=r"unknown solver\(s\) 'magic'.*registered: .*dynprog"):
         run_bench(chain, [Cluster.parse("2")], ["dynprog", "magic"])
     with pytest.raises(PartitionError, match="positive number of seconds"):
-        run_bench(chain, [Cluster.parse("2")], ["dynprog"], time_limit_s=-1)
+        run_bench(chain, [Cluster.parse("2")], ["dynprog"], BenchSettings(time_limit_s=-1))
 
 
 # -- plugins, failures, limits ---------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_unknown_solvers_and_bad_limits_are_clear_errors() -> None:
 def test_a_plugin_solver_joins_and_failures_are_results(plugin) -> None:
     chain = load_instance("chain:8")
     results = run_bench(chain, [Cluster.parse("4")], ["one_stage", "broken", "dynprog"],
-                        plugins=[plugin])  # fmt: skip
+                        BenchSettings(plugins=[plugin]))  # fmt: skip
     by = {r.solver: r for r in results}
     assert by["one_stage"].status == "ok" and by["one_stage"].num_stages == 1
     assert by["one_stage"].ratio_to_best > 1 and by["dynprog"].ratio_to_best == 1.0
@@ -216,7 +216,7 @@ def test_a_plugin_solver_joins_and_failures_are_results(plugin) -> None:
 def test_timeouts_and_crashes_in_the_worker_never_end_the_run(plugin) -> None:
     results = run_bench(load_instance("chain:6"), [Cluster.parse("2")],
                         ["sleepy", "dynprog", "crashing", "one_stage", "broken"],
-                        time_limit_s=2.0, plugins=[plugin])  # fmt: skip
+                        BenchSettings(time_limit_s=2.0, plugins=[plugin]))  # fmt: skip
     by = {r.solver: r for r in results}
     assert by["sleepy"].status == "timeout" and "time limit of 2 s" in by["sleepy"].note
     assert by["crashing"].status == "failed" and "exit code 3" in by["crashing"].note
@@ -250,7 +250,7 @@ def test_plugins_that_fail_to_load_are_named(tmp_path) -> None:
 def test_tables_and_json_report_every_field(plugin) -> None:
     instances = load_instances(["chain:10", "dag:100:1"])  # ":100:" is an emoji code to rich
     results = run_bench(instances, [Cluster.parse("2")], ["dynprog", "uniform", "broken"],
-                        plugins=[plugin])  # fmt: skip
+                        BenchSettings(plugins=[plugin]))  # fmt: skip
     text = render(results_table(results))
     assert "schedule 1f1b, plans scored under evaluate" in text
     table = rows(text)

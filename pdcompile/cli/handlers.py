@@ -424,7 +424,7 @@ def _solvers(args: argparse.Namespace) -> int:
 def _bench_solvers(args: argparse.Namespace) -> int:
     from pdcompile.cli.bench_instances import load_instances
     from pdcompile.cli.bench_report import pairs_table, results_json, results_table, summary_table
-    from pdcompile.cli.solver_bench import run_bench
+    from pdcompile.cli.solver_bench import BenchSettings, run_bench
     from pdcompile.core.cluster import Cluster
 
     instances = load_instances(args.inputs, analytic=args.analytic)
@@ -437,7 +437,7 @@ def _bench_solvers(args: argparse.Namespace) -> int:
         settings["schedules"] = kinds
     if args.chunks is not None:
         settings["chunks"] = args.chunks
-    results = run_bench(instances, clusters, names, **settings)
+    results = run_bench(instances, clusters, names, BenchSettings(**settings))
     _print_table(results_table(results), None)
     if kinds and len(kinds) > 1:
         _print_table(pairs_table(results), None)

@@ -34,7 +34,7 @@ from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.schedule_choice import AUTO, check_auto_chunks
 from pdcompile.passes.planning.solver_kit import SOLVERS, solvers
 
-__all__ = ["BenchResult", "load_plugin", "run_bench"]
+__all__ = ["BenchResult", "BenchSettings", "load_plugin", "run_bench"]
 
 _STARTUP_S = 120.0  # a worker process importing the solvers and plugins; not charged to solvers
 
@@ -248,24 +248,11 @@ def _with_ratios(results: list[BenchResult]) -> list[BenchResult]:
     return out
 
 
-def run_bench(
-    instances: Sequence[Instance],
-    clusters: Sequence[Cluster],
-    solver_names: Sequence[str] | None = None,
-    *,
-    schedule: str = "1f1b",
-    schedules: Sequence[str] | None = None,
-    num_microbatches: int | None = None,
-    chunks: int | None = None,
-    time_limit_s: float | None = None,
-    plugins: Sequence[str] = (),
-) -> list[BenchResult]:
-    """Plan every instance on every cluster with every solver and score the plans.
+@dataclass(frozen=True)
+class BenchSettings:
+    """How `run_bench` plans: the options it passes to `plan` and how solvers run.
 
-    Args:
-        instances: from `load_instance`.
-        clusters: each instance is planned on each.
-        solver_names: names from `solvers()` (default: all, after loading `plugins`).
+    Attributes:
         schedule, num_microbatches, chunks: passed to `plan` (chunks: stages per rank, None
             for each schedule's default).
         schedules: several schedules (instead of `schedule`): every (solver, schedule) pair
@@ -274,6 +261,35 @@ def run_bench(
             that loads the built-in solvers and `plugins` (solvers registered in this process
             otherwise are unknown there). None: run here, without a limit.
         plugins: modules to load first (`load_plugin`).
+    """
+
+    schedule: str = "1f1b"
+    schedules: Sequence[str] | None = None
+    num_microbatches: int | None = None
+    chunks: int | None = None
+    time_limit_s: float | None = None
+    plugins: Sequence[str] = ()
+
+    @property
+    def kinds(self) -> list[str]:
+        """The schedules to plan with: `schedules`, else `schedule` alone."""
+        return list(self.schedules or [self.schedule])
+
+
+def run_bench(
+    instances: Sequence[Instance],
+    clusters: Sequence[Cluster],
+    solver_names: Sequence[str] | None = None,
+    settings: BenchSettings | None = None,
+) -> list[BenchResult]:
+    """Plan every instance on every cluster with every solver and score the plans.
+
+    Args:
+        instances: from `load_instance`.
+        clusters: each instance is planned on each.
+        solver_names: names from `solvers()` (default: all, after loading the plugins).
+        settings: the schedule(s), microbatches, chunks, time limit and plugins (default:
+            `BenchSettings()`, 1F1B in this process without a limit).
 
     Returns:
         One result per instance, cluster, solver and schedule, in that order.
@@ -284,34 +300,22 @@ def run_bench(
             a cluster's ranks).
         SpecError: a plugin cannot be loaded.
     """
-    for spec in plugins:
+    settings = settings or BenchSettings()
+    for spec in settings.plugins:
         load_plugin(spec)
-    registered = solvers()
-    # an old name ("dp") runs and reads as the solver's name ("dynprog")
-    names = [SOLVERS.canonical(n) for n in solver_names or registered]
-    unknown = [n for n in names if n not in registered]
-    if unknown:
-        raise PartitionError(
-            f"unknown solver(s) {', '.join(map(repr, unknown))}; registered: "
-            f"{', '.join(registered)} (--plugin MODULE loads more)"
-        )
-    if time_limit_s is not None and not time_limit_s > 0:
-        raise PartitionError(
-            f"the time limit must be a positive number of seconds, got {time_limit_s!r}"
-        )
-    kinds = list(schedules or [schedule])
-    for kind in kinds:  # a bad name fails before any solver runs
-        _known_schedule(kind)
-    _check_chunks(chunks, kinds, clusters)
-    worker = _SolverProcess(plugins) if time_limit_s is not None else None
+    names = _solver_names(solver_names)
+    _check_settings(settings, clusters)
+    time_limit_s = settings.time_limit_s
+    worker = _SolverProcess(settings.plugins) if time_limit_s is not None else None
     results = []
     try:
         for instance in instances:
             for cluster in clusters:
                 bound = lower_bound(instance.cost_graph, cluster)
                 for name in names:
-                    for kind in kinds:
-                        job = (instance.cost_graph, cluster, name, kind, num_microbatches, chunks)
+                    for kind in settings.kinds:
+                        job = (instance.cost_graph, cluster, name, kind,
+                               settings.num_microbatches, settings.chunks)  # fmt: skip
                         status, outcome = (
                             worker.solve(job, time_limit_s)
                             if worker and time_limit_s
@@ -324,3 +328,38 @@ def run_bench(
         if worker:
             worker.close()
     return _with_ratios(results)
+
+
+def _solver_names(solver_names: Sequence[str] | None) -> list[str]:
+    """The registered names of the solvers asked for (all by default); an old name ("dp") runs
+    and reads as the solver's name ("dynprog").
+
+    Raises:
+        PartitionError: a name no solver has, listing the registered ones.
+    """
+    registered = solvers()
+    names = [SOLVERS.canonical(n) for n in solver_names or registered]
+    unknown = [n for n in names if n not in registered]
+    if unknown:
+        raise PartitionError(
+            f"unknown solver(s) {', '.join(map(repr, unknown))}; registered: "
+            f"{', '.join(registered)} (--plugin MODULE loads more)"
+        )
+    return names
+
+
+def _check_settings(settings: BenchSettings, clusters: Sequence[Cluster]) -> None:
+    """Refuse, before any solver runs, a time limit that is not positive, an unknown schedule
+    or a chunk count every solver would fail alike on.
+
+    Raises:
+        PartitionError: naming the bad setting.
+    """
+    time_limit_s = settings.time_limit_s
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise PartitionError(
+            f"the time limit must be a positive number of seconds, got {time_limit_s!r}"
+        )
+    for kind in settings.kinds:
+        _known_schedule(kind)
+    _check_chunks(settings.chunks, settings.kinds, clusters)
