@@ -501,6 +501,6 @@ def _rules(plan: Plan) -> PipelineSchedule:
         PartitionError: no schedule has that name.
     """
     try:
-        return get_schedule(plan.schedule)
+        return plan.rules
     except ScheduleError as exc:
         raise PartitionError(str(exc)) from None

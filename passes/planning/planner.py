@@ -16,6 +16,7 @@ from pdcompile.core.errors import PartitionError, PlanConfigError, PlanWarning, 
 from pdcompile.core.progress import phase
 from pdcompile.passes.planning.evaluation import price, simulated
 from pdcompile.passes.planning.microbatch_count import plan_microbatches
+from pdcompile.passes.planning.order_search import plan_orders
 from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.recompute_choice import limited, plan_recompute
@@ -125,8 +126,9 @@ def plan_chunks(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Pl
 
 
 # the searches, outermost first, each a layer around the next (`_layered`): the schedule, the
-# microbatch count, recomputation, stages per rank; the solver's plan innermost
-SEARCHES = (plan_auto, plan_microbatches, plan_recompute, plan_chunks)
+# microbatch count, the order fitted to the plan (to its recomputation too), recomputation,
+# stages per rank; the solver's plan innermost
+SEARCHES = (plan_auto, plan_microbatches, plan_orders, plan_recompute, plan_chunks)
 
 
 def _at_rows(cost_graph: CostGraph, config: PlanConfig) -> CostGraph:

@@ -21,6 +21,7 @@ from pdcompile.core.errors import PartitionError, ScheduleError
 from pdcompile.core.regular_file import read_regular_text
 from pdcompile.core.text import human_bytes, human_seconds
 from pdcompile.passes.planning.replica_splits import UnevenSplit, replica_split
+from pdcompile.scheduling import PipelineSchedule, get_schedule
 
 FORMAT = "pdcompile.passes.planning.plans"
 VERSION = 1
@@ -216,6 +217,16 @@ class Plan:
 
     def with_(self, **changes: Any) -> Plan:
         return replace(self, **changes)
+
+    @property
+    def rules(self) -> PipelineSchedule:
+        """The schedule the plan runs: its kind (`schedule`) as the plan fits it
+        (`PipelineSchedule.for_plan`: a `synth` plan's orders are its own).
+
+        Raises:
+            ScheduleError: no schedule has that name.
+        """
+        return get_schedule(self.schedule).for_plan(self.options)
 
     # -- text ------------------------------------------------------------------------------
 
@@ -475,8 +486,6 @@ def check_schedule(schedule: str) -> str:
     Raises:
         PartitionError: it is not (the message lists the registered ones).
     """
-    from pdcompile.scheduling import get_schedule
-
     try:
         return get_schedule(schedule).name
     except ScheduleError as exc:

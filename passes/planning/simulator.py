@@ -100,7 +100,7 @@ def simulate(
         )
     m = plan.num_microbatches if num_microbatches is None else num_microbatches
     return run(
-        plan, get_schedule(schedule or plan.schedule), check_num_microbatches(m),
+        plan, plan.rules if schedule is None else get_schedule(schedule), check_num_microbatches(m),
         plan.cluster if cluster is None else Cluster.coerce(cluster),
     )  # fmt: skip
 

@@ -14,7 +14,7 @@ from pdcompile.core.cost_graph import CostGraph
 from pdcompile.lowering.staged_program import StagedProgram
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.runtime.pipeline import Pipeline
-from pdcompile.scheduling import PipelineSchedule, Schedule, get_schedule
+from pdcompile.scheduling import PipelineSchedule, Schedule
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Builder:
         self, plan: Plan, rules: PipelineSchedule | None = None, wait_s: float | None = None
     ) -> Pipeline:
         """The executor of another plan (under `rules`, default the plan's schedule)."""
-        rules = rules or get_schedule(plan.schedule)
+        rules = rules or plan.rules
         program, built = self.program(plan, rules, wait_s)
         return self.executor(program, built, rules, wait_s)
 

@@ -15,7 +15,7 @@ from pdcompile.core.cluster import DEFAULT_BANDWIDTH, Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PlanConfigError
 from pdcompile.passes.planning.plans import Plan
-from pdcompile.scheduling import PipelineSchedule, get_schedule
+from pdcompile.scheduling import PipelineSchedule
 
 
 class Captured(NamedTuple):
@@ -168,7 +168,8 @@ def share(
         shared = share_plan(planned.plan, planned.failure, job.rank, planned.left_s)
     with job.phase(train.startup_timeout)("preparing the plan"):
         plan = planned.plan if shared is None else Plan.from_json(shared)  # as it travelled
-        rules = config.rules if not config.auto else get_schedule(plan.schedule)
+        # the plan's: auto's choice; a schedule fitted to its plan (synth) as the plan fits it
+        rules = plan.rules if config.auto else config.rules.for_plan(plan.options)
         if config.auto:  # the schedule the plan chose: checked now
             train.check_schedule(rules)
         if config.num_microbatches not in (None, plan.num_microbatches):

@@ -150,6 +150,11 @@ class PipelineSchedule(abc.ABC):
         ranks: round-robin, stage i on rank i mod p (Megatron's virtual pipeline)."""
         return stage % num_ranks
 
+    def for_plan(self, options: Mapping[str, Any]) -> PipelineSchedule:
+        """This kind as a plan with `options` runs it (`Plan.rules`): itself, unless its
+        orders are fitted to each plan and the plan's options hold the fitting (`synth`)."""
+        return self
+
     def __repr__(self) -> str:
         return f"<schedule {self.name!r}>"
 
