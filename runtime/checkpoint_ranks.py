@@ -5,8 +5,9 @@ A save or load waits for the other ranks in gathers and in DCP's collectives. Gi
 group of their own, created with that timeout and destroyed after: the default group's timeout
 is the start-up's (`startup_timeout`, 900 s). While a wait lasts, a watchdog logs the warning a
 stuck step gets; a timeout or a dead peer becomes `PipelineTimeoutError` on every rank that
-waits, naming the checkpoint, the phase and what became of the checkpoint
-(docs/checkpoints.md, "Stuck and dead ranks").
+waits, naming the checkpoint, the phase, the rank that stopped (a process running a pipeline
+counts up signs of life in the store, `runtime/heartbeat.py`: a collective's own error names no
+rank) and what became of the checkpoint (docs/checkpoints.md, "Stuck and dead ranks").
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Ranks:
     def __init__(self, path: str, verb: str, group: Any, timeout_s: float | None) -> None:
         self.path, self.verb, self.group, self.timeout_s = path, verb, group, timeout_s
         self.local = local()
+        # the default group's ranks (also a group `ranks_of` makes of them), numbered as the
+        # signs of life in its store (`runtime/heartbeat.py`): a failure names who stopped
+        self.numbered = group is None and not self.local
         self.rank = 0 if self.local else dist.get_rank(group)
         self.world_size = 1 if self.local else dist.get_world_size(group)
 
@@ -72,6 +76,10 @@ class Ranks:
                 raise
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             waited = time.monotonic() - start
+            if self.numbered:  # gloo names no rank for a collective: who stopped beating?
+                from pdcompile.runtime import heartbeat
+
+                reason += heartbeat.stall_note(self.world_size, self.rank)
             log.error("rank %d: %s with ranks %s failed after %.1f s: %s", self.rank, doing,
                       peers, waited, reason)  # fmt: skip
             default = (

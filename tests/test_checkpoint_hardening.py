@@ -111,6 +111,8 @@ def test_a_stopped_rank_ends_a_save_and_a_load_after_the_step_timeout(tmp_path: 
             assert "(timeout 3 s)" in message and "a rank died or hangs" in message, message
             if rank == 0:  # it waited for the stopped rank until the timeout, not 60 s
                 assert what in message and 2.5 <= elapsed < 30, (elapsed, message)
+                # and names it: gloo's timeout names no rank, rank 1's signs of life stood still
+                assert "rank 1 stopped (no sign of life" in message, message
         assert ("is unchanged" in result["save"][1]) and "nothing was loaded" in result["load"][1]
         assert result["step"] == 2  # the run went on and saved again
     warned = {m.group(2) for m in map(WATCHDOG.fullmatch, ranks[0]["log"]) if m}
