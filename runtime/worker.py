@@ -358,6 +358,12 @@ class StageWorker:
                 tensor.grad = grad
         state.outputs, state.grads, state.loss = None, [], None  # W needs only `split`
 
+    def _FB(self, a: Action) -> None:
+        """An overlapped pair opens (`action_kinds.overlapped`): its forward and backward part
+        are the next two actions, run one after the other by `_F` and `_B` (or `_I`, `_W`), the
+        forward first. That is all a CPU can do; a GPU could launch the forward on a second
+        CUDA stream here and join it after the backward, which this runtime does not do yet."""
+
     def _W(self, a: Action) -> None:
         """The split backward's second part: the gradients of the weights the microbatch ran
         on, from what `I` kept (no part of the backward runs twice)."""

@@ -39,7 +39,7 @@ from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
 from pdcompile.scheduling import build_schedule, get_schedule
-from pdcompile.scheduling.action_kinds import SPLIT
+from pdcompile.scheduling.action_kinds import SPLIT, is_compute, ways
 
 # random replica layouts give splits the warning is about (tests/test_replica_balance.py)
 pytestmark = pytest.mark.filterwarnings("ignore::pdcompile.core.errors.PlanWarning")
@@ -130,9 +130,13 @@ def check_orders(kind: str) -> int:
             steps = 2 if rules.streaming else 1
             schedule = build_schedule(kind, ranks, edges, m, num_steps=steps)
             validate_schedule(schedule)
-            computes = [a for acts in schedule.actions.values() for a in acts
-                        if a.kind in rules.compute_kinds]  # fmt: skip
-            assert len(computes) == len(rules.compute_kinds) * stages * m * steps, (ranks, m)
+            work: dict[tuple[int, int], list[str]] = {}  # per (stage, microbatch), its kinds
+            for a in (a for acts in schedule.actions.values() for a in acts):
+                if is_compute(a.kind):
+                    work.setdefault((a.stage, a.microbatch), []).append(a.kind)
+            done = [sorted(way) for way in ways(rules.compute_kinds)]  # F, B or F, I, W
+            assert len(work) == stages * m * steps, (ranks, m)
+            assert all(sorted(kinds) in done for kinds in work.values()), (ranks, m)
             built += 1
     assert built, f"{kind} accepts none of the layouts tried"
     return built

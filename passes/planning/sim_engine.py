@@ -4,7 +4,9 @@ Compute takes the plan's seconds (and the runtime's work on weight versions,
 `passes/planning/simulated_weights.py`), a message travels from its `send` over the link it uses,
 shared
 fairly with the transfers on it at the same time, plus the level's latency; a `recv` waits for
-its message and a collective for its whole group. `passes/planning/simulator.py` drives it call by
+its message and a collective for its whole group. An overlapped pair (`FB`, then a forward and a
+backward part) runs its parts one after the other, the second shortened by the cluster's
+`fb_overlap` share of the shorter part's seconds. `passes/planning/simulator.py` drives it call by
 call.
 """
 
@@ -97,6 +99,8 @@ class Engine:
         self.links: dict[tuple[int, int, int], _Link] = {}  # (level, source group, destination)
         self.routes: dict[tuple[int, int], tuple[int, int, int]] = {}  # rank pair -> link
         self.latency: dict[tuple[int, int], float] = {}  # rank pair -> seconds per message
+        self.fb_overlap = cluster.runtime.fb_overlap
+        self.hidden: dict[tuple[int, int], float] = {}  # (rank, action index) -> seconds saved
         self.position = dict.fromkeys(self.actions, 0)
         self.clock = dict.fromkeys(self.actions, 0.0)  # when each rank last stopped
         self.last_compute: dict[int, ActionKind] = {}  # what each rank computed last
@@ -226,6 +230,9 @@ class Engine:
                     self._transfer(rank, a, now)
             elif letter == CLIP:  # one stage's own norm (`pipedream`: clipped per stage)
                 end = now + self.costs[stage].clip_s
+            elif row.brackets:
+                self._pair(rank, position[rank], row.brackets)
+                end = now
             else:
                 end = now + self._version(rank, a, now) if letter in (PUSH, POP, STEP) else now
             self._record(rank, a, now, end)
@@ -236,12 +243,14 @@ class Engine:
 
     def _compute(self, rank: int, a: Action, row: ActionKind, now: float) -> None:
         """Run a compute action (its seconds, and the runtime's work on the weights), and
-        hold what the action table says it holds: a forward's activations from its start; a
+        hold what the action table says it holds (an overlapped pair's last part shortened by
+        what the pair hides: `_pair`): a forward's activations from its start; a
         backward part's changes at its end (the activations it frees, the weight gradient's
         part a split backward's I leaves, the gradients it adds), a recomputing one holding
         the forward's activations again while it runs."""
         stage = a.stage
-        end = now + self.seconds[(stage, a.kind)]
+        hidden = self.hidden.pop((rank, self.position[rank]), 0.0)  # the end of a pair
+        end = now + self.seconds[(stage, a.kind)] - hidden
         weights = self.weights[(rank, stage)]
         grads = weights.grads
         if row.starts:
@@ -265,6 +274,14 @@ class Engine:
             self._use(rank, stage, now, again, transient=inside)
             self._use(rank, stage, end, weights.grads - grads + held - again, transient=-inside)
         self._push(end, RESUME, rank)
+
+    def _pair(self, rank: int, bracket: int, parts: int) -> None:
+        """An overlapped pair opens at action `bracket` of `rank`: its last part (the `parts`
+        compute actions right after it) takes `fb_overlap` of the shorter part's seconds less,
+        so the pair takes max(F, B) + (1 - fb_overlap) min(F, B)."""
+        after = self.actions[rank][bracket + 1 : bracket + 1 + parts]
+        shorter = min(self.seconds[(a.stage, a.kind)] for a in after)
+        self.hidden[(rank, bracket + parts)] = self.fb_overlap * shorter
 
     def _record(self, rank: int, a: Action, start: float, end: float) -> None:
         self.events.append(Event(rank, a.kind, a.stage, a.microbatch, start, end, a.peer))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcompile.core.errors import PartitionError, ScheduleError
 from pdcompile.scheduling import Action, Schedule
-from pdcompile.scheduling.action_kinds import COMPUTE, RECV, SEND, kind
+from pdcompile.scheduling.action_kinds import COMPUTE, RECV, SEND, kind, overlappable
 from pdcompile.scheduling.base import MAX_MICROBATCHES
 
 if TYPE_CHECKING:
@@ -100,8 +100,9 @@ def validate_schedule(schedule: Schedule) -> None:
     """Raise `ScheduleError` with a rank-by-step grid (`!` marks the bad step) unless every send
     has its receive, every compute item the items it needs of its microbatch before it on the
     same rank (a backward after its forward, `W` after its `I`: the action table's `needs`),
-    every microbatch a stage starts also ends there (a fused backward, or a `W`), each rank
-    runs only its own stages, and the schedule runs to the end without deadlock."""
+    every overlapped pair's bracket is followed by its parts (its forward, then a backward
+    part), every microbatch a stage starts also ends there (a fused backward, or a `W`), each
+    rank runs only its own stages, and the schedule runs to the end without deadlock."""
     sends, recvs = Counter(), Counter()
     where: dict[tuple, tuple[int, int]] = {}
     for rank, actions in schedule.actions.items():
@@ -115,6 +116,8 @@ def validate_schedule(schedule: Schedule) -> None:
                 key = _message(rank, a)
                 (sends if a.kind == SEND else recvs)[key] += 1
                 where.setdefault(key, (rank, i))
+            if row.brackets:
+                _check_pair(schedule, rank, i, actions[i + 1 : i + 1 + row.brackets])
             if not row.is_compute:
                 continue
             for need in row.needs:
@@ -140,6 +143,21 @@ def validate_schedule(schedule: Schedule) -> None:
                 dict([where[key]]),
             )
     _run(schedule)
+
+
+def _check_pair(schedule: Schedule, rank: int, i: int, parts: tuple[Action, ...]) -> None:
+    """The bracket at step `i` of `rank` is followed by `parts`: its forward, then a backward
+    part (`overlappable`)."""
+    bracket = schedule.actions[rank][i]
+    mine = overlappable([a.kind for a in parts]) and parts[0][1:3] == bracket[1:3]
+    if not mine:  # the forward's (stage, microbatch) name the bracket
+        raise _fail(
+            schedule,
+            f"rank {rank}: the overlapped pair at step {i} must be followed by its forward "
+            f"(F{bracket.microbatch}, stage {bracket.stage}) and a backward part, got "
+            f"{[str(a) for a in parts]}",
+            {rank: i},
+        )
 
 
 def _run(schedule: Schedule) -> None:

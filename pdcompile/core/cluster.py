@@ -117,6 +117,10 @@ class RuntimeCosts:
     its own work (gloo reduces and copies through buffers of its own: on loopback here
     0.80-1.12 GB/s where a message moved 1.09-2.37 GB/s, 10 calibrations); an all-reduce runs
     at the smaller of it and the link's bandwidth.
+    `fb_overlap`: the share of the shorter part of an overlapped forward-backward pair (`FB`,
+    `dualpipev`) that runs hidden under the longer: the pair takes max(F, B) + (1 - fb_overlap)
+    min(F, B). 0 (the default) runs them one after the other, as a CPU does; a GPU running them
+    on two streams hides part of the shorter, 1 all of it.
     The defaults cost nothing; docs/simulator.md has the formulas and how they are measured.
     """
 
@@ -127,6 +131,7 @@ class RuntimeCosts:
     collective_s: float = 0.0
     send_s: float | None = None
     collective_bandwidth: float | None = None
+    fb_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("memory_bandwidth", "cache_bandwidth", "collective_bandwidth"):
@@ -141,6 +146,11 @@ class RuntimeCosts:
                 continue
             if not (_number(value) and value >= 0):
                 raise PartitionError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if not (_number(self.fb_overlap) and 0 <= self.fb_overlap <= 1):
+            raise PartitionError(
+                f"fb_overlap must be a share from 0 to 1 of an overlapped pair's shorter part, "
+                f"got {self.fb_overlap!r}"
+            )
 
     @property
     def sent_s(self) -> float:

@@ -5,7 +5,8 @@ one time unit. Forward, backward, clipping and the optimizer step (compute), sen
 all-reduce (communication) have distinct colours; a receive is drawn as idle time, grey and
 hatched: the rank waits there for the message (its transfer included), and the legend keeps
 idle apart from communication. Forward and backward boxes carry their microbatch number when
-wide enough; each row is labelled "rank r (stage s)" with its bubble fraction. Needs
+wide enough; an overlapped pair (`FB`) is outlined around its forward and backward; each row is
+labelled "rank r (stage s)" with its bubble fraction. Needs
 matplotlib (the `plot` extra), imported only when drawing; `bubble_fraction` is pure.
 """
 
@@ -28,6 +29,8 @@ IDLE = tuple(row.letter for row in TABLE if row.drawn_as_idle)
 _HATCH = ("////", "#9a9a9a")  # the idle boxes' hatching and its colour
 # kinds drawn as thin boxes at the bottom of a row: they may overlap compute
 _COMM = tuple(row.letter for row in TABLE if row.thin)
+# kinds drawn as an outline around the compute boxes after them (an overlapped pair's parts)
+_BRACKETS = {row.letter: row.brackets for row in TABLE if row.brackets}
 _FORMATS = (".png", ".svg")
 _FONT = 7  # points, of the microbatch numbers
 _WIDTH_IN = 12  # figure width, inches
@@ -113,10 +116,11 @@ def plot_timelines(panels: Sequence[tuple[str, Sequence[Event]]], path: str | Pa
     axes[-1].set_xlabel(f"time ({unit})")
     axes[-1].set_xlim(0, longest / scale * 1.01)
     handles = [
-        Patch(facecolor=c, label=label, **_idle_style(k))
+        Patch(label=label, **({"facecolor": "none", "edgecolor": c} if k in _BRACKETS else
+                              {"facecolor": c, **_idle_style(k)}))
         for k, (label, c) in KINDS.items()
         if k in kinds
-    ]
+    ]  # fmt: skip
     if kinds - KINDS.keys():
         handles.append(Patch(color=OTHER, label="other"))
     handles.append(Patch(facecolor="white", edgecolor=_HATCH[1], label="idle: no action"))
@@ -140,8 +144,13 @@ def _draw_panel(
             boxes = [(e.start * per_s, e.duration * per_s) for e in mine if e.kind == kind]
             lane = (y + 0.1, 0.25) if kind in _COMM else (y - 0.4, 0.8)
             colour = KINDS.get(kind, ("", OTHER))[1]
-            style = _idle_style(kind) or {"edgecolor": "white", "linewidth": 0.3}
-            ax.broken_barh(boxes, lane, facecolors=colour, **style)
+            if kind in _BRACKETS:
+                boxes = [(a * per_s, d * per_s) for a, d in _pairs(mine, kind)]
+                ax.broken_barh(boxes, (y - 0.45, 0.9), facecolors="none", edgecolors=colour,
+                               linewidth=0.8)  # fmt: skip
+            else:
+                style = _idle_style(kind) or {"edgecolor": "white", "linewidth": 0.3}
+                ax.broken_barh(boxes, lane, facecolors=colour, **style)
             kinds.add(kind)
         for e in mine:
             text = str(e.microbatch)
@@ -153,6 +162,17 @@ def _draw_panel(
     ax.set_ylim(len(labels) - 0.5, -0.5)
     ax.grid(axis="x", alpha=0.3)
     return kinds
+
+
+def _pairs(mine: Sequence[Event], kind: str) -> list[tuple[float, float]]:
+    """(start, duration) of each of one rank's overlapped pairs opened by `kind`: from its
+    bracket to the end of its last part (the events right after it)."""
+    n = _BRACKETS[kind]
+    return [
+        (e.start, max(p.end for p in mine[i : i + 1 + n]) - e.start)
+        for i, e in enumerate(mine)
+        if e.kind == kind
+    ]
 
 
 def _idle_style(kind: str) -> dict[str, Any]:

@@ -12,10 +12,24 @@ back), what it does to the microbatches the stage holds (`holds`: the change to 
 holding all their activations and to the count holding only what the weight gradient reads),
 whether it adds to the weights' gradients (`accumulates`), and which seconds of the stage it
 takes (`seconds`: `Stage` fields, summed).
+
+An overlapped pair (`FB`, DualPipe's and torch's `OVERLAP_F_B`) is a forward and a backward part,
+of two microbatches and maybe two stages of one rank, run as one so that a GPU can overlap them.
+It is written as a bracket, in orders and in actions alike: the `FB` item, then its two parts as
+ordinary compute items (`overlapped` writes the three). The builder puts the parts' receives
+before the bracket and their sends after both parts. Everything that only needs the work
+(the validator's `needs`, the memory walks, the closed loop's measured stage times, the workers'
+`F` and `B`) reads the parts as any other compute; only what the overlap changes reads the
+bracket (`brackets`): the simulator's price, a GPU's streams, the pictures. So an action stays a
+tuple of eight small fields, with none for a second microbatch on millions of actions. On a CPU
+the parts run one after the other, the forward first, as DualPipe runs a pair it cannot
+overlap: a forward's activations are then held before the backward frees its own, what a GPU
+running both at once holds too, so the memory walks are right for both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # what a compute kind computes
@@ -54,6 +68,8 @@ class ActionKind:
         drawn_as_idle: Gantt charts draw it hatched, as waiting.
         thin: Gantt charts draw it as a thin box (it may overlap compute).
         collective: the ranks of its `group` take part together.
+        brackets: it opens an overlapped pair: the compute actions right after it (a forward,
+            then a backward part: `overlappable`) that run as one.
     """
 
     letter: str
@@ -74,6 +90,7 @@ class ActionKind:
     drawn_as_idle: bool = False
     thin: bool = False
     collective: bool = False
+    brackets: int = 0
 
     @property
     def is_compute(self) -> bool:
@@ -97,6 +114,7 @@ TABLE = (
     ActionKind("clip", "clip", "#8172b3", collective=True),
     ActionKind("check", collective=True),
     ActionKind("step", "optimizer step", "#937860"),
+    ActionKind("FB", "overlapped forward and backward", "#000000", brackets=2),
     ActionKind("push"),
     ActionKind("pop"),
 )  # fmt: skip
@@ -107,7 +125,8 @@ F, B, I, W = "F", "B", "I", "W"  # noqa: E741
 SEND, RECV, ALLREDUCE, CLIP, CHECK, STEP, PUSH, POP = (
     "send", "recv", "allreduce", "clip", "check", "step", "push", "pop",
 )  # fmt: skip
-assert set(KINDS) == {F, B, I, W, SEND, RECV, ALLREDUCE, CLIP, CHECK, STEP, PUSH, POP}
+OVERLAP = "FB"
+assert set(KINDS) == {F, B, I, W, SEND, RECV, ALLREDUCE, CLIP, CHECK, STEP, PUSH, POP, OVERLAP}
 
 COMPUTE = tuple(k.letter for k in TABLE if k.is_compute)  # F, B, I, W
 FUSED = (F, B)  # a schedule's compute kinds with a fused backward
@@ -131,8 +150,40 @@ def compute_kinds(items_per_microbatch: int) -> tuple[str, ...]:
     return FUSED if items_per_microbatch == len(FUSED) else SPLIT
 
 
+def ways(kinds: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The ways a schedule of compute `kinds` may run one microbatch at one stage: `FUSED`
+    only, or, splitting backwards, `SPLIT` or `FUSED` (a split schedule may fuse some
+    backwards, as `dualpipev` does where DualPipe does)."""
+    return (FUSED,) if kinds == FUSED else (SPLIT, FUSED)
+
+
+def overlapped(
+    forward: tuple[int, int], backward: tuple[int, int], part: str = B
+) -> list[tuple[str, int, int]]:
+    """The order items of the forward of (stage, microbatch) `forward` and the backward `part`
+    of `backward` run as one pair: the bracket (named after its forward), then the two.
+
+    >>> overlapped((0, 5), (1, 2))
+    [('FB', 0, 5), ('F', 0, 5), ('B', 1, 2)]
+    """
+    return [(OVERLAP, *forward), (F, *forward), (part, *backward)]
+
+
+def overlappable(letters: Sequence[str]) -> bool:
+    """Whether compute kinds `letters`, in order, may form an overlapped pair: a forward, then
+    a backward part (`B`, `I` or `W`)."""
+    return (
+        len(letters) == 2
+        and kind(letters[0]).starts
+        and is_compute(letters[1])
+        and not kind(letters[1]).starts
+    )
+
+
 def needs_microbatch(letter: str, stream: str = "") -> bool:
     """Whether an action needs its microbatch to have been given (a stream's call may stop before
-    it): one that starts the microbatch at its stage, its weight version's stash, or a message
-    of its activations."""
-    return kind(letter).starts or letter == PUSH or (letter in (SEND, RECV) and stream == ACT)
+    it): one that starts the microbatch at its stage, a bracket (named after its forward), its
+    weight version's stash, or a message of its activations."""
+    row = kind(letter)
+    message = letter in (SEND, RECV) and stream == ACT
+    return row.starts or bool(row.brackets) or letter == PUSH or message

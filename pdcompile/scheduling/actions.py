@@ -9,7 +9,8 @@ largest norm: over every rank for the synchronous schedules, an all-reduce over 
 with no group, under `pipedream`), `check` (every rank learns whether a loss of the step was NaN or
 infinite: an all-reduce of a flag over `group`; the step is then skipped everywhere), `step`
 (optimizer update), `push`/`pop` (a weight version is stashed at a forward and dropped after its
-backward)."""
+backward), `FB` (the two compute actions after it, a forward and a backward part, run as one
+overlapped pair: `action_kinds.overlapped`)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ class Action(NamedTuple):
             return f"{self.stream}{mb}<{self.peer}"
         if self.kind == ALLREDUCE:
             return f"T{self.tie}.{mb}" if self.tie >= 0 else f"AR{mb}"
+        if kind(self.kind).brackets:  # its parts, after it, show their microbatches
+            return self.kind
         return f"{self.kind}{mb}"
 
 

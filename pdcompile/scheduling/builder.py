@@ -7,10 +7,11 @@ k mod r_s of stage s. Each rank's compute comes from its schedule (`rank_orders`
 microbatch) items, fused "B" or split "I"/"W"); each item brings its messages as the action
 table says (`action_kinds`): receives come right before the compute that needs them, sends
 right after the compute that produced them (executors post receives early and never block a
-sender). Streaming schedules stash a weight version per microbatch (`push`/`pop`) and update
-after each round, in a stream of steps that never drains; synchronous ones update once at the
-end of their one step: every stage's all-reduces, one check and one clip for the rank, then
-every stage's optimizer step.
+sender); an overlapped pair (`FB` and its two parts) receives both parts' messages before it
+and sends both after it. Streaming schedules stash a weight version per microbatch
+(`push`/`pop`) and update after each round, in a stream of steps that never drains;
+synchronous ones update once at the end of their one step: every stage's all-reduces, one
+check and one clip for the rank, then every stage's optimizer step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from pdcompile.scheduling.action_kinds import (
     SEND,
     STEP,
     F,
+    is_compute,
     kind,
+    overlappable,
+    ways,
 )
 from pdcompile.scheduling.actions import Action, Schedule
 from pdcompile.scheduling.base import PipelineSchedule
@@ -264,31 +268,39 @@ class RankOrder:
         stashes the weight version before a forward and drops it (then updates, after a
         round's last microbatch) after the item that ends the microbatch."""
         row = kind(letter)
+        if row.brackets:
+            raise ScheduleError(
+                f"{self.rules.name}: an overlapped pair ({letter!r}) runs in a synchronous "
+                "schedule's rank orders only, not in a stream's"
+            )
         if not row.is_compute:
             raise ScheduleError(f"{self.rules.name}: unknown compute kind {letter!r}")
-        stage, schedule, peers = self.stage, self.schedule, self.peers
-        actions = []
-        if row.receives == ACT:
-            actions += [_comm(RECV, stage, k, schedule.rank_of(src, k), src, ACT)
-                        for src in peers.into]  # fmt: skip
-        elif row.receives == GRAD:
-            actions += [_comm(RECV, stage, k, schedule.rank_of(dst, k), dst, GRAD)
-                        for dst in peers.grads_from]  # fmt: skip
+        stage, schedule = self.stage, self.schedule
+        actions = self.receives(letter, k)
         if self.rules.streaming and row.starts:
             actions.append(Action(PUSH, stage, k))
         actions.append(Action(letter, stage, k))
-        if row.sends == ACT:
-            actions += [_comm(SEND, stage, k, schedule.rank_of(dst, k), dst, ACT)
-                        for dst in peers.out]  # fmt: skip
-        elif row.sends == GRAD:
-            actions += [_comm(SEND, stage, k, schedule.rank_of(src, k), src, GRAD)
-                        for src in peers.grads_to]  # fmt: skip
+        actions += self.sends(letter, k)
         if self.rules.streaming and row.ends:
             actions.append(Action(POP, stage, k))
             group = schedule.replicas[stage]
             if (k + group) // self.round_size > k // self.round_size:  # its last of the round
                 actions += self.update(k // self.round_size)
         return actions
+
+    def receives(self, letter: str, k: int) -> list[Action]:
+        """What compute item `letter` of microbatch `k` receives before it (the action table's
+        `receives`): activations from the stages feeding this one, or gradients back."""
+        stream, schedule, peers = kind(letter).receives, self.schedule, self.peers
+        sources = {ACT: peers.into, GRAD: peers.grads_from}.get(stream, ())
+        return [_comm(RECV, self.stage, k, schedule.rank_of(s, k), s, stream) for s in sources]
+
+    def sends(self, letter: str, k: int) -> list[Action]:
+        """What compute item `letter` of microbatch `k` sends after it (`sends`): activations
+        to the stages it feeds, or gradients back to those feeding it."""
+        stream, schedule, peers = kind(letter).sends, self.schedule, self.peers
+        targets = {ACT: peers.out, GRAD: peers.grads_to}.get(stream, ())
+        return [_comm(SEND, self.stage, k, schedule.rank_of(s, k), s, stream) for s in targets]
 
 
 def _updates(finals: Mapping[int, list[Action]]) -> list[Action]:
@@ -315,25 +327,74 @@ def _ranked(
 ) -> dict[int, tuple[Action, ...]]:
     """Every rank's actions from the order the schedule gives each rank ((kind, stage,
     microbatch) items), checked against its stages' work: each microbatch of each of the
-    rank's stages once per compute kind (F and B, or F, I and W), then the rank's updates."""
+    rank's stages once per compute kind of one of its `ways` (F and B, or F, I and W), then the
+    rank's updates."""
     actions = {}
-    kinds = rules.compute_kinds
     for rank in sorted({rank for rank, _ in orders}):
         items = list(ranked.get(rank, ()))
         stages = sorted(s for r, s in orders if r == rank)
-        want = {(letter, s, k) for s in stages for k in orders[(rank, s)].mine(total)
-                for letter in kinds}  # fmt: skip
-        if len(items) != len(want) or set(items) != want:
-            wrong = sorted(set(items) ^ want)[:4] or items[:4]
-            raise ScheduleError(
-                f"{rules.name}'s order for rank {rank} does not run each microbatch of its "
-                f"stages {stages} once per {'/'.join(kinds)} (e.g. {wrong}): a bug in the "
-                "schedule's rank_orders"
-            )
-        out = [a for letter, s, k in items for a in orders[(rank, s)].compute(letter, k)]
+        _check_work(rules, rank, stages, [i for i in items if is_compute(i[0])],
+                    {s: orders[(rank, s)].mine(total) for s in stages})  # fmt: skip
+        out: list[Action] = []
+        t = 0
+        while t < len(items):
+            letter, s, k = items[t]
+            span = kind(letter).brackets
+            if span:
+                out += _overlap(rules, rank, orders, items[t], items[t + 1 : t + 1 + span])
+            else:
+                out += orders[(rank, s)].compute(letter, k)
+            t += 1 + span
         finals = {s: orders[(rank, s)].update(-1) for s in stages}
         actions[rank] = tuple(out + _updates(finals))
     return actions
+
+
+def _check_work(
+    rules: PipelineSchedule,
+    rank: int,
+    stages: list[int],
+    items: list[Item],
+    mine: Mapping[int, range],
+) -> None:
+    """`ScheduleError` unless the compute `items` of `rank`'s order run each microbatch of its
+    `stages` (`mine[stage]`) once per compute kind of one of the schedule's `ways`."""
+    work: dict[tuple[int, int], list[str]] = {}
+    for letter, s, k in items:
+        work.setdefault((s, k), []).append(letter)
+    want = {(s, k) for s in stages for k in mine[s]}
+    allowed = ways(rules.compute_kinds)
+    wrong = sorted(set(work) ^ want) + sorted(
+        (s, k, *w) for (s, k), w in work.items() if sorted(w) not in map(sorted, allowed)
+    )
+    if wrong:
+        raise ScheduleError(
+            f"{rules.name}'s order for rank {rank} does not run each microbatch of its stages "
+            f"{stages} once per {' or '.join('/'.join(w) for w in allowed)} (e.g. {wrong[:4]}): "
+            "a bug in the schedule's rank_orders"
+        )
+
+
+def _overlap(
+    rules: PipelineSchedule,
+    rank: int,
+    orders: Mapping[tuple[int, int], RankOrder],
+    bracket: Item,
+    parts: Sequence[Item],
+) -> list[Action]:
+    """An overlapped pair's actions: both parts' receives, the bracket, the two parts, both
+    parts' sends (the pair ends together)."""
+    letter, s, k = bracket
+    if not overlappable([p[0] for p in parts]) or parts[0][1:] != (s, k):
+        raise ScheduleError(
+            f"{rules.name}'s order for rank {rank}: {bracket} must be followed by its forward "
+            f"(F, {s}, {k}) and a backward part, got {list(parts)}: write pairs with "
+            "action_kinds.overlapped"
+        )
+    mine = [(orders[(rank, ps)], part, pk) for part, ps, pk in parts]
+    before = [a for order, part, pk in mine for a in order.receives(part, pk)]
+    after = [a for order, part, pk in mine for a in order.sends(part, pk)]
+    return [*before, Action(letter, s, k), *(Action(*p) for p in parts), *after]
 
 
 def _update(

@@ -6,6 +6,9 @@ microbatch holding all its activations, a fused backward frees it, a split backw
 what its W reads, the W frees that): the most microbatches held at once, the most holding all
 their activations, the same while the rank holds gradients (from its first item that
 `accumulates` them to the update), and the forwards before its first other item (its warm-up).
+An overlapped pair's bracket holds nothing: its parts are walked in order, the forward first, so
+the forward's activations are counted before the backward frees its own (on a GPU running both
+at once they are held together too).
 A stream is walked over enough of its endless order to reach its steady state, its gradients
 freed at each round's update.
 """
@@ -47,6 +50,8 @@ def walk(
     grads: set[int] = set()  # stages holding gradients
     for letter, stage, k in items:
         row = kind(letter)
+        if not row.is_compute:  # an overlapped pair's bracket: its parts follow
+            continue
         if row.starts:
             forwards += 1
         elif warmup is None:
