@@ -5,8 +5,8 @@
 1. Simulated: two stage-time profiles with a heavy last stage, PipeDream's GNMT (its published
    profile, `tests/data/pipedream/gnmt`) and the zoo GPT with a 4096-token LM head (analytic
    costs: the head 4.7x a block; `--vocab`), each planned on p ranks of 10 GB/s, M = 2p and 4p,
-   under every registered synchronous schedule (one replica per stage, dynprog, each its own
-   partition) and under `synth`. Per case: synth's step and peak, the best registered
+   under every registered synchronous schedule (the planner's defaults: dynprog, replicas where
+   they pay, each schedule its own partition) and under `synth`. Per case: synth's step and peak, the best registered
    schedule's step among those whose peak is at most synth's ("at equal or lower peak
    memory"), and the shortest registered step at any memory.
 2. `--run`: the GPT with its heavy head compiled with `schedule="synth"` on 4 spawned gloo
@@ -59,7 +59,7 @@ def compare(costs: CostGraph, p: int, m: int) -> dict:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 plan = pdcompile.plan(costs, Cluster.parse(f"{p}@10GB/s"), schedule=kind,
-                                      num_microbatches=m, replica_counts=[1])  # fmt: skip
+                                      num_microbatches=m)  # fmt: skip
         except pdcompile.PdcompileError as exc:
             found[kind] = {"skipped": str(exc)[:80]}
             continue
