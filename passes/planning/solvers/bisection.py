@@ -132,59 +132,110 @@ def _fewest(
 
     With `track` (one limit) also the stages (start, end, replicas) of such a cover.
     """
-    P, L, top, S = geo.group, geo.levels, geo.top, len(limits)
-    fewest = np.full((n + 1, P * L, S), np.inf)  # [k, residue * L + level, limit]
-    fewest[0, top] = 0.0
-    # crossing stages from prefix j: table[j, x] = min over residues of the first end reachable
-    # with x replicas, max(start + x, first rank past the group + 1), for x <= P + 1
-    table = np.full((n + 1, P + 2, S), np.inf)
-    by_res = np.full((n + 1, P, S), np.inf)  # fewest over levels
-    pick_res = np.zeros((n + 1, P + 2), dtype=np.int64)
-    pick_level = np.zeros((n + 1, P), dtype=np.int64)
-    parent = np.zeros((n + 1, P * L, 3), dtype=np.int64)  # (start, previous state, replicas)
-    xs = np.arange(P + 2)[None, :, None]
-    offsets = (np.arange(n + 1) * (P + 2) * S)[:, None] + np.arange(S)  # table.take(j, x, s)
-    residues = geo.residues[:, None]
-    src = geo.res * L + geo.prev
-    cut2 = geo.prices.transfer_s(p.cut, geo.top_bandwidth, 1)
-    widest = P * float(limits.max()) * (1 + 1e-9)
+    return _FewestDevices(p, n, geo, limits, track).solve()
 
-    def finish(k: int) -> None:
-        grid = fewest[k].reshape(P, L, S)
-        start = by_res[k] = grid.min(axis=1)  # (residue, limit)
-        past = start - residues + P + 1
-        options = np.maximum(start[:, None, :] + xs, past[:, None, :])  # (residue, x, limit)
-        table[k] = options.min(axis=0)
-        if track:
-            pick_res[k] = options[:, :, 0].argmin(axis=0)
-            pick_level[k] = grid[:, :, 0].argmin(axis=1)
 
-    finish(0)
-    for k in range(1, n + 1):
-        row = np.full((P * L, S), np.inf)
-        # stages within one group: only starts with compute <= P * limit can meet it
-        j0 = int(np.searchsorted(p.compute, p.compute[k] - widest, "left"))
+class _FewestDevices:
+    """`_fewest`'s DP, filled prefix by prefix: `fewest[k, residue * L + level, s]` is the fewest
+    devices covering the first k nodes with the last stage ending at that residue and span level,
+    every stage within `limits[s]`; with `track`, `parent[k, state]` is that last stage (start,
+    previous state, replicas)."""
+
+    def __init__(self, p, n: int, geo: _Geometry, limits: np.ndarray, track: bool) -> None:
+        self.p, self.n, self.geo, self.limits, self.track = p, n, geo, limits, track
+        P, L, S = geo.group, geo.levels, len(limits)
+        self.fewest = np.full((n + 1, P * L, S), np.inf)  # [k, residue * L + level, limit]
+        self.fewest[0, geo.top] = 0.0
+        # crossing stages from prefix j: table[j, x] = min over residues of the first end
+        # reachable with x replicas, max(start + x, first rank past the group + 1), x <= P + 1
+        self.table = np.full((n + 1, P + 2, S), np.inf)
+        self.by_res = np.full((n + 1, P, S), np.inf)  # fewest over levels
+        self.pick_res = np.zeros((n + 1, P + 2), dtype=np.int64)
+        self.pick_level = np.zeros((n + 1, P), dtype=np.int64)
+        self.parent = np.zeros((n + 1, P * L, 3), dtype=np.int64)  # (start, previous, replicas)
+        self.xs = np.arange(P + 2)[None, :, None]
+        self.offsets = (np.arange(n + 1) * (P + 2) * S)[:, None] + np.arange(S)  # table.take
+        self.residues = geo.residues[:, None]
+        self.src = geo.res * L + geo.prev
+        self.cut2 = geo.prices.transfer_s(p.cut, geo.top_bandwidth, 1)
+        self.widest = P * float(limits.max()) * (1 + 1e-9)
+
+    def solve(self) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+        """Fill every prefix; returns the fewest devices per limit and, with `track`, the
+        stages of a cover for the first limit."""
+        geo, n = self.geo, self.n
+        self._finish(0)
+        for k in range(1, n + 1):
+            row = np.full((geo.group * geo.levels, len(self.limits)), np.inf)
+            self._within_groups(k, row)
+            self._across_groups(k, row)
+            self.fewest[k] = row
+            self._finish(k)
+        used = self.fewest[n].min(axis=0)
+        stages = self._stages() if self.track and np.isfinite(used[0]) else []
+        return used, stages
+
+    def _finish(self, k: int) -> None:
+        """Prefix k is final: its fewest per residue and its row of the crossing table."""
+        P, L, S = self.geo.group, self.geo.levels, len(self.limits)
+        grid = self.fewest[k].reshape(P, L, S)
+        start = self.by_res[k] = grid.min(axis=1)  # (residue, limit)
+        past = start - self.residues + P + 1
+        options = np.maximum(start[:, None, :] + self.xs, past[:, None, :])  # (residue, x, limit)
+        self.table[k] = options.min(axis=0)
+        if self.track:
+            self.pick_res[k] = options[:, :, 0].argmin(axis=0)
+            self.pick_level[k] = grid[:, :, 0].argmin(axis=1)
+
+    def _within_groups(self, k: int, row: np.ndarray) -> None:
+        """Stages [j, k) within one group into `row`: only starts with compute <= P * limit can
+        meet it."""
+        p, geo, src = self.p, self.geo, self.src
+        j0 = int(np.searchsorted(p.compute, p.compute[k] - self.widest, "left"))
         js = np.arange(j0, k)
-        if len(js):
-            time = (
-                np.outer(geo.a, p.compute[k] - p.compute[js])
-                + np.outer(geo.b, p.grad[k] - p.grad[js])
-                + np.outer(geo.c, p.cut[js])
-            )[:, :, None]
-            before = fewest[js][:, src, :].transpose(1, 0, 2)  # (transition, start, limit)
-            ends = np.where(time <= limits, before + geo.replicas[:, None, None], np.inf)
-            best = ends.min(axis=1)  # (transition, limit)
-            row[geo.targets] = np.minimum.reduceat(best, geo.first, axis=0)
-            if track:
-                for target, a, b in zip(geo.targets, geo.bounds[:-1], geo.bounds[1:], strict=True):
-                    t = a + int(best[a:b, 0].argmin())
-                    w = int(ends[t, :, 0].argmin())
-                    parent[k, target] = (js[w], src[t], geo.replicas[t])
-        # stages crossing a group boundary: span and incoming link at the top level
-        work = p.compute[k] - p.compute[:k] + cut2[:k]
-        lo, hi = _crossing_range(geo, work, p.grad[k] - p.grad[:k], limits)
+        if not len(js):
+            return
+        time = (
+            np.outer(geo.a, p.compute[k] - p.compute[js])
+            + np.outer(geo.b, p.grad[k] - p.grad[js])
+            + np.outer(geo.c, p.cut[js])
+        )[:, :, None]
+        before = self.fewest[js][:, src, :].transpose(1, 0, 2)  # (transition, start, limit)
+        ends = np.where(time <= self.limits, before + geo.replicas[:, None, None], np.inf)
+        best = ends.min(axis=1)  # (transition, limit)
+        row[geo.targets] = np.minimum.reduceat(best, geo.first, axis=0)
+        if self.track:
+            for target, a, b in zip(geo.targets, geo.bounds[:-1], geo.bounds[1:], strict=True):
+                t = a + int(best[a:b, 0].argmin())
+                w = int(ends[t, :, 0].argmin())
+                self.parent[k, target] = (js[w], src[t], geo.replicas[t])
+
+    def _across_groups(self, k: int, row: np.ndarray) -> None:
+        """Stages [j, k) crossing a group boundary into `row`: span and incoming link at the top
+        level."""
+        geo, L, P = self.geo, self.geo.levels, self.geo.group
+        ends, owner, owner_res, lo = self._crossing_ends(k)
+        ends = np.where(ends <= geo.total, ends, np.inf)
+        states = geo.residues * L + geo.top
+        better = ends < row[states]
+        row[states] = np.where(better, ends, row[states])
+        if self.track and better[:, 0].any():
+            for res in np.flatnonzero(better[:, 0]):
+                j0, r0 = int(owner[res, 0]), int(owner_res[res, 0])
+                if r0 < 0:
+                    r0 = int(self.pick_res[j0, min(int(lo[j0, 0]), P + 1)])
+                replicas = ends[res, 0] - self.by_res[j0, r0, 0]
+                self.parent[k, states[res]] = (j0, r0 * L + self.pick_level[j0, r0], replicas)
+
+    def _crossing_ends(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The least end of a crossing stage into k per (residue, limit), with its start, its
+        start's residue (-1: the one the table picked) and the fewest replicas per (start,
+        limit)."""
+        p, geo, P, S = self.p, self.geo, self.geo.group, len(self.limits)
+        work = p.compute[k] - p.compute[:k] + self.cut2[:k]
+        lo, hi = _crossing_range(geo, work, p.grad[k] - p.grad[:k], self.limits)
         x = np.minimum(lo, P + 1).astype(np.int64)
-        first = table.take(offsets[:k] + x * S) + np.maximum(lo - P - 1, 0.0)
+        first = self.table.take(self.offsets[:k] + x * S) + np.maximum(lo - P - 1, 0.0)
         # (start, limit): the least end, whatever its residue
         capped = None if hi is None else np.flatnonzero(np.isfinite(hi).any(axis=1))
         if capped is not None and len(capped):
@@ -193,33 +244,22 @@ def _fewest(
         least = first[j, np.arange(S)]
         # the smallest end >= e with a given residue grows with e: one minimum serves them all
         with np.errstate(invalid="ignore"):
-            ends = np.where(np.isfinite(least), least + (residues - least) % P, np.inf)
+            ends = np.where(np.isfinite(least), least + (self.residues - least) % P, np.inf)
         owner = np.broadcast_to(j, (P, S))
         owner_res = np.full((P, S), -1)  # -1: the residue the table picked
         if capped is not None and len(capped):
-            ends, owner, owner_res = _capped_ends(geo, by_res, lo, hi, capped, ends, owner)
-        ends = np.where(ends <= geo.total, ends, np.inf)
-        states = geo.residues * L + top
-        better = ends < row[states]
-        row[states] = np.where(better, ends, row[states])
-        if track and better[:, 0].any():
-            for res in np.flatnonzero(better[:, 0]):
-                j0, r0 = int(owner[res, 0]), int(owner_res[res, 0])
-                if r0 < 0:
-                    r0 = int(pick_res[j0, min(int(lo[j0, 0]), P + 1)])
-                replicas = ends[res, 0] - by_res[j0, r0, 0]
-                parent[k, states[res]] = (j0, r0 * L + pick_level[j0, r0], replicas)
-        fewest[k] = row
-        finish(k)
-    used = fewest[n].min(axis=0)
-    stages: list[tuple[int, int, int]] = []
-    if track and np.isfinite(used[0]):
-        state, k = int(fewest[n, :, 0].argmin()), n
+            ends, owner, owner_res = _capped_ends(geo, self.by_res, lo, hi, capped, ends, owner)
+        return ends, owner, owner_res, lo
+
+    def _stages(self) -> list[tuple[int, int, int]]:
+        """The stages (start, end, replicas) of a cover for the first limit, from `parent`."""
+        state, k = int(self.fewest[self.n, :, 0].argmin()), self.n
+        stages = []
         while k > 0:
-            j, prev, r = (int(v) for v in parent[k, state])
+            j, prev, r = (int(v) for v in self.parent[k, state])
             stages.append((j, k, r))
             k, state = j, prev
-    return used, stages[::-1]
+        return stages[::-1]
 
 
 def _capped_ends(

@@ -39,6 +39,7 @@ does not say) fall back to `dynprog` (`fallback`, `reason` recorded).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -308,7 +309,6 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     """CP-SAT over one linear order: replicas, speeds, exact memory; warm-started by dynprog."""
     limit, workers, cells = _check_options(options)
     pricing = Pricing.of(cluster, options)
-    rules = pricing.rules
     base_options = {k: options[k] for k in _BASE if k in options}
     try:
         base: Plan | None = dp(cost_graph, cluster, base_options)
@@ -317,37 +317,15 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     orders = linear_orders(cost_graph)
     name = base.options["order"] if base is not None else "graph"
     order = orders[name]
-    n, d = len(order), cluster.num_devices
-    why = None
-    if not cluster.is_flat:
-        why = f"cpsat: the cluster has {len(cluster.levels)} levels; cpsat handles flat clusters"
-    elif n * d > max(cells, 0):
-        why = f"cpsat: {n} nodes x {d} devices = {n * d} > max_cells={cells}; model too large"
-    elif not rules.replicates_ties and tie_positions(cost_graph, order):
-        why = f"cpsat: under {rules.name}, stages holding part of a tied tensor need one replica"
+    why = _fallback_reason(cost_graph, cluster, pricing, order, cells)
     if why is not None:
         if base is None:
             raise PartitionError(f"{why}, and dynprog finds no plan that fits memory")
         return _as_cpsat(base, options, fallback="dynprog", reason=why + "; used dynprog")
-    p = Prefix(cost_graph, order)
-    ref = float(p.compute[n]) / max(cluster.speed or [1.0])  # one device, no communication
-    ref = base.predicted_time if base is not None else ref
-    cp = _Model(p, n, pricing, ref)
-    allowed = options.get("replica_counts")
-    for row in cp.y if allowed else ():  # replica counts the schedule refuses at this M
-        for r, chosen in enumerate(row, 1):
-            if r not in allowed:
-                cp.model.add(chosen == 0)
-    if base is not None:
-        sizes = [len(s.nodes) for s in base.stages]
-        cp.hint([sum(sizes[:i]) for i in range(len(sizes) + 1)], [s.replicas for s in base.stages])
+    cp = _model_of(cost_graph, pricing, order, base, options.get("replica_counts"))
     from ortools.sat.python import cp_model
 
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = limit
-    solver.parameters.num_workers = workers
-    solver.parameters.cp_model_probing_level = 0  # probing costs 10x on these models, finds little
-    status = solver.solve(cp.model)
+    solver, status = _solve(cp, limit, workers)
     if status == cp_model.INFEASIBLE:
         raise PartitionError(
             f"no placement fits: device memory is {cluster.memory:.4g} B, and no contiguous plan "
@@ -366,6 +344,67 @@ def cpsat(cost_graph: CostGraph, cluster: Cluster, options: dict[str, Any]) -> P
     if base is not None and (found is None or base.predicted_time < found.predicted_time):
         found = _as_cpsat(base, options)  # CP-SAT's plan lost to rounding, or none in time
     assert found is not None
+    return _with_bound(found, name, cp, solver, status)
+
+
+def _fallback_reason(
+    cost_graph: CostGraph, cluster: Cluster, pricing: Pricing, order: list[str], cells: int
+) -> str | None:
+    """Why this model cannot plan `order` on `cluster` (then dynprog's plan is used), or None:
+    a hierarchical cluster, more than `cells` nodes x devices, or tied tensors under a schedule
+    that does not replicate ties."""
+    n, d, rules = len(order), cluster.num_devices, pricing.rules
+    if not cluster.is_flat:
+        return f"cpsat: the cluster has {len(cluster.levels)} levels; cpsat handles flat clusters"
+    if n * d > max(cells, 0):
+        return f"cpsat: {n} nodes x {d} devices = {n * d} > max_cells={cells}; model too large"
+    if not rules.replicates_ties and tie_positions(cost_graph, order):
+        return f"cpsat: under {rules.name}, stages holding part of a tied tensor need one replica"
+    return None
+
+
+def _model_of(
+    cost_graph: CostGraph,
+    pricing: Pricing,
+    order: list[str],
+    base: Plan | None,
+    allowed: Collection[int] | None,
+) -> _Model:
+    """The model of `order`, scaled to dynprog's plan `base` (else one device's time), without
+    the replica counts outside `allowed` (those the schedule refuses at this M; None: all), and
+    warm-started from `base`."""
+    cluster, n = pricing.cluster, len(order)
+    p = Prefix(cost_graph, order)
+    ref = float(p.compute[n]) / max(cluster.speed or [1.0])  # one device, no communication
+    ref = base.predicted_time if base is not None else ref
+    cp = _Model(p, n, pricing, ref)
+    for row in cp.y if allowed else ():
+        for r, chosen in enumerate(row, 1):
+            if r not in allowed:
+                cp.model.add(chosen == 0)
+    if base is not None:
+        sizes = [len(s.nodes) for s in base.stages]
+        cp.hint([sum(sizes[:i]) for i in range(len(sizes) + 1)], [s.replicas for s in base.stages])
+    return cp
+
+
+def _solve(cp: _Model, limit: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+    """Run CP-SAT on `cp` for at most `limit` seconds on `workers` workers: the solver and the
+    status."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = limit
+    solver.parameters.num_workers = workers
+    solver.parameters.cp_model_probing_level = 0  # probing costs 10x on these models, finds little
+    return solver, solver.solve(cp.model)
+
+
+def _with_bound(found: Plan, name: str, cp: _Model, solver: cp_model.CpSolver, status: int) -> Plan:
+    """`found` with the order, CP-SAT's proven bound (seconds, less the rounding slack), the gap,
+    the status and the tick recorded in its options."""
+    from ortools.sat.python import cp_model
+
     bound = max(0.0, (solver.best_objective_bound - _SLACK) / cp.scale)
     gap = (found.predicted_time - bound) / found.predicted_time if found.predicted_time else 0.0
     return found.with_(
