@@ -13,7 +13,7 @@ from pdcompile.core.errors import ScheduleError
 from pdcompile.passes.planning.plans import consecutive_ranks
 from pdcompile.runtime.pipeline import cuts
 from pdcompile.runtime.stream import RankStream
-from pdcompile.scheduling import build_schedule, replica_orders
+from pdcompile.scheduling import build_schedule, get_schedule, replica_orders
 from pdcompile.scheduling.builder import Layout
 
 
@@ -36,7 +36,7 @@ def streaming_pipelines(draw):
 
 def streams(kind, ranks, edges, m, ties, clip) -> dict[int, RankStream]:
     layout = Layout(ranks, edges, m, ties, clip)
-    orders = {r: o for (r, _), o in replica_orders(kind, layout).items()}
+    orders = {r: o for (r, _), o in replica_orders(get_schedule(kind), layout).items()}
     return {rank: RankStream(order) for rank, order in orders.items()}
 
 

@@ -27,7 +27,7 @@ from pdcompile.passes.planning.action_costs import (
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.simulated_weights import SimulatedWeights
 from pdcompile.passes.planning.timeline import Event
-from pdcompile.scheduling import Action, Schedule, get_schedule
+from pdcompile.scheduling import Action, PipelineSchedule, Schedule
 from pdcompile.scheduling.action_kinds import (
     ALLREDUCE,
     CLIP,
@@ -72,10 +72,11 @@ RESUME, COMPLETE, TRANSFER, DELIVER = range(4)  # a rank; a link; a message ente
 
 
 class Engine:
-    """Runs every rank's actions on an event heap; `run_call(bound)` runs until every rank is
-    done, blocked, or at its first action that needs a forward minibatch >= `bound`."""
+    """Runs every rank's actions (`schedule`, built from `rules`) on an event heap;
+    `run_call(bound)` runs until every rank is done, blocked, or at its first action that needs
+    a forward minibatch >= `bound`."""
 
-    def __init__(self, plan: Plan, schedule: Schedule) -> None:
+    def __init__(self, plan: Plan, schedule: Schedule, rules: PipelineSchedule) -> None:
         self.plan, self.schedule = plan, schedule
         cluster = plan.cluster
         self.actions = schedule.actions
@@ -113,7 +114,6 @@ class Engine:
         self.release = dict.fromkeys(self.actions, 0.0)  # when each rank starts the next call
         self.bound = math.inf
         # memory per rank and per (rank, stage): weights, activations in flight, weight copies
-        rules = get_schedule(plan.schedule)
         # replicas reducing from their last backward: when each is halfway through it
         self.triggers = {} if rules.streaming else overlap_triggers(self.actions)
         self.reduce_ready: dict[tuple[int, int], float] = {}

@@ -120,7 +120,7 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     updates = (plan.clip, plan.skip_nonfinite and not rules.streaming)
     if not rules.streaming:
         _check_size(plan, rules, 1)
-        engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates))
+        engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates), rules)
         engine.run_call(math.inf)
         return _result(engine, dict.fromkeys(engine.release, 0.0), engine.release)
     replicas = [s.replicas for s in plan.stages]
@@ -130,7 +130,8 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     ahead = max(r * w for r, w in zip(replicas, rules.warmups(replicas, m), strict=True))
     steps = calls + -(-ahead // m) + 1
     _check_size(plan, rules, steps)
-    engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates, num_steps=steps))
+    schedule = build_schedule(rules, ranks, edges, m, ties, *updates, num_steps=steps)
+    engine = Engine(plan, schedule, rules)
     start = engine.release
     for call in range(1, calls + 1):
         start = engine.release

@@ -51,9 +51,12 @@ NONFINITE = ("raise", "skip")  # what a step with a NaN or infinite loss does
 
 def check_nonfinite(schedule: str | PipelineSchedule, nonfinite: str) -> None:
     """Raise `ScheduleError` unless `nonfinite` is known and `schedule` can honour it."""
+    _check_nonfinite(get_schedule(schedule), nonfinite)
+
+
+def _check_nonfinite(rules: PipelineSchedule, nonfinite: str) -> None:
     if nonfinite not in NONFINITE:
         raise ScheduleError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
-    rules = get_schedule(schedule)
     if nonfinite == "skip" and not rules.synchronous:
         raise ScheduleError(
             f"nonfinite='skip' needs a synchronous schedule (one update per step): under "
@@ -132,14 +135,12 @@ class Layout(NamedTuple):
     skip_nonfinite: bool = False
 
 
-def replica_orders(
-    schedule: str | PipelineSchedule, layout: Layout
-) -> dict[tuple[int, int], RankOrder]:
+def replica_orders(rules: PipelineSchedule, layout: Layout) -> dict[tuple[int, int], RankOrder]:
     """Per (rank, stage), how that replica's actions unfold for any number of microbatches (the
-    streams of `runtime/stream.py` unfold them without end, one stage per rank)."""
+    streams of `runtime/stream.py` unfold them without end, one stage per rank) under the
+    schedule `rules`."""
     ranks, edges, num_microbatches, ties, clip, skip_nonfinite = layout
-    rules = get_schedule(schedule)
-    check_nonfinite(rules, "skip" if skip_nonfinite else "raise")
+    _check_nonfinite(rules, "skip" if skip_nonfinite else "raise")
     ranks = tuple(tuple(r) for r in ranks)
     replicas = tuple(len(r) for r in ranks)
     stages = len(ranks)
