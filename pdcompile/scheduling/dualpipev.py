@@ -11,7 +11,8 @@ action (`tests/test_dualpipev.py` compares them), in eight phases:
 3. p - r - 1 times a split backward up (I, then its W at once) and a forward up;
 4. M - 2p + r + 1 times a forward down overlapped with a backward up, then a forward up
    overlapped with a backward down (the last rank runs its first pair down, at the turn of the
-   V, one after the other: its backward needs that forward's activations at once);
+   V, as a forward and a backward of their own: its forward's sends leave before the backward,
+   which DeepSeek does to shorten the bubble);
 5. p - r - 1 times a backward up, then a forward up overlapped with a backward down;
 6. r + 1 times a backward up and one down, the first r + 1 of these fused, the rest split;
 7. p - r - 1 times the oldest W due and a split backward down;
@@ -27,10 +28,10 @@ Equal stages (F, I, W per microbatch and stage; B = I + W), the pairs run one af
 2M(F + I + W) + max((p - 2)F + (p - 1)I, 2(p - 1)F) + (p - 1) max(0, I - W),
 and each rank holds at most 2p + 1 microbatch-chunks of activations (counting those whose W is
 pending): DeepSeek's PP + 1 on PP = 2p stages. With F = I = W the call's idle time is
-2(p - 1)F, DeepSeek's (PP/2 - 1)(F&B + B - 3W) with F&B = F + B; otherwise DeepSeek's table
-is a simplification (it takes the forward and the input part as equal), and these forms, derived
-from the longest paths through the orders, are the exact ones (checked against simulation in
-`tests/test_dualpipev.py` and `tests/test_schedule_conformance.py`).
+2(p - 1)F, DeepSeek's (PP/2 - 1)(F&B + B - 3W) with F&B = F + B, which is exact whenever
+F = I >= W and a simplification otherwise. These forms were read off the longest paths through
+the orders (p = 2 to 6) and are checked against simulation on random stage times up to p = 16
+(`tests/test_dualpipev.py`, `tests/test_schedule_conformance.py`).
 """
 
 from __future__ import annotations
