@@ -11,7 +11,8 @@ are not in it yet), the memory probe's peak, and the RSS (`/proc/self/statm`) af
 compile, after `--warmup` steps and after all steps, and its peak (VmHWM); growth is the RSS
 after all steps less the RSS after the compile; "late" the RSS after all steps less the RSS
 after the warm-up (a leak or a cache that keeps growing); "peak growth" the peak less the RSS
-after the compile. `--no-pool`: a fresh buffer per message (before `runtime/message_pool.py`).
+after the compile. `--no-pool`: a fresh buffer per message (before `runtime/message_pool.py`);
+`--glibc-default`: glibc's moving mmap threshold (before `runtime/host_heap.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pdcompile
-from pdcompile.runtime import distributed
+from pdcompile.runtime import distributed, host_heap
 from pdcompile.runtime.distributed import init_process_group
 
 MIB = 2**20
@@ -52,6 +53,8 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, out: str) -> None
     torch.set_num_threads(1)
     if args.no_pool:
         distributed.MessagePool = lambda: None  # noqa: E731
+    if args.glibc_default:
+        host_heap.ENABLED = False
     init_process_group(rank, args.ranks, init_file=init_file, backend="gloo", timeout_s=300)
     torch.manual_seed(0)
     layers = [m for _ in range(args.layers) for m in (nn.Linear(args.width, args.width), nn.ReLU())]
@@ -98,6 +101,11 @@ def main() -> None:
         action="store_true",
         help="a fresh buffer per message, as before runtime/message_pool.py",
     )
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="glibc's moving mmap threshold, as before runtime/host_heap.py",
+    )
     parser.add_argument("--json", default="benchmarks/results/runtime_memory.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pdcompile-memory-") as tmp:
@@ -105,7 +113,8 @@ def main() -> None:
         rows = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(args.ranks)]
     print(f"{args.schedule}, {args.ranks} ranks, MLP({args.width}) x {args.layers}, "
           f"{args.microbatches} microbatches of {args.rows} rows, {args.steps} steps, "
-          f"pool {'off' if args.no_pool else 'on'} (MiB)")  # fmt: skip
+          f"pool {'off' if args.no_pool else 'on'}, "
+          f"mmap threshold {'glibc' if args.glibc_default else 'fixed'} (MiB)")  # fmt: skip
     print("rank  plan   probe  RSS0    growth  late  peak growth  median step")
     for r in rows:
         print(f"{r['rank']:4d}  {r['plan'] / MIB:5.1f}  {r['probe'] / MIB:5.1f}  "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from pdcompile.core.errors import PipelineTimeoutError, StageCommError
 from pdcompile.lowering.staged_program import Channel
 from pdcompile.passes.planning.action_costs import COALESCE_MAX_BYTES
-from pdcompile.runtime import heartbeat, wire
+from pdcompile.runtime import heartbeat, host_heap, wire
 from pdcompile.runtime.bounded import collective
 from pdcompile.runtime.comm import Key, LocalComm
 from pdcompile.runtime.message_pool import MessagePool
@@ -192,6 +192,8 @@ class DistributedComm:
         # message buffers reused on the CPU (glibc's heap grew by ~250 MiB a rank with a fresh
         # buffer per message: runtime/message_pool.py); CUDA's caching allocator reuses its own
         self._pool = MessagePool() if self.device.type == "cpu" else None
+        if self.device.type == "cpu":  # freed gradient temporaries go back to the system
+            host_heap.return_freed_memory()
         # a comm collected unclosed still releases its groups (a loop of compiles that never
         # closes ran out of descriptors after ~40); close() runs the same release at once.
         # Not at exit: the process releases everything then, and the default group may be gone
