@@ -35,7 +35,7 @@ Reads `pdcompile.params`, `pdcompile.param_table`. Writes on every node `pdcompi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -83,6 +83,31 @@ def annotate_memory(
     """
     if optimizer not in OPTIMIZER_STATE:
         raise CostError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
+    _annotate_weights(gm, optimizer)
+    recorder = _SaveRecorder(gm)
+    args = [inputs[p.target] for p in gm.graph.find_nodes(op="placeholder")]
+    precision = _precision(gm, args, autocast)
+    with preserved_state(gm), torch.enable_grad():
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), precision():
+            output = recorder.run(*args)
+        with precision():  # each node alone, as in the run
+            kept = _kept_for_weight_grads(gm, recorder.values, recorder.saved_by)
+        if loss_fn is not None and targets is not None:
+            (out,) = gm.graph.find_nodes(op="output")
+            loss = _loss_bytes(output, loss_fn, targets, recorder.state, recorder.charged)
+            out.meta[ACTIVATION_BYTES] += loss
+    for node in gm.graph.nodes:
+        node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] = 0
+    for key in kept - recorder.state:
+        if key in recorder.charged:
+            node, nbytes = recorder.charged[key]
+            node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] += nbytes
+    return gm
+
+
+def _annotate_weights(gm: fx.GraphModule, optimizer: str) -> None:
+    """Write each node's parameter, gradient, optimizer-state and buffer bytes (a tied
+    parameter owned by its first user), a zero activation count, and `gm`'s optimizer kind."""
     owned: dict[str, list] = {}
     for info in param_table(gm).values():
         if info.users:
@@ -99,31 +124,45 @@ def annotate_memory(
         node.meta[ACTIVATION_BYTES] = 0
     gm.meta[OPTIMIZER] = optimizer
 
-    state = {_storage_key(t) for t in [*gm.parameters(), *gm.buffers()]}
-    charged: dict[int, tuple[fx.Node, int]] = {}  # storage -> (node charged, bytes)
-    saved_by: dict[str, list[int]] = {}  # node -> storages of what it saves, in order
-    values: dict[str, Any] = {}  # node -> its value, to run nodes alone afterwards
-    current: list[fx.Node] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+class _SaveRecorder(fx.Interpreter):
+    """Runs `gm` node by node, keeping each node's value; `pack` (a saved-tensor hook) charges
+    every storage autograd saves to the node running, once, unless it is a parameter's or a
+    buffer's."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.state = {_storage_key(t) for t in [*gm.parameters(), *gm.buffers()]}
+        self.charged: dict[int, tuple[fx.Node, int]] = {}  # storage -> (node charged, bytes)
+        self.saved_by: dict[str, list[int]] = {}  # node -> storages of what it saves, in order
+        self.values: dict[str, Any] = {}  # node -> its value, to run nodes alone afterwards
+        self._current: list[fx.Node] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        self._current.append(n)
+        try:
+            self.values[n.name] = result = super().run_node(n)
+            return result
+        finally:
+            self._current.pop()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The saved-tensor hook: record `tensor`'s storage against the running node."""
+        key, current = _storage_key(tensor), self._current
         if current:
-            saved_by.setdefault(current[-1].name, []).append(key)
-        if current and key not in state and key not in charged:
-            charged[key] = (current[-1], tensor.untyped_storage().nbytes())
-            current[-1].meta[ACTIVATION_BYTES] += charged[key][1]
+            self.saved_by.setdefault(current[-1].name, []).append(key)
+        if current and key not in self.state and key not in self.charged:
+            self.charged[key] = (current[-1], tensor.untyped_storage().nbytes())
+            current[-1].meta[ACTIVATION_BYTES] += self.charged[key][1]
         return tensor
 
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            current.append(n)
-            try:
-                values[n.name] = result = super().run_node(n)
-                return result
-            finally:
-                current.pop()
 
-    args = [inputs[p.target] for p in gm.graph.find_nodes(op="placeholder")]
+def _precision(
+    gm: fx.GraphModule, args: list[Any], autocast: torch.dtype | None
+) -> Callable[[], AbstractContextManager]:
+    """A factory of the context the forwards run in: `torch.autocast` to `autocast` on the
+    device of the first input or parameter where given and that device is CPU or CUDA, else
+    none."""
     device = next((t.device.type for t in [*args, *gm.parameters()]
                    if isinstance(t, torch.Tensor)), "cpu")  # fmt: skip
     lower = autocast is not None and device in ("cpu", "cuda")
@@ -131,21 +170,7 @@ def annotate_memory(
     def precision() -> Any:
         return torch.autocast(device, dtype=autocast) if lower else nullcontext()
 
-    with preserved_state(gm), torch.enable_grad():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision():
-            output = Recorder(gm).run(*args)
-        with precision():  # each node alone, as in the run
-            kept = _kept_for_weight_grads(gm, values, saved_by)
-        if loss_fn is not None and targets is not None:
-            (out,) = gm.graph.find_nodes(op="output")
-            out.meta[ACTIVATION_BYTES] += _loss_bytes(output, loss_fn, targets, state, charged)
-    for node in gm.graph.nodes:
-        node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] = 0
-    for key in kept - state:
-        if key in charged:
-            node, nbytes = charged[key]
-            node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] += nbytes
-    return gm
+    return precision
 
 
 def _kept_for_weight_grads(

@@ -297,57 +297,13 @@ def least_memory(costs: CostGraph, like: Plan) -> Plan:
     cut from the graph's order: the memory bisected, each try cutting stages greedily from the
     last, each as long as its charge allows (weights, `memory_counts` x its inputs, one
     forward's activations during its backward). Simulated: its peaks are exact."""
-    g, order = costs.graph, costs.nodes
-    devices = like.cluster.num_devices
-    rules = get_schedule(like.schedule)
-    position = {n: i for i, n in enumerate(order)}
-    into = [0] * (len(order) + 1)  # bytes crossing into position i (from before it)
-    for u in order:
-        last = max((position[v] for v in g.successors(u)), default=position[u])
-        for i in range(position[u] + 1, last + 1):
-            into[i] += producer_bytes(costs, u)
-
-    def total(key: str) -> list[int]:
-        values = [0]
-        for n in order:
-            values.append(values[-1] + g.nodes[n][key])
-        return values
-
-    weights = [p + gr + o for p, gr, o in zip(total("param_bytes"), total("grad_bytes"),
-                                              total("optimizer_bytes"), strict=True)]  # fmt: skip
-    grads, params, acts = total("grad_bytes"), total("param_bytes"), total("activation_bytes")
-    sources = [0]
-    for n in order:
-        kind = g.nodes[n]["kind"]
-        sources.append(sources[-1] + (producer_bytes(costs, n) if kind == "input" else 0))
-    m = like.num_microbatches
-
-    def charge(j: int, k: int, s: int) -> float:
-        counts = rules.memory_counts(devices - s, devices - 1 - s, m, devices - 1)
-        kept = into[j] + sources[k] - sources[j]
-        held = counts.charges(weights[k] - weights[j], grads[k] - grads[j],
-                              params[k] - params[j], kept, kept)  # fmt: skip
-        return max(held) + acts[k] - acts[j]
-
-    def cut(limit: float) -> list[int] | None:
-        ends, k = [], len(order)
-        for s in range(devices - 1, -1, -1):
-            j = k
-            while j > 0 and charge(j - 1, k, s) <= limit:
-                j -= 1
-            if j == k:
-                return None
-            ends.append(j)
-            k = j
-            if k == 0:
-                return sorted(ends)
-        return None
-
-    low, high = 0.0, float(charge(0, len(order), devices - 1)) * 2 + 1
-    best = cut(high)
+    order = costs.nodes
+    charge = _RecomputingCharge(costs, like)
+    low, high = 0.0, float(charge(0, len(order), charge.devices - 1)) * 2 + 1
+    best = _greedy_cut(charge, len(order), high)
     for _ in range(40):
         middle = (low + high) / 2
-        found = cut(middle)
+        found = _greedy_cut(charge, len(order), middle)
         if found is None:
             low = middle
         else:
@@ -360,6 +316,73 @@ def least_memory(costs: CostGraph, like: Plan) -> Plan:
     )
     return with_recompute(like.with_(stages=stages, solver="least-memory"), costs,
                           [True] * len(stages))  # fmt: skip
+
+
+class _RecomputingCharge:
+    """`charge(j, k, s)`: the bytes stage s of a straight pipeline of one stage per device of
+    `like`'s cluster holds when it is positions [j, k) of the graph's order and recomputes:
+    its weights, `memory_counts` x its inputs (the bytes crossing into j and the graph inputs it
+    reads), and one forward's activations during its backward."""
+
+    def __init__(self, costs: CostGraph, like: Plan) -> None:
+        g, order = costs.graph, costs.nodes
+        self.devices = like.cluster.num_devices
+        self.rules = get_schedule(like.schedule)
+        self.microbatches = like.num_microbatches
+        position = {n: i for i, n in enumerate(order)}
+        self.into = [0] * (len(order) + 1)  # bytes crossing into position i (from before it)
+        for u in order:
+            last = max((position[v] for v in g.successors(u)), default=position[u])
+            for i in range(position[u] + 1, last + 1):
+                self.into[i] += producer_bytes(costs, u)
+        self.params = _prefix_sums(costs, "param_bytes")
+        self.grads = _prefix_sums(costs, "grad_bytes")
+        optimizer = _prefix_sums(costs, "optimizer_bytes")
+        self.weights = [
+            p + gr + o for p, gr, o in zip(self.params, self.grads, optimizer, strict=True)
+        ]
+        self.acts = _prefix_sums(costs, "activation_bytes")
+        self.sources = [0]
+        for n in order:
+            kind = g.nodes[n]["kind"]
+            self.sources.append(
+                self.sources[-1] + (producer_bytes(costs, n) if kind == "input" else 0)
+            )
+
+    def __call__(self, j: int, k: int, s: int) -> float:
+        """The bytes of positions [j, k) as stage s."""
+        devices = self.devices
+        counts = self.rules.memory_counts(devices - s, devices - 1 - s, self.microbatches,
+                                          devices - 1)  # fmt: skip
+        kept = self.into[j] + self.sources[k] - self.sources[j]
+        held = counts.charges(self.weights[k] - self.weights[j], self.grads[k] - self.grads[j],
+                              self.params[k] - self.params[j], kept, kept)  # fmt: skip
+        return max(held) + self.acts[k] - self.acts[j]
+
+
+def _prefix_sums(costs: CostGraph, key: str) -> list[int]:
+    """`key` summed over the first i nodes of the graph's order, for i = 0..n."""
+    values = [0]
+    for n in costs.nodes:
+        values.append(values[-1] + costs.graph.nodes[n][key])
+    return values
+
+
+def _greedy_cut(charge: _RecomputingCharge, n: int, limit: float) -> list[int] | None:
+    """The starts of the stages cut from the last, each as long as `charge` stays within
+    `limit`, one per device; None if they do not cover all n positions."""
+    ends, k = [], n
+    for s in range(charge.devices - 1, -1, -1):
+        j = k
+        while j > 0 and charge(j - 1, k, s) <= limit:
+            j -= 1
+        if j == k:
+            return None
+        ends.append(j)
+        k = j
+        if k == 0:
+            return sorted(ends)
+    return None
 
 
 def _annotated(plan: Plan, costs: CostGraph, limit: float) -> Plan:
