@@ -1,16 +1,18 @@
 """`plan(..., schedule="synth")`: the order synthesised for the plan at hand. Torch-free.
 
-The planner's innermost search but the chunks' (`planner.SEARCHES`): once the solver has cut
-the stages (under the synthesised kind's walked memory counts) and the chunks are placed, the
-order is fitted to the plan (`pdcompile/scheduling/synth.py`): its stages' F, I and W seconds,
-the time of a message into each stage (half its `comm_s`, which carries the inputs in and the
-gradients back), and each rank's activation budget (the memory limit less the rank's weights,
-gradients and optimizer state; without a limit, 1F1B's activations on the rank), scaled by the
-knobs. Every `KNOBS` setting of the list scheduler is simulated, within `TIME_BOX` seconds, and
-the shortest step whose every rank holds at most its limit is kept (the memory limit; without
-one, the peak of the kind's own order, 1F1B's counts: synth's peak is then no more than 1F1B's;
-none within: the least memory), its fitting and knobs in `options["synth"]` so
-that `Plan.rules` rebuilds its orders.
+A layer of the planner (`planner.SEARCHES`, inside the microbatch count's, around
+recomputation's): once the stages are cut (under the kind's walked memory counts), placed and
+their recomputation chosen, the order is fitted to the plan (`pdcompile/scheduling/synth.py`):
+its stages' F, I and W seconds, the time of a message into each stage (half its `comm_s`, which
+carries the inputs in and the gradients back), and each rank's activation budget (the memory
+limit less the rank's weights, gradients and optimizer state; without a limit, 1F1B's
+activations on the rank holding most), scaled by the knobs. Every `KNOBS` setting of the list
+scheduler is simulated, then the split orders are descended from ZB-H1's, `BUDGET` candidates
+in all (a count, not seconds: the plan does not depend on the machine's load). The shortest
+step whose every rank holds at most its limit is kept (the memory limit; without one, the peak
+of the kind's own order, 1F1B's counts, so synth needs no more memory than 1F1B; none within:
+the least memory), its fitting and recipe in `options["synth"]`, from which `Plan.rules`
+rebuilds its orders.
 """
 
 from __future__ import annotations
@@ -23,17 +25,22 @@ from pdcompile.core.errors import PartitionError
 from pdcompile.passes.planning.evaluation import simulated
 from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan
+from pdcompile.scheduling import get_schedule, schedules
 from pdcompile.scheduling.synth import OPTION, Fitting, Knobs, Recipe, Split, Synthesised
 
 # the list scheduler's settings tried: I or F first, W's filling every wait or only longer
-# ones, forwards held beyond 1F1B's count per stage (None: the budget alone)
+# ones, forwards held beyond 1F1B's count per stage (None: the budget alone), the budgets as
+# given or grown (the simulator says what fits)
 KNOBS = tuple(
     Knobs(forward_first=first, fill=fill, cap=cap, scale=scale)
     for scale, cap, first, fill in itertools.product(
-        (1.0, 1.5, 2.0), (0, 1, 2, None), (False, True), (0.0, 1.0)
+        (1.0, 1.5, 2.0), (0, 1, None), (False, True), (0.0, 1.0)
     )
 )
-TIME_BOX = 3.0  # seconds of simulating candidates at most (the first always runs)
+# candidates simulated per plan at most: a count, not seconds, so that a plan does not depend
+# on the machine's load (schedule="auto" with global_batch_size fits a plan per candidate
+# layout and count)
+BUDGET = 60
 
 
 def plan_orders(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Plan:
@@ -42,6 +49,22 @@ def plan_orders(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Pl
     if config.auto or not isinstance(config.rules, Synthesised):
         return inner(cost_graph, config)
     return fitted_orders(inner(cost_graph, config), config.rules)
+
+
+def refinements(plan: Plan) -> list[Plan]:
+    """`plan`'s stages under each registered kind that fits its orders to a plan (`synth`),
+    fitted; a synchronous `plan` only (none where it cannot run them)."""
+    if not plan.rules.synchronous:
+        return []
+    found = []
+    for name in schedules():
+        rules = get_schedule(name)
+        if isinstance(rules, Synthesised):
+            try:
+                found.append(fitted_orders(plan.with_(schedule=name), rules))
+            except PartitionError:
+                continue
+    return found
 
 
 def fitting_of(plan: Plan) -> Fitting:
@@ -63,14 +86,14 @@ def fitting_of(plan: Plan) -> Fitting:
     )
 
 
-def fitted_orders(plan: Plan, rules: Synthesised, time_box: float = TIME_BOX) -> Plan:
+def fitted_orders(plan: Plan, rules: Synthesised, budget: int = BUDGET) -> Plan:
     """`plan` under `rules` fitted to it (the module says how), with `options["synth"]`
     recording the fitting, the recipe and the candidates tried.
 
     Raises:
         PartitionError: no recipe gives an order the plan runs.
     """
-    search = _Search(plan, rules, fitting_of(plan), _limits(plan), time_box)
+    search = _Search(plan, rules, fitting_of(plan), _limits(plan), budget)
     for knobs in KNOBS:
         search.score(knobs)
     if (
@@ -95,11 +118,10 @@ class _Search:
     module)."""
 
     def __init__(
-        self, plan: Plan, rules: Synthesised, fitting: Fitting, limits: list[float],
-        time_box: float,
-    ) -> None:  # fmt: skip
+        self, plan: Plan, rules: Synthesised, fitting: Fitting, limits: list[float], budget: int
+    ) -> None:
         self.plan, self.rules, self.fitting, self.limits = plan, rules, fitting, limits
-        self.deadline = time.perf_counter() + time_box
+        self.left = budget
         self.start = time.perf_counter()
         self.tried: list[dict] = []
         self.scored: dict[Recipe, tuple] = {}
@@ -108,11 +130,12 @@ class _Search:
 
     def score(self, recipe: Recipe) -> tuple | None:
         """The key of `recipe`'s simulated plan (lower is better; None: it does not run, or
-        the time is up), remembered."""
+        the budget is spent), remembered."""
         if recipe in self.scored:
             return self.scored[recipe]
-        if self.found is not None and time.perf_counter() > self.deadline:
+        if self.left <= 0:
             return None
+        self.left -= 1
         saved = {"fitting": self.fitting.to_json(), "recipe": recipe.to_json()}
         candidate = self.plan.with_(options={**self.plan.options, OPTION: saved})
         try:

@@ -31,6 +31,7 @@ from pdcompile.passes.planning.microbatch_count import (
     fastest_fitting,
     shared_scaling,
 )
+from pdcompile.passes.planning.order_search import refinements
 from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.scheduling import get_schedule, schedules
@@ -48,7 +49,7 @@ def candidates(allow_async: bool = False) -> list[tuple[str, int]]:
     pairs = []
     for name in sorted(schedules(), key=_simplicity):
         rules = get_schedule(name)
-        if rules.synchronous or allow_async:
+        if (rules.synchronous or allow_async) and not rules.fits_plans:
             pairs += [(name, v) for v in sorted(rules.auto_chunks)]
     return pairs
 
@@ -121,6 +122,11 @@ def plan_auto(inner: Planner, cost_graph: CostGraph, config: PlanConfig) -> Plan
     # ties go to the first: equal closed forms summed in another order differ in the last bits,
     # and the simpler schedule should win that tie
     index, best, caught = found[fastest_fitting([p for _, p, _ in found])]
+    for fitted in refinements(best):  # kinds fitting their orders to a plan: to the best one
+        rows.append({"schedule": fitted.schedule, "chunks": rows[index]["chunks"],
+                     **_row(fitted)})  # fmt: skip
+        if fastest_fitting([best, fitted]) == 1:
+            index, best = len(rows) - 1, fitted
     for i, row in enumerate(rows):
         row["chosen"] = i == index
     for w in caught:

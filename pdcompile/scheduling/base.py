@@ -150,6 +150,14 @@ class PipelineSchedule(abc.ABC):
         ranks: round-robin, stage i on rank i mod p (Megatron's virtual pipeline)."""
         return stage % num_ranks
 
+    @final
+    @property
+    def fits_plans(self) -> bool:
+        """Whether the kind fits its orders to each plan (it overrides `for_plan`):
+        `schedule="auto"` then fits it to its best plan instead of planning it as a
+        candidate."""
+        return type(self).for_plan is not PipelineSchedule.for_plan
+
     def for_plan(self, options: Mapping[str, Any]) -> PipelineSchedule:
         """This kind as a plan with `options` runs it (`Plan.rules`): itself, unless its
         orders are fitted to each plan and the plan's options hold the fitting (`synth`)."""
