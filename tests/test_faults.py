@@ -179,6 +179,7 @@ class Row:
     resumed: str = "-"  # what the relaunch resumed from
     equal: str = "-"  # "bit-equal", or what differs
     newest: list[int] = field(default_factory=list)  # the newest complete checkpoint, after
+    left: list[str] = field(default_factory=list)  # what the faulted save left (hidden names)
     problems: list[str] = field(default_factory=list)  # the checkpoints' and the relaunch's
 
 
@@ -210,9 +211,12 @@ def _run(case, planned, root: str, references: dict[str, list[dict]]) -> Row:
                       STEPS - 1 if point == "re-plan" else None,
                       awaited=list(range(WORLD)))  # fmt: skip
     _check_relaunch(row, relaunch, references["re-plan" if point == "re-plan" else "step"])
+    if left := sorted(n for n in os.listdir(auto) if n.startswith(".")):
+        row.problems.append(f"after the relaunch, what killed saves left is still there: {left}")
     row.seconds = time.monotonic() - start
     print(f"{point}, SIG{sig} of rank {victim}: {row.seconds:.0f} s (the faulted job "
-          f"{faulted_s:.0f} s); relaunch from {row.resumed}: {row.equal}", flush=True)  # fmt: skip
+          f"{faulted_s:.0f} s, leaving {row.left}); relaunch from {row.resumed}: {row.equal}",
+          flush=True)  # fmt: skip
     return row
 
 
@@ -229,6 +233,16 @@ def _check_folder(row: Row, folder: str) -> None:
                             f"or damaged: {os.listdir(auto)}")  # fmt: skip
     row.problems += [f"torn checkpoint left: {t}" for t in torn(auto)]
     row.newest = complete(auto)[:1]
+    row.left = sorted(n for n in os.listdir(auto) if n.startswith("."))
+    staged = f".{checkpoint_name(FAULT_STEP)}.tmp-"
+    whole = [n for n in row.left if n.startswith(staged) and "manifest.json" in _files(auto, n)]
+    if row.case[:2] == ("save", 0) and not whole:  # stopped before its rename: all but listed
+        row.problems.append(f"the save fault left no uncommitted save of step 2: {row.left}")
+
+
+def _files(auto: str, name: str) -> list[str]:
+    path = os.path.join(auto, name)
+    return os.listdir(path) if os.path.isdir(path) else []
 
 
 def _check_relaunch(row: Row, relaunch: list[RankOutcome], reference: list[dict]) -> None:
