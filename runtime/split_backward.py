@@ -159,7 +159,8 @@ def backward_inputs(
     root_nodes = [_node(t) for t in roots]
     starts = [n for n in root_nodes if n is not None]
     consumers = _consumers(starts)
-    input_nodes = [n for n in (_node(t) for t in inputs) if n in consumers]  # used here
+    # used here (or returned as they are: a stage that passes an input on, Dropout(0) alone)
+    input_nodes = [n for n in (_node(t) for t in inputs) if n in consumers or n in starts]
     reach = _upstream(input_nodes, consumers) if input_nodes else set()
     if not any(n in reach for n in root_nodes):  # no gradient reaches an input: all for W
         whole = SplitBackward([], list(roots), list(root_grads), leaves, whole=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from pipeline_support import mlp_case
 from test_schedule_conformance import (
     ACT,
@@ -36,6 +37,7 @@ from pdcompile.core.cluster import RuntimeCosts
 from pdcompile.pictures.gantt import plot_timelines
 from pdcompile.runtime import validate_schedule
 from pdcompile.runtime.local import LocalPipeline
+from pdcompile.runtime.split_backward import backward_inputs
 from pdcompile.scheduling import Action, Placement, Schedule, build_schedule, get_schedule
 from pdcompile.scheduling.action_kinds import OVERLAP, RECV, SEND, B, F, I, W, overlapped
 from pdcompile.scheduling.memory_walk import walks
@@ -252,3 +254,14 @@ def test_an_action_stays_small() -> None:
     """The pair adds no field to `Action`: a bracket is one more action per pair."""
     assert Action._fields == ("kind", "stage", "microbatch", "peer", "peer_stage", "stream",
                               "group", "tie")  # fmt: skip
+
+
+def test_a_split_stage_that_passes_its_input_on_sends_its_gradient_back() -> None:
+    """A stage of Dropout(0) alone returns its input tensor itself: I gives the input the
+    gradient that came back (it was lost, and the MLP cut in 8 trained wrong under every split
+    schedule on 4 ranks)."""
+    x = torch.randn(3, requires_grad=True)
+    out = torch.nn.functional.dropout(x, 0.0, training=True)
+    assert out is x
+    (found,), _ = backward_inputs([out], [torch.full((3,), 2.0)], [x], [])
+    assert torch.equal(found, torch.full((3,), 2.0))
