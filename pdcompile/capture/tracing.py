@@ -92,17 +92,11 @@ def trace(
         _check_devices(model, inputs)
         policy = LeafPolicy.from_user(model, leaf_modules)
         failures: list[str] = []
-        fallback: tuple[fx.GraphModule, dict[str, str]] | None = None
-
+        fallback: _Traced | None = None
         if method in ("auto", "fx"):
-            try:
-                note("symbolic tracing")
-                gm, auto = capture_fx(model, inputs, policy, auto_leaf)
-            except TraceError as e:
-                if method == "fx":
-                    raise
-                failures.append(f"fx: {e}")
-            else:
+            traced = _trace_symbolic(model, inputs, policy, auto_leaf, method, failures)
+            if traced is not None:
+                gm, auto = traced
                 dominant = _dominant_leaf(model, auto) if method == "auto" else None
                 if dominant is None:
                     try:
@@ -113,39 +107,75 @@ def trace(
                         failures.append(f"fx: {e}")
                 else:
                     failures.append(f"fx: {dominant}")
-                    fallback = gm, auto
+                    fallback = traced
+        return _export_or_fallback(model, inputs, check, fallback, failures)
 
-        try:
-            note("torch.export")
-            gm = capture_export(model, inputs)
-            return _finish(gm, model, inputs, "export", {}, check)
-        except TraceError as e:
-            if fallback is not None:
-                gm, auto = fallback
-                gm = _finish(gm, model, inputs, "fx", auto, check)
-                warnings.warn(
-                    f"{type(model).__name__} was captured by symbolic tracing with one leaf "
-                    f"holding most of the model, which no pipeline can split: {failures[-1]}. "
-                    f"torch.export, tried next, failed:\n{e}\nA pipeline of this graph is "
-                    "bounded by that leaf (the default plan is then data parallelism). Remedies: "
-                    "fix what export reports, make the leaf's code traceable, or give "
-                    "leaf_modules= smaller parts",
-                    TraceWarning,
-                    stacklevel=2,
-                )
-                return gm
-            if not failures:
-                raise
-            failures.append(f"export: {e}")
-            raise TraceError(
-                f"no path could capture {type(model).__name__}: "
-                + "; ".join(f.splitlines()[0] for f in failures)
-                + ".\nRemedies: make the failing submodule traceable (no control flow on tensor "
-                "values, no Python objects built from tensor values), make it a leaf "
-                "(leaf_modules=[name]: it then runs whole inside one stage), cut the model before "
-                "it (pipeline the part that captures and run the rest outside the pipeline), or "
-                "pass example inputs the model accepts. In full:\n  - " + "\n  - ".join(failures)
-            ) from e
+
+# a symbolically traced graph and its automatic leaves (qualified name -> why)
+_Traced = tuple[fx.GraphModule, dict[str, str]]
+
+
+def _trace_symbolic(
+    model: nn.Module,
+    inputs: BoundInputs,
+    policy: LeafPolicy,
+    auto_leaf: bool,
+    method: str,
+    failures: list[str],
+) -> _Traced | None:
+    """Symbolic tracing: the graph and its automatic leaves, or None with the failure added to
+    `failures` (raised where `method` is "fx")."""
+    try:
+        note("symbolic tracing")
+        return capture_fx(model, inputs, policy, auto_leaf)
+    except TraceError as e:
+        if method == "fx":
+            raise
+        failures.append(f"fx: {e}")
+        return None
+
+
+def _export_or_fallback(
+    model: nn.Module,
+    inputs: BoundInputs,
+    check: bool,
+    fallback: _Traced | None,
+    failures: list[str],
+) -> fx.GraphModule:
+    """torch.export's graph; where export fails, the symbolically traced `fallback` (one leaf
+    holding most of the model) with a `TraceWarning`, else a `TraceError` naming every path's
+    failure (`failures`, export's added) and the remedies."""
+    try:
+        note("torch.export")
+        gm = capture_export(model, inputs)
+        return _finish(gm, model, inputs, "export", {}, check)
+    except TraceError as e:
+        if fallback is not None:
+            gm, auto = fallback
+            gm = _finish(gm, model, inputs, "fx", auto, check)
+            warnings.warn(
+                f"{type(model).__name__} was captured by symbolic tracing with one leaf "
+                f"holding most of the model, which no pipeline can split: {failures[-1]}. "
+                f"torch.export, tried next, failed:\n{e}\nA pipeline of this graph is "
+                "bounded by that leaf (the default plan is then data parallelism). Remedies: "
+                "fix what export reports, make the leaf's code traceable, or give "
+                "leaf_modules= smaller parts",
+                TraceWarning,
+                stacklevel=3,  # trace()'s caller
+            )
+            return gm
+        if not failures:
+            raise
+        failures.append(f"export: {e}")
+        raise TraceError(
+            f"no path could capture {type(model).__name__}: "
+            + "; ".join(f.splitlines()[0] for f in failures)
+            + ".\nRemedies: make the failing submodule traceable (no control flow on tensor "
+            "values, no Python objects built from tensor values), make it a leaf "
+            "(leaf_modules=[name]: it then runs whole inside one stage), cut the model before "
+            "it (pipeline the part that captures and run the rest outside the pipeline), or "
+            "pass example inputs the model accepts. In full:\n  - " + "\n  - ".join(failures)
+        ) from e
 
 
 def _dominant_leaf(model: nn.Module, auto: Mapping[str, str]) -> str | None:
