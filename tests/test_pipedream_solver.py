@@ -29,9 +29,11 @@ from pdcompile.core.errors import PartitionError
 from pdcompile.passes.planning.solvers.pipedream_optimizer import (
     _blocks,
     _hierarchy,
+    _LevelSpec,
     _options,
     _solve,
     _solve_level,
+    _StateBlocks,
     optimize_pipedream,
 )
 
@@ -478,8 +480,8 @@ def test_level_rows():
     assert levels[0].time.shape == (n + 1, n, 2)
     assert levels[1].time.shape == (1, n, 2)
     direct = _solve_level(
-        _blocks(states.compute), _blocks(states.activation), _blocks(states.parameter),
-        states.output, states.pred, 2, 1, 1e10, False, _options(False, False, 16e9, False, None),
+        _blocks(states.compute), _StateBlocks.of(states), _LevelSpec(2, 1, 1e10, False),
+        _options(False, False, 16e9, False, None),
     )  # fmt: skip
     assert np.array_equal(direct.time, levels[0].time)
 

@@ -80,6 +80,16 @@ class _Level:
     split_m: np.ndarray  # machine index m - m' of the part before the split
     replicas: np.ndarray  # replicas of its last stage
 
+    @classmethod
+    def empty(cls, shape: tuple[int, int, int]) -> _Level:
+        """A table of `shape` (rows, ends, machines) with every entry None."""
+        return cls(
+            time=np.full(shape, np.inf),
+            split=np.full(shape, -1, dtype=np.int32),
+            split_m=np.full(shape, -1, dtype=np.int32),
+            replicas=np.zeros(shape, dtype=np.int32),
+        )
+
 
 # -- states ------------------------------------------------------------------------------
 
@@ -103,112 +113,163 @@ def _bit_matrix(masks: list[int], width: int) -> np.ndarray:
 
 def _build_states(cost_graph: CostGraph) -> _States:
     """PipeDream's input/sink removal, antichain DAG, state order and per-state sums."""
-    g = cost_graph.graph
-    order, edges = file_order(cost_graph)
-    inputs = [n for n in order if g.nodes[n]["kind"] == "input" and g.in_degree(n) == 0]
-    left = set(order) - set(inputs)
-    has_out = {u for u, v in edges if u in left and v in left}
-    getitem = [
-        n
-        for n in order
-        if n in left and n not in has_out and g.nodes[n]["description"].startswith("__getitem__")
-    ]
-    left -= set(getitem)
-    names = [n for n in order if n in left]
-    if not names:
-        raise PartitionError(
-            f"the CostGraph has {len(g)} nodes but none is left once its input sources and "
-            "__getitem__ sinks are set aside; PipeDream's optimizer needs at least one layer"
-        )
-    index = {n: i for i, n in enumerate(names)}
-    out: list[list[int]] = [[] for _ in names]
-    ins: list[list[int]] = [[] for _ in names]
-    for u, v in edges:
-        if u in index and v in index:
-            out[index[u]].append(index[v])
-            ins[index[v]].append(index[u])
-    topo = [index[n] for n in cost_graph.nodes if n in index]
-    preds = [0] * len(names)
-    for v in topo:
-        for u in ins[v]:
-            preds[v] |= preds[u] | (1 << u)
-    succs = [0] * len(names)
-    for u in reversed(topo):
-        for v in out[u]:
-            succs[u] |= succs[v] | (1 << v)
-    out_mask = [sum(1 << v for v in set(vs)) for vs in out]
+    layers = _Layers.of(cost_graph)
+    augmented_of, adjacency = _Antichains(layers).dag()
+    states = _topological_order(adjacency)
+    return _state_sums(cost_graph, layers, states, augmented_of, _precedence(states, adjacency))
 
-    augmented_cache: dict[tuple[int, ...], list[int]] = {}
-    deaugmented_cache: dict[tuple[int, ...], list[int]] = {}
-    needed_cache: dict[int, int] = {}
 
-    def needed(a: int) -> int:
-        # a's predecessors with an output outside a and its predecessors: depends on a alone
-        if a not in needed_cache:
+@dataclass(frozen=True)
+class _Layers:
+    """The layers PipeDream keeps (input sources and `__getitem__` sinks set aside), indexed in
+    its dict order, with their edges and transitive closures as bitmasks over those indices."""
+
+    names: list[str]  # in PipeDream's dict order
+    removed_inputs: list[str]  # `Input` sources
+    out: list[list[int]]  # per layer: its successors, in edge order
+    ins: list[list[int]]  # per layer: its predecessors, in edge order
+    preds: list[int]  # per layer: bitmask of every layer before it
+    succs: list[int]  # per layer: bitmask of every layer after it
+    out_mask: list[int]  # per layer: bitmask of its successors
+
+    @classmethod
+    def of(cls, cost_graph: CostGraph) -> _Layers:
+        """The kept layers of `cost_graph`, in a PipeDream file's order.
+
+        Raises:
+            PartitionError: no layer is left.
+        """
+        g = cost_graph.graph
+        order, edges = file_order(cost_graph)
+        inputs = [n for n in order if g.nodes[n]["kind"] == "input" and g.in_degree(n) == 0]
+        left = set(order) - set(inputs)
+        has_out = {u for u, v in edges if u in left and v in left}
+        getitem = [
+            n
+            for n in order
+            if n in left
+            and n not in has_out
+            and g.nodes[n]["description"].startswith("__getitem__")
+        ]
+        left -= set(getitem)
+        names = [n for n in order if n in left]
+        if not names:
+            raise PartitionError(
+                f"the CostGraph has {len(g)} nodes but none is left once its input sources and "
+                "__getitem__ sinks are set aside; PipeDream's optimizer needs at least one layer"
+            )
+        index = {n: i for i, n in enumerate(names)}
+        out: list[list[int]] = [[] for _ in names]
+        ins: list[list[int]] = [[] for _ in names]
+        for u, v in edges:
+            if u in index and v in index:
+                out[index[u]].append(index[v])
+                ins[index[v]].append(index[u])
+        topo = [index[n] for n in cost_graph.nodes if n in index]
+        preds = [0] * len(names)
+        for v in topo:
+            for u in ins[v]:
+                preds[v] |= preds[u] | (1 << u)
+        succs = [0] * len(names)
+        for u in reversed(topo):
+            for v in out[u]:
+                succs[u] |= succs[v] | (1 << v)
+        out_mask = [sum(1 << v for v in set(vs)) for vs in out]
+        return cls(names, inputs, out, ins, preds, succs, out_mask)
+
+
+class _Antichains:
+    """PipeDream's antichain DAG of the layers: its (de)augmentation of antichains, memoised,
+    and the breadth-first construction from the first source."""
+
+    def __init__(self, layers: _Layers) -> None:
+        self.layers = layers
+        self._augmented: dict[tuple[int, ...], list[int]] = {}
+        self._deaugmented: dict[tuple[int, ...], list[int]] = {}
+        self._needed: dict[int, int] = {}
+
+    def needed(self, a: int) -> int:
+        """a's predecessors with an output outside a and its predecessors (a bitmask)."""
+        cache = self._needed
+        if a not in cache:
+            preds = self.layers.preds
             inside = preds[a] | (1 << a)
-            needed_cache[a] = sum(1 << p for p in _bits(preds[a]) if out_mask[p] & ~inside)
-        return needed_cache[a]
+            out_mask = self.layers.out_mask
+            cache[a] = sum(1 << p for p in _bits(preds[a]) if out_mask[p] & ~inside)
+        return cache[a]
 
-    def augment(antichain: list[int]) -> list[int]:
-        # the antichain plus the predecessors whose outputs are still needed after the cut
+    def augment(self, antichain: list[int]) -> list[int]:
+        """The antichain plus the predecessors whose outputs are still needed after the cut."""
         key = tuple(sorted(antichain))
-        if key not in augmented_cache:
+        cache = self._augmented
+        if key not in cache:
             extra = 0
             for a in antichain:
-                extra |= needed(a)
+                extra |= self.needed(a)
             # PipeDream lists `extra` in the order of a set of strings (PYTHONHASHSEED-dependent
             # when it has two or more); file order here (_bits is ascending)
-            augmented_cache[key] = _bits(extra) + antichain
-        return augmented_cache[key]
+            cache[key] = _bits(extra) + antichain
+        return cache[key]
 
-    def deaugment(augmented: list[int]) -> list[int]:
+    def deaugment(self, augmented: list[int]) -> list[int]:
+        """The members of `augmented` with no successor among them, in its order."""
         key = tuple(sorted(augmented))
-        if key not in deaugmented_cache:
+        cache = self._deaugmented
+        if key not in cache:
+            succs = self.layers.succs
             members = sum(1 << x for x in set(augmented))
             antichain: list[int] = []
             for x in augmented:
                 if not succs[x] & members and x not in antichain:
                     antichain.append(x)
-            deaugmented_cache[key] = antichain
-        return deaugmented_cache[key]
+            cache[key] = antichain
+        return cache[key]
 
-    def next_antichains(antichain: list[int]) -> list[list[int]]:
-        augmented = augment(antichain)
+    def next_antichains(self, antichain: list[int]) -> list[list[int]]:
+        """The antichains one layer past `antichain`, in PipeDream's order."""
+        out, succs = self.layers.out, self.layers.succs
+        augmented = self.augment(antichain)
         members = sum(1 << x for x in set(augmented))
         found = []
         for x in augmented:
             for nxt in out[x]:
                 if nxt in antichain or succs[nxt] & members:
                     continue
-                found.append(deaugment([nxt if y == x else y for y in augmented]))
+                found.append(self.deaugment([nxt if y == x else y for y in augmented]))
         return found
 
-    # breadth-first construction of the antichain DAG from the first source, as PipeDream does
-    sources = [i for i in range(len(names)) if not ins[i]]
-    start = [sources[0]]
-    ids = {tuple(sorted(start)): 0}
-    augmented_of = [augment(start)]
-    adjacency: list[list[int]] = [[]]
-    expanded: set[tuple[int, ...]] = set()
-    queue = deque([start])
-    while queue:
-        antichain = queue.popleft()
-        key = tuple(sorted(antichain))
-        if key in expanded:
-            continue
-        expanded.add(key)
-        for nxt in next_antichains(antichain):
-            nxt_key = tuple(sorted(nxt))
-            if nxt_key not in ids:
-                ids[nxt_key] = len(augmented_of)
-                augmented_of.append(augment(nxt))
-                adjacency.append([])
-            adjacency[ids[key]].append(ids[nxt_key])
-            queue.append(nxt)
+    def dag(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Breadth-first from the first source, as PipeDream builds it: per state (in creation
+        order) its augmented antichain, and its out-edges in insertion order."""
+        ins = self.layers.ins
+        sources = [i for i in range(len(ins)) if not ins[i]]
+        start = [sources[0]]
+        ids = {tuple(sorted(start)): 0}
+        augmented_of = [self.augment(start)]
+        adjacency: list[list[int]] = [[]]
+        expanded: set[tuple[int, ...]] = set()
+        queue = deque([start])
+        while queue:
+            antichain = queue.popleft()
+            key = tuple(sorted(antichain))
+            if key in expanded:
+                continue
+            expanded.add(key)
+            for nxt in self.next_antichains(antichain):
+                nxt_key = tuple(sorted(nxt))
+                if nxt_key not in ids:
+                    ids[nxt_key] = len(augmented_of)
+                    augmented_of.append(self.augment(nxt))
+                    adjacency.append([])
+                adjacency[ids[key]].append(ids[nxt_key])
+                queue.append(nxt)
+        return augmented_of, adjacency
 
-    # PipeDream's topological sort: depth-first from each node in creation order, out-edges in
-    # insertion order, reverse post-order (a one-layer graph keeps its single state, where
-    # PipeDream's state DAG would be empty)
+
+def _topological_order(adjacency: list[list[int]]) -> list[int]:
+    """PipeDream's topological sort of the states: depth-first from each node in creation
+    order, out-edges in insertion order, reverse post-order (a one-layer graph keeps its single
+    state, where PipeDream's state DAG would be empty)."""
     post: list[int] = []
     seen = [False] * len(adjacency)
     for root in range(len(adjacency)):
@@ -226,20 +287,30 @@ def _build_states(cost_graph: CostGraph) -> _States:
                     stack.append((child, 0))
             else:
                 post.append(node)
-    states = post[::-1]
+    return post[::-1]
+
+
+def _precedence(states: list[int], adjacency: list[list[int]]) -> np.ndarray:
+    """(N, N) bool: [j, k] = the k-th state in `states` precedes the j-th in the DAG."""
     position = {s: i for i, s in enumerate(states)}
-    n = len(states)
-    ancestors = [0] * n
+    ancestors = [0] * len(states)
     for s in states:
         for t in adjacency[s]:
             ancestors[position[t]] |= ancestors[position[s]] | (1 << position[s])
-    pred = _bit_matrix(ancestors, n)
+    return _bit_matrix(ancestors, len(states))
 
+
+def _state_sums(
+    cost_graph: CostGraph,
+    layers: _Layers,
+    states: list[int],
+    augmented_of: list[list[int]],
+    pred: np.ndarray,
+) -> _States:
+    """The states in `states`' order with the sums of compute, activation and parameter bytes
+    over each one's closure, and the output bytes of its augmented antichain."""
+    g, names, preds = cost_graph.graph, layers.names, layers.preds
     attrs = [g.nodes[name] for name in names]
-    time = [a["forward_s"] + a["backward_s"] for a in attrs]
-    activation = [a["activation_bytes"] for a in attrs]
-    parameter = [a["param_bytes"] for a in attrs]
-    output = [a["output_bytes"] for a in attrs]
     closure = []
     for s in states:
         mask = 0
@@ -252,15 +323,16 @@ def _build_states(cost_graph: CostGraph) -> _States:
         column = np.array(values, dtype=float)
         return np.array([math.fsum(column[m].tolist()) for m in members], dtype=float)
 
+    output = [a["output_bytes"] for a in attrs]
     return _States(
         names=names,
         closure=closure,
         pred=pred,
-        compute=sums(time),
-        activation=sums(activation),
-        parameter=sums(parameter),
+        compute=sums([a["forward_s"] + a["backward_s"] for a in attrs]),
+        activation=sums([a["activation_bytes"] for a in attrs]),
+        parameter=sums([a["param_bytes"] for a in attrs]),
         output=np.array([math.fsum(output[x] for x in augmented_of[s]) for s in states]),
-        removed_inputs=inputs,
+        removed_inputs=layers.removed_inputs,
     )
 
 
@@ -309,40 +381,58 @@ def _min_max(prev: np.ndarray, stage_t: np.ndarray) -> tuple[np.ndarray, np.ndar
     return best, arg
 
 
+@dataclass(frozen=True)
+class _StateBlocks:
+    """What every level's DP reads besides its compute: the (N+1, N) block values of activation
+    and parameter bytes (`_blocks`), each state's output bytes and the precedence matrix."""
+
+    activation: np.ndarray
+    parameter: np.ndarray
+    output: np.ndarray
+    pred: np.ndarray
+
+    @classmethod
+    def of(cls, states: _States) -> _StateBlocks:
+        return cls(_blocks(states.activation), _blocks(states.parameter), states.output,
+                   states.pred)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _LevelSpec:
+    """One level of the hierarchy: its machines, the machines of the level below (PipeDream
+    divides the first stage's all-reduce by them), its bandwidth (bytes/s) and whether it is
+    the outermost (final) level."""
+
+    num_machines: int
+    machines_within: int
+    bandwidth: float
+    final_level: bool
+
+
 def _solve_level(
-    compute: np.ndarray,
-    activation: np.ndarray,
-    parameter: np.ndarray,
-    output: np.ndarray,
-    pred: np.ndarray,
-    num_machines: int,
-    machines_within: int,
-    bandwidth: float,
-    final_level: bool,
-    opts: _Options,
+    compute: np.ndarray, blocks: _StateBlocks, spec: _LevelSpec, opts: _Options
 ) -> _Level:
     """PipeDream's `compute_partitioning` for one level, vectorised over (i, j, k).
 
-    `compute`, `activation`, `parameter`: (N+1, N) block values (`_blocks`; NaN or inf for None).
+    `compute`: (N+1, N) block values (`_blocks`; NaN or inf for None), as `blocks`' arrays.
     The final level only fills row 0 (a block starting at the first state), as PipeDream does.
     """
-    n = compute.shape[1]
+    # The three loops stay in one function on purpose: their temporaries live until it returns.
+    # In helpers they are freed between loops and the allocator returns memory to the OS and
+    # faults it in again (the last-stage search in a helper: 2.2x the page faults, 16% slower
+    # on resnet50 A_16flat_mem16G; the first two loops in helpers: 0-8% slower on its 2-level
+    # runs, from run to run).
+    n, num_machines, bandwidth = compute.shape[1], spec.num_machines, spec.bandwidth
     cmp = np.where(np.isnan(compute), np.inf, compute)
-    known = ~np.isnan(activation)
-    par = np.where(known, parameter, 0.0)
-    memory = np.where(known, activation, 0.0) + par
-    top = 1 if final_level else n + 1
-    shape = (top, n, num_machines)
-    level = _Level(
-        time=np.full(shape, np.inf),
-        split=np.full(shape, -1, dtype=np.int32),
-        split_m=np.full(shape, -1, dtype=np.int32),
-        replicas=np.zeros(shape, dtype=np.int32),
-    )
+    known = ~np.isnan(blocks.activation)
+    par = np.where(known, blocks.parameter, 0.0)
+    memory = np.where(known, blocks.activation, 0.0) + par
+    top = 1 if spec.final_level else n + 1
+    level = _Level.empty((top, n, num_machines))
 
     # A[i][j][m] starts as one stage on m + 1 replicas: data parallelism over the block
     for m in range(1 if opts.straight_pipeline else num_machines):
-        allreduce = (4 * m * par[:top]) / (bandwidth * (m + 1)) / machines_within
+        allreduce = (4 * m * par[:top]) / (bandwidth * (m + 1)) / spec.machines_within
         time = (cmp[:top] + allreduce) / (m + 1)
         if opts.use_memory_constraint:
             stash = math.ceil((num_machines - (m + 1)) / (m + 1)) * memory[:top]
@@ -356,24 +446,17 @@ def _solve_level(
     for mp in range(1, 2 if opts.straight_pipeline else num_machines):
         t = (cmp[1:] + (4 * (mp - 1) * par[1:]) / (bandwidth * mp)) / mp
         if ratio is not None:
-            sent = (2.0 * output) / (bandwidth * mp) / ratio
+            sent = (2.0 * blocks.output) / (bandwidth * mp) / ratio
             received = sent.copy()
             received[-1] = -np.inf  # the last state sends nothing on
             t = np.maximum(np.maximum(t, sent[:, None]), received[None, :])
-        last[mp] = np.where(pred, t.T, np.inf)
+        last[mp] = np.where(blocks.pred, t.T, np.inf)
 
     later = np.arange(n)[None, :] > np.arange(top)[:, None]  # j > i: the entries the DP updates
     for m in range(1, num_machines):
         current = [a[:, :, m] for a in (level.time, level.split, level.split_m, level.replicas)]
         if opts.use_fewer_machines:
-            # PipeDream takes A[i][j][m-1] when it is better (or A[i][j][m] is None); an
-            # infeasible A[i][j][m-1] never counts as better (Python 3 PipeDream raises there)
-            t = current[0]
-            fewer = (np.isinf(t) | (level.time[:, :, m - 1] < t)) & later
-            for now, before in zip(
-                current, (level.time, level.split, level.split_m, level.replicas), strict=True
-            ):
-                now[fewer] = before[:, :, m - 1][fewer]
+            _take_fewer(level, m, later)
         best = np.full((top, n), np.inf)
         best_k = np.full((top, n), n, dtype=np.int64)
         best_mp = np.zeros((top, n), dtype=np.int64)
@@ -394,6 +477,18 @@ def _solve_level(
         current[2][win] = m - best_mp[win]
         current[3][win] = best_mp[win]
     return level
+
+
+def _take_fewer(level: _Level, m: int, later: np.ndarray) -> None:
+    """`use_fewer_machines`: A[i][j][m] becomes A[i][j][m-1] where that is better (or A[i][j][m]
+    is None), as PipeDream takes it; an infeasible A[i][j][m-1] never counts as better (Python 3
+    PipeDream raises there)."""
+    tables = (level.time, level.split, level.split_m, level.replicas)
+    t = level.time[:, :, m]
+    fewer = (np.isinf(t) | (level.time[:, :, m - 1] < t)) & later
+    for table in tables:
+        now = table[:, :, m]
+        now[fewer] = table[:, :, m - 1][fewer]
 
 
 # -- reading the tables ------------------------------------------------------------------
@@ -507,16 +602,12 @@ def _solve(
     """States and the DP table of every level, innermost first."""
     states = _build_states(cost_graph)
     compute = _blocks(states.compute)
-    activation = _blocks(states.activation)
-    parameter = _blocks(states.parameter)
+    blocks = _StateBlocks.of(states)
     levels: list[_Level] = []
     within = 1  # PipeDream divides the first stage's all-reduce by the level below's machines
     for depth, (m, bandwidth) in enumerate(zip(machines, links, strict=True)):
-        final = depth == len(machines) - 1
-        level = _solve_level(
-            compute, activation, parameter, states.output, states.pred, m, within, bandwidth,
-            final, opts,
-        )  # fmt: skip
+        spec = _LevelSpec(m, within, bandwidth, final_level=depth == len(machines) - 1)
+        level = _solve_level(compute, blocks, spec, opts)
         levels.append(level)
         within = m
         compute = level.time[:, :, -1]  # the next level's compute: this level's best time
