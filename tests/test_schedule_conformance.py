@@ -268,14 +268,14 @@ def assert_trained(params: dict[str, torch.Tensor], m: int, what: str) -> None:
 def check_local_training(kind: str, chunks: int | None = None) -> None:
     """A synchronous kind trains the MLP equal to gradient accumulation on the local
     executor (`chunks` stages per rank: None, its default), its plan's step time and memory
-    the simulator's."""
+    the simulator's; the plan's own orders (`Plan.rules`: a `synth` plan's fitted ones)."""
     program, m = mlp_program(kind, chunks)
     sim = pdcompile.simulate(program.plan)
     assert program.plan.step_time == sim.time_per_step
     assert program.plan.rank_memory == tuple(sim.peak_memory)
     _, x, y, loss_fn = mlp_case()
-    pipeline = LocalPipeline(program, schedule=kind, num_microbatches=m, loss_fn=loss_fn,
-                             optimizer=SGD)  # fmt: skip
+    pipeline = LocalPipeline(program, schedule=program.plan.rules, num_microbatches=m,
+                             loss_fn=loss_fn, optimizer=SGD)  # fmt: skip
     for _ in range(STEPS):
         pipeline.train_step((x,), y)
     params = {n: p for st in pipeline.stage_modules().values()
@@ -294,7 +294,7 @@ def _train_on_ranks(rank: int, world_size: int, init_file: str, configs: list) -
         program, m = mlp_program(kind, chunks)
         _, x, y, loss_fn = mlp_case()
         pipeline = DistributedPipeline(
-            program, rank=rank, schedule=kind, num_microbatches=m, loss_fn=loss_fn,
+            program, rank=rank, schedule=program.plan.rules, num_microbatches=m, loss_fn=loss_fn,
             optimizer=SGD, device=device, timeout_s=60,
         )  # fmt: skip
         for _ in range(STEPS):

@@ -372,6 +372,14 @@ def comparable(name: str, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def assert_comparable(trained: dict, expected: dict, what: str) -> None:
+    """Every trained parameter (`comparable`) close to the reference's, none missing."""
+    assert trained.keys() == expected.keys(), what
+    for name, value in trained.items():
+        torch.testing.assert_close(comparable(name, value), comparable(name, expected[name]),
+                                   msg=f"{what}: {name}")  # fmt: skip
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_schedule_equals_gradient_accumulation_on_gloo_ranks(world_size: int) -> None:
     configs = ON_TWO if world_size == 2 else ON_FOUR
@@ -381,9 +389,5 @@ def test_every_schedule_equals_gradient_accumulation_on_gloo_ranks(world_size: i
         ref, _ = accumulate_reference(model, x, y, loss_fn, OPTIMIZERS[opt], 2 * world_size, 5)
         expected = dict(ref.named_parameters(remove_duplicate=False))
         trained = {n: t for rank in per_rank for n, t in rank[i].items()}
-        assert trained.keys() == expected.keys(), (kind, case)
-        for name, value in trained.items():
-            torch.testing.assert_close(
-                comparable(name, value), comparable(name, expected[name]),
-                msg=f"{kind} (chunks {v}) on {world_size} ranks, {case}, {opt}: {name}",
-            )  # fmt: skip
+        assert_comparable(trained, expected, f"{kind} (chunks {v}) on {world_size} ranks, "
+                          f"{case}, {opt}")  # fmt: skip

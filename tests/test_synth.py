@@ -3,7 +3,8 @@
 The kind's default orders go through every conformance check (tests/test_schedule_conformance.py
 iterates the registry); here, the orders fitted to a plan: they beat 1F1B at no more memory on
 PipeDream's GNMT profile, keep to a memory limit, travel in the plan (JSON, `Plan.rules`), and
-train equal to gradient accumulation on the local executor and on 2 gloo ranks.
+train equal to gradient accumulation on the local executor and on 2 gloo ranks (the conformance
+checks train each plan's own orders, `Plan.rules`).
 """
 
 from __future__ import annotations
@@ -11,18 +12,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
-import torch.distributed as dist
-from pipeline_support import mlp_case, stage_parameters
-from spawn import run_ranks
-from test_schedule_conformance import SGD, STEPS, assert_trained, mlp_program
+from test_schedule_conformance import mlp_program
 
 import pdcompile
 from pdcompile import Cluster, CostGraph, Plan
 from pdcompile.runtime import validate_schedule
-from pdcompile.runtime.distributed import init_process_group
-from pdcompile.runtime.executor import DistributedPipeline
-from pdcompile.runtime.local import LocalPipeline
 from pdcompile.scheduling import build_schedule, get_schedule
 from pdcompile.scheduling.synth import Fitting, Knobs, Split, Synthesised
 
@@ -78,41 +72,10 @@ def test_a_split_recipe_refuses_a_layout_it_was_not_made_for() -> None:
         build_schedule(rules, [(0,), (1,), (0,)], {(0, 1): True, (1, 2): True}, 4)
 
 
-def _fitted_mlp() -> tuple[pdcompile.StagedProgram, int, Synthesised]:
-    """The MLP on 2 ranks, planned with synth: its plan holds orders fitted to it."""
-    program, m = mlp_program("synth")
-    rules = program.plan.rules
-    assert rules.recipe != get_schedule("synth").recipe or rules.fitting.times
-    return program, m, rules
-
-
-def test_fitted_orders_train_equal_to_gradient_accumulation_locally() -> None:
-    program, m, rules = _fitted_mlp()
-    _, x, y, loss_fn = mlp_case()
-    pipeline = LocalPipeline(program, schedule=rules, num_microbatches=m, loss_fn=loss_fn,
-                             optimizer=SGD)  # fmt: skip
-    for _ in range(STEPS):
-        pipeline.train_step((x,), y)
-    params = {n: p for st in pipeline.stage_modules().values()
-              for n, p in st.named_parameters(remove_duplicate=False)}  # fmt: skip
-    assert_trained(params, m, "synth, fitted")
-
-
-def _train_fitted(rank: int, world_size: int, init_file: str) -> tuple[int, dict]:
-    device = init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
-    torch.set_num_threads(1)
-    program, m, rules = _fitted_mlp()
-    _, x, y, loss_fn = mlp_case()
-    pipeline = DistributedPipeline(program, rank=rank, schedule=rules, num_microbatches=m,
-                                   loss_fn=loss_fn, optimizer=SGD, device=device,
-                                   timeout_s=60)  # fmt: skip
-    for _ in range(STEPS):
-        pipeline.train_step((x,), y)
-    dist.destroy_process_group()
-    return m, stage_parameters(pipeline)
-
-
-@pytest.mark.timeout(180)
-def test_fitted_orders_train_equal_to_gradient_accumulation_on_two_gloo_ranks() -> None:
-    (m, first), (_, second) = run_ranks(_train_fitted, 2, timeout_s=120)
-    assert_trained({**first, **second}, m, "synth, fitted, on gloo ranks")
+def test_the_conformance_checks_train_the_plans_own_fitted_orders() -> None:
+    """tests/test_schedule_conformance.py trains `program.plan.rules` locally and on 2 gloo
+    ranks: for synth, the orders fitted to the MLP's plan, not the kind's default ones."""
+    program, _ = mlp_program("synth")
+    fitted, default = program.plan.rules, get_schedule("synth")
+    assert isinstance(fitted, Synthesised) and fitted.fitting.times
+    assert fitted.fitting != default.fitting

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from pdcompile.core.errors import ScheduleError
 from pdcompile.scheduling.action_kinds import B, F, I, W
@@ -67,6 +68,49 @@ def check_v_shape(name: str, ranks: Sequence[Sequence[int]]) -> int:
             "(plan with schedule='zb-v', which places them so)"
         )
     return p
+
+
+class VPlacement:
+    """A mixin for a `PipelineSchedule` whose 2p stages sit in a V on p ranks: stages s and
+    2p - 1 - s on rank s (`chunk_rank`, two stages per rank by definition), checked
+    (`check_layout`)."""
+
+    name: str
+    default_chunks = 2
+    fewest_beyond: int = 0  # microbatches it needs: at least 2p + this
+    fewest_why: str = ""  # what the message says of that count
+
+    def check(
+        self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
+    ) -> None:
+        super().check(replicas, num_microbatches)  # type: ignore[misc]
+        least = len(replicas) + self.fewest_beyond
+        if len(replicas) % 2 or num_microbatches < least:
+            beyond = f" {self.fewest_beyond:+d}".replace("+", "+ ").replace("-", "- ")
+            raise ScheduleError(
+                f"{self.name} runs 2p stages on p ranks and needs at least 2p"
+                f"{beyond if self.fewest_beyond else ''} microbatches{self.fewest_why}; got "
+                f"{len(replicas)} stages and {num_microbatches} microbatches"
+            )
+
+    def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
+        check_v_shape(self.name, ranks)
+
+    def rank_orders(self, placement: Any) -> dict[int, list[Item]]:
+        """Each rank's `v_rank_order` (its position r in the V, both its stages)."""
+        p = check_v_shape(self.name, placement.ranks)
+        total = placement.total
+        return {placement.ranks[r][0]: self.v_rank_order(p, total, r) for r in range(p)}
+
+    def v_rank_order(self, p: int, num_microbatches: int, position: int) -> list[Item]:
+        """The order of the rank at `position` of a V of 2p stages (the kind's own)."""
+        raise NotImplementedError
+
+    def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
+        """The V: stages s and 2p - 1 - s on rank s."""
+        if chunks != 2:
+            raise ScheduleError(f"{self.name} runs two stages per rank (chunks=2), got {chunks}")
+        return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
 
 
 def split_order(mine: Sequence[int], warmup: int, defer: int) -> list[tuple[str, int]]:

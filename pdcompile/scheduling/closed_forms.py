@@ -73,5 +73,20 @@ def warmup_in_flight(
     return held if rules.streaming else min(held, -(-num_microbatches // replicas[stage]))
 
 
+def v_bubble(step_time: Callable[..., float]) -> Callable[..., float]:
+    """The bubble of a V kind (two stages per rank, whatever `chunks`) whose step time is
+    `step_time`: 1 - 2M(F + B) / step_time."""
+
+    def bubble(
+        rules: Any, num_stages: int, num_microbatches: int, forward_s: float,
+        backward_s: float, *, weight_s: float | None = None, chunks: int = 2,
+    ) -> float:  # fmt: skip
+        step = step_time(rules, num_stages, num_microbatches, forward_s, backward_s,
+                         weight_s=weight_s)  # fmt: skip
+        return 1 - 2 * num_microbatches * (forward_s + backward_s) / step if step else 0.0
+
+    return bubble
+
+
 WARMUP_FLUSHED = ClosedForms(step_time=flushed_step_time, in_flight=warmup_in_flight)
 WARMUP_STREAMED = ClosedForms(step_time=streamed_step_time, in_flight=warmup_in_flight)

@@ -37,14 +37,13 @@ the orders (p = 2 to 6) and are checked against simulation on random stage times
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from pdcompile.core.errors import ScheduleError
 from pdcompile.scheduling.action_kinds import B, F, I, W, overlapped
 from pdcompile.scheduling.base import PipelineSchedule
-from pdcompile.scheduling.chunks import check_v_shape
-from pdcompile.scheduling.closed_forms import ClosedForms, split_parts
-from pdcompile.scheduling.placement import Item, Placement
+from pdcompile.scheduling.chunks import VPlacement
+from pdcompile.scheduling.closed_forms import ClosedForms, split_parts, v_bubble
+from pdcompile.scheduling.placement import Item
 from pdcompile.scheduling.registry import register_schedule
 
 
@@ -129,16 +128,6 @@ def _step_time(
     return 2 * m * (f + i + w) + fill
 
 
-def _bubble(
-    rules: DualPipeV, num_stages: int, num_microbatches: int, forward_s: float,
-    backward_s: float, *, weight_s: float | None = None, chunks: int = 2,
-) -> float:  # fmt: skip
-    """1 - 2M(F + B) / step_time: two stages per rank, whatever `chunks`."""
-    step = _step_time(rules, num_stages, num_microbatches, forward_s, backward_s,
-                      weight_s=weight_s)  # fmt: skip
-    return 1 - 2 * num_microbatches * (forward_s + backward_s) / step if step else 0.0
-
-
 def _in_flight(
     rules: DualPipeV, replicas: Sequence[int], stage: int, num_microbatches: int, *,
     chunks: int = 2,
@@ -148,7 +137,7 @@ def _in_flight(
 
 
 @register_schedule("dualpipev")
-class DualPipeV(PipelineSchedule):
+class DualPipeV(VPlacement, PipelineSchedule):
     """DualPipeV: DeepSeek's DualPipe cut in half, two stages per rank in a V, overlapped
     forward-backward pairs."""
 
@@ -161,29 +150,11 @@ class DualPipeV(PipelineSchedule):
         "accumulation."
     )
     items_per_microbatch = 3  # some backwards split (the fused ones are `action_kinds.ways`)
-    default_chunks = 2
-    closed_forms = ClosedForms(step_time=_step_time, bubble=_bubble, in_flight=_in_flight)
+    fewest_beyond = 0
+    fewest_why = " (one per stage, as DeepSeek's and torch's DualPipeV)"
+    closed_forms = ClosedForms(
+        step_time=_step_time, bubble=v_bubble(_step_time), in_flight=_in_flight
+    )
 
-    def check(
-        self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
-    ) -> None:
-        super().check(replicas, num_microbatches)
-        if len(replicas) % 2 or num_microbatches < len(replicas):
-            raise ScheduleError(
-                f"{self.name} runs 2p stages on p ranks and needs at least 2p microbatches (one "
-                f"per stage, as DeepSeek's and torch's DualPipeV); got {len(replicas)} stages "
-                f"and {num_microbatches} microbatches"
-            )
-
-    def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
-        check_v_shape(self.name, ranks)
-
-    def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
-        """The V: stages s and 2p - 1 - s on rank s (two stages per rank by definition)."""
-        if chunks != 2:
-            raise ScheduleError(f"{self.name} runs two stages per rank (chunks=2), got {chunks}")
-        return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
-
-    def rank_orders(self, placement: Placement) -> Mapping[int, Sequence[Item]]:
-        p = check_v_shape(self.name, placement.ranks)
-        return {placement.ranks[r][0]: dualpipev_order(p, placement.total, r) for r in range(p)}
+    def v_rank_order(self, p: int, num_microbatches: int, position: int) -> list[Item]:
+        return dualpipev_order(p, num_microbatches, position)

@@ -19,13 +19,12 @@ half of `zb-h1`'s on p ranks of one stage each (whose stages are twice as long).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from pdcompile.core.errors import ScheduleError
 from pdcompile.scheduling.base import PipelineSchedule
-from pdcompile.scheduling.chunks import check_v_shape, v_order
-from pdcompile.scheduling.closed_forms import ClosedForms, split_parts
-from pdcompile.scheduling.placement import Item, Placement
+from pdcompile.scheduling.chunks import VPlacement, v_order
+from pdcompile.scheduling.closed_forms import ClosedForms, split_parts, v_bubble
+from pdcompile.scheduling.placement import Item
 from pdcompile.scheduling.registry import register_schedule
 
 
@@ -51,16 +50,6 @@ def _step_time(
     return 2 * m * (f + i + w) + fill
 
 
-def _bubble(
-    rules: ZeroBubbleV, num_stages: int, num_microbatches: int, forward_s: float,
-    backward_s: float, *, weight_s: float | None = None, chunks: int = 2,
-) -> float:  # fmt: skip
-    """1 - 2M(F + B) / step_time: two stages per rank, whatever `chunks`."""
-    step = _step_time(rules, num_stages, num_microbatches, forward_s, backward_s,
-                      weight_s=weight_s)  # fmt: skip
-    return 1 - 2 * num_microbatches * (forward_s + backward_s) / step if step else 0.0
-
-
 def _in_flight(
     rules: ZeroBubbleV, replicas: Sequence[int], stage: int, num_microbatches: int, *,
     chunks: int = 2,
@@ -70,7 +59,7 @@ def _in_flight(
 
 
 @register_schedule("zb-v")
-class ZeroBubbleV(PipelineSchedule):
+class ZeroBubbleV(VPlacement, PipelineSchedule):
     """ZB-V: two stages per rank in a V, split backward, 1F1B's peak activations."""
 
     meaning = (
@@ -80,28 +69,11 @@ class ZeroBubbleV(PipelineSchedule):
         "per step from all microbatches: exactly single-process gradient accumulation."
     )
     items_per_microbatch = 3
-    default_chunks = 2
-    closed_forms = ClosedForms(step_time=_step_time, bubble=_bubble, in_flight=_in_flight)
+    fewest_beyond = -1
+    fewest_why = " (what fills its V)"
+    closed_forms = ClosedForms(
+        step_time=_step_time, bubble=v_bubble(_step_time), in_flight=_in_flight
+    )
 
-    def check(
-        self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()
-    ) -> None:
-        super().check(replicas, num_microbatches)
-        if len(replicas) % 2 or num_microbatches < len(replicas) - 1:
-            raise ScheduleError(
-                f"{self.name} runs 2p stages on p ranks and fills its V with at least 2p - 1 "
-                f"microbatches; got {len(replicas)} stages and {num_microbatches} microbatches"
-            )
-
-    def check_layout(self, ranks: Sequence[Sequence[int]], num_microbatches: int) -> None:
-        check_v_shape(self.name, ranks)
-
-    def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
-        """The V: stages s and 2p - 1 - s on rank s (two stages per rank by definition)."""
-        if chunks != 2:
-            raise ScheduleError(f"{self.name} runs two stages per rank (chunks=2), got {chunks}")
-        return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
-
-    def rank_orders(self, placement: Placement) -> Mapping[int, Sequence[Item]]:
-        p = check_v_shape(self.name, placement.ranks)
-        return {placement.ranks[r][0]: v_order(p, placement.total, r) for r in range(p)}
+    def v_rank_order(self, p: int, num_microbatches: int, position: int) -> list[Item]:
+        return v_order(p, num_microbatches, position)
