@@ -19,6 +19,8 @@ placement on both sides:
 - pdcompile `interleaved-1f1b` (chunks=2, stage i on rank i mod 2) / `ScheduleInterleaved1F1B`
 - pdcompile `zb-h1` (chunks=2, same placement) / `ScheduleInterleavedZeroBubble`
 - pdcompile `zb-v` (stages 0 and 3 on rank 0, 1 and 2 on rank 1) / `ScheduleZBVZeroBubble`
+- pdcompile `dualpipev` (the same V) / `ScheduleDualPipeV`
+- pdcompile `looped-bfs` (chunks=2, round-robin) / `ScheduleLoopedBFS`
 
 torch runs pdcompile's own stage modules (copies, so both start from the same parameters)
 through thin adapters taking and returning positional tensors. The two runtimes alternate
@@ -57,6 +59,8 @@ PAIRS = {  # pdcompile schedule: torch schedule class
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",
     "zb-v": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+    "looped-bfs": "ScheduleLoopedBFS",
 }
 LEAVES = (nn.TransformerEncoderLayer,)  # traced whole: the cut falls between blocks
 

@@ -46,11 +46,10 @@ ACT, WEIGHT, GRAD = 100, 30, 10  # bytes per stage
 
 
 def placement(kind: str, p: int, v: int) -> list[tuple[int]]:
-    """Stage ranks for `kind` on p ranks with v stages each: a V for `zb-v`, else round-robin
-    (stage i on rank i mod p)."""
-    if kind == "zb-v":
-        return [(min(s, 2 * p - 1 - s),) for s in range(2 * p)]
-    return [(i % p,) for i in range(p * v)]
+    """Stage ranks for `kind` on p ranks with v stages each, as the kind places them
+    (`chunk_rank`: a V for `zb-v`, else round-robin, stage i on rank i mod p)."""
+    rules = get_schedule(kind)
+    return [(rules.chunk_rank(i, p, v),) for i in range(p * v)]
 
 
 def equal_plan(ranks: list[tuple[int]], forward: float = 1.0, backward: float = 2.0) -> Plan:
