@@ -1,6 +1,7 @@
 """A schedule a test file defines by its orders alone, without editing the package.
 
-`looped-bfs` (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023) runs, on each rank,
+`bfs-from-a-test-file` (looped breadth-first, Lamy-Poirier, 2023; the package's own is
+`looped-bfs`, which runs the backwards in torch's order) runs, on each rank,
 every microbatch through the rank's first stage, then through its next, and so on (its stages
 placed round-robin: the package's default placement), then the backwards the same way from its
 last stage down: GPipe on each of a rank's stages in turn. It gives only `rank_orders`: no
@@ -28,7 +29,7 @@ from pdcompile.runtime import validate_schedule
 from pdcompile.scheduling import PipelineSchedule, Placement, build_schedule, register_schedule
 
 
-@register_schedule("looped-bfs")
+@register_schedule("bfs-from-a-test-file")
 class LoopedBreadthFirst(PipelineSchedule):
     """Looped breadth-first: every microbatch through a rank's stage before its next stage."""
 
@@ -42,7 +43,7 @@ class LoopedBreadthFirst(PipelineSchedule):
         return orders
 
 
-KIND = "looped-bfs"
+KIND = "bfs-from-a-test-file"
 
 
 def test_it_is_listed_and_its_orders_are_breadth_first() -> None:
