@@ -121,6 +121,10 @@ def __getattr__(name: str) -> Any:
         value = importlib.import_module(_SUBMODULES[name])
     else:
         raise AttributeError(f"module 'pdcompile' has no attribute {name!r}")
+    if name == "schedules":  # pdcompile.schedules.from_torch_csv, .to_torch_csv
+        from pdcompile.scheduling import torch_csv
+
+        value.from_torch_csv, value.to_torch_csv = torch_csv.from_torch_csv, torch_csv.to_torch_csv
     globals()[name] = value
     return value
 
