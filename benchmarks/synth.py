@@ -5,10 +5,10 @@
 1. Simulated: two stage-time profiles with a heavy last stage, PipeDream's GNMT (its published
    profile, `tests/data/pipedream/gnmt`) and the zoo GPT with a 4096-token LM head (analytic
    costs: the head 4.7x a block; `--vocab`), each planned on p ranks of 10 GB/s, M = 2p and 4p,
-   under every registered synchronous schedule (the planner's defaults: dynprog, replicas where
-   they pay, each schedule its own partition) and under `synth`. Per case: synth's step and peak, the best registered
-   schedule's step among those whose peak is at most synth's ("at equal or lower peak
-   memory"), and the shortest registered step at any memory.
+   under every registered synchronous schedule (the planner's defaults: dynprog, replicas
+   where they pay, each schedule its own partition) and under `synth`. Per case: synth's step
+   and peak, the best registered schedule's step among those whose peak is at most synth's
+   ("at equal or lower peak memory"), and the shortest registered step at any memory.
 2. `--run`: the GPT with its heavy head compiled with `schedule="synth"` on 4 spawned gloo
    ranks (profiled here, one thread each): the median `train_step` against the plan's
    simulated step (the same on 1f1b for comparison). On a machine with fewer cores than ranks

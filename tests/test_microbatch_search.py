@@ -91,12 +91,13 @@ def test_auto_searches_schedule_chunks_and_count_together() -> None:
             plans = _each_count(EQUAL, BUSY, schedule=name, chunks=v, replica_counts=counts)
             for m, p in plans.items():
                 every[name, v, counts, m] = p
-    assert chosen.step_time == pytest.approx(_fastest_fitting(every), rel=TIE)
+    if chosen.schedule in {name for name, _ in candidates()}:  # not synth fitted to the best
+        assert chosen.step_time == pytest.approx(_fastest_fitting(every), rel=TIE)
     assert all(chosen.step_time <= p.step_time * (1 + TIE) for p in every.values())
     rows = chosen.options["auto"]
     (row,) = [r for r in rows if r["chosen"]]
     assert (row["schedule"], row["num_microbatches"]) == (chosen.schedule, chosen.num_microbatches)
-    for r in rows:  # the best count of each (schedule, chunks)
+    for r in rows[: len(candidates())]:  # the best count of each (schedule, chunks)
         mine = {k: p for k, p in every.items() if k[:2] == (r["schedule"], r["chunks"])}
         assert r["step_time"] == pytest.approx(_fastest_fitting(mine), rel=TIE)
         assert set(r["counts_tried"]) <= {k[3] for k in mine}
