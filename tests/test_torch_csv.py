@@ -163,6 +163,9 @@ def test_a_loaded_kind_accepts_only_what_the_file_fixes(tmp_path: Path) -> None:
     assert get_schedule("mine") is rules and "mine" in pdcompile.schedules()
     assert rules.default_chunks == 2 and rules.items_per_microbatch == 2
     _, costs = _mlp_costs()
+    planned = pdcompile.plan(costs, "2", solver="uniform", schedule=rules, num_microbatches=M)
+    assert planned.schedule == "mine" and planned.rules is rules
+    assert [s.ranks for s in planned.stages] == [(0,), (1,), (0,), (1,)]
     for wrong, why in [
         ({"num_microbatches": 6}, "fixes 4 stages on 2 ranks .* and 4 microbatches"),
         ({"num_microbatches": 4, "chunks": 1}, "fixes 4 stages"),
