@@ -32,6 +32,10 @@ from pdcompile.scheduling import get_schedule
 
 pytestmark = pytest.mark.schedules
 STEPS = 3
+# Adam divides each step by the root of the squared gradient, so a near-zero gradient summed in
+# another order (looped-bfs runs the backwards newest first, as torch's ScheduleLoopedBFS does)
+# moves by up to its learning rate: the GPT's first MLP weight by 1.2e-5 after 3 steps
+ATOL = {"sgd": 1e-5, "adam": 5e-5}
 KINDS = sorted(k for k in pdcompile.schedules() if get_schedule(k).synchronous)
 
 
@@ -108,4 +112,4 @@ def test_every_synchronous_kind_equals_gradient_accumulation(world_size: int) ->
         expected = dict(ref.named_parameters(remove_duplicate=False))
         trained = {n: t for rank in per_rank for n, t in rank[i].items()}
         what = f"{kind} on {world_size} ranks ({len(ranks)} stages, M={m}), {case}, {opt}"
-        assert_comparable(trained, expected, what)
+        assert_comparable(trained, expected, what, atol=ATOL[opt])

@@ -25,6 +25,7 @@ of items it ran, so the orders are valid whatever the stage times (they only run
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections import deque
 from collections.abc import Sequence
@@ -131,9 +132,9 @@ class CappedV(VPlacement, PipelineSchedule):
 
     items_per_microbatch = 3
 
+    @abc.abstractmethod
     def cap(self, p: int) -> int:
         """Microbatch-chunks a rank of a V on p ranks holds at most."""
-        raise NotImplementedError
 
     def check(
         self, replicas: Sequence[int], num_microbatches: int, ties: Sequence[Sequence[int]] = ()

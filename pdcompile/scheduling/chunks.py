@@ -11,6 +11,7 @@ backward split into I and W, the W's deferred to fill the bubbles (ZB-H1, ZB-H2)
 
 from __future__ import annotations
 
+import abc
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -70,7 +71,7 @@ def check_v_shape(name: str, ranks: Sequence[Sequence[int]]) -> int:
     return p
 
 
-class VPlacement:
+class VPlacement(abc.ABC):
     """A mixin for a `PipelineSchedule` whose 2p stages sit in a V on p ranks: stages s and
     2p - 1 - s on rank s (`chunk_rank`, two stages per rank by definition), checked
     (`check_layout`)."""
@@ -102,9 +103,9 @@ class VPlacement:
         total = placement.total
         return {placement.ranks[r][0]: self.v_rank_order(p, total, r) for r in range(p)}
 
+    @abc.abstractmethod
     def v_rank_order(self, p: int, num_microbatches: int, position: int) -> list[Item]:
         """The order of the rank at `position` of a V of 2p stages (the kind's own)."""
-        raise NotImplementedError
 
     def chunk_rank(self, stage: int, num_ranks: int, chunks: int) -> int:
         """The V: stages s and 2p - 1 - s on rank s."""
