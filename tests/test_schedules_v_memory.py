@@ -18,6 +18,9 @@ microbatches against 1F1B's p) at p = 4 and 8: they are met from p = 16 on for v
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import pytest
 
 import pdcompile
@@ -78,3 +81,19 @@ def test_it_plans_on_a_chain() -> None:
         plan = pdcompile.plan(costs, "4", solver="uniform", schedule=kind)
         assert [s.ranks[0] for s in plan.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
         assert plan.step_time == pdcompile.simulate(plan).time_per_step
+
+
+def test_under_a_limit_only_1f1b_with_recomputation_met_auto_takes_v_half_without_it() -> None:
+    """8 equal layers on 4 ranks, M = 8, memory 0.8x 1F1B's peak: 1F1B fits only by
+    recomputing a stage; v-half fits as it is, faster, and schedule="auto" chooses it."""
+    costs = pdcompile.CostGraph.load("docs/pictures/chain8.json")
+    plan = functools.partial(pdcompile.plan, costs, solver="uniform", num_microbatches=8)
+    peak = max(plan("4", schedule="1f1b", recompute=False).rank_memory)
+    limited = Cluster.parse("4", memory=0.8 * peak)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one, half, auto = (plan(limited, schedule=k) for k in ("1f1b", "v-half", "auto"))
+    assert any(s.recompute for s in one.stages)
+    assert half.fits_memory and not any(s.recompute for s in half.stages)
+    assert half.step_time < one.step_time
+    assert auto.schedule == "v-half" and auto.step_time <= half.step_time
