@@ -138,8 +138,7 @@ def _in_flight(
 
 @register_schedule("dualpipev")
 class DualPipeV(VPlacement, PipelineSchedule):
-    """DualPipeV: DeepSeek's DualPipe cut in half, two stages per rank in a V, overlapped
-    forward-backward pairs."""
+    """DualPipeV: DeepSeek's DualPipe halved, a V of two stages per rank, overlapped F+B pairs."""
 
     meaning = (
         "synchronous (DeepSeek's DualPipeV): two stages per rank in a V (rank r runs stages r "
