@@ -114,7 +114,8 @@ class PipelineSchedule(abc.ABC):
     def rank_orders(self, placement: Placement) -> Mapping[int, Sequence[Item]]:
         """Every rank's compute in order, as (kind, stage, microbatch) items over the stages
         of `placement` it runs a replica of: each of its microbatches (`placement.mine`) of
-        each of those stages once per compute kind (`compute_kinds`), in an order the
+        each of those stages once per compute kind (`compute_kinds`; a split kind may run some
+        backwards fused, `action_kinds.ways`; an `FB` bracket may pair two items), in an order the
         messages allow (a forward after the forwards feeding it, a backward after those it
         receives gradients from). A streaming schedule's orders may be endless (`total` is
         `ENDLESS`): any `Sequence` computing its items when indexed."""
