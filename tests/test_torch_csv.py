@@ -278,3 +278,16 @@ def test_torchs_orders_train_on_two_gloo_ranks(tmp_path: Path) -> None:
     for i, name in enumerate(names):
         (m, first), (_, second) = per_rank[0][i], per_rank[1][i]
         assert_trained({**first, **second}, m, f"torch's {name} on gloo ranks")
+
+
+def test_a_one_stage_per_rank_file_plans_with_the_default_solver(tmp_path) -> None:
+    """dynprog may replicate a stage; a file's kind runs one replica per stage, so the planner
+    leaves those counts out instead of failing to settle a count for them."""
+    from test_solvers import chain
+
+    path = tmp_path / "gpipe.csv"
+    pdcompile.schedules.to_torch_csv("gpipe", str(path), ranks=[(0,), (1,)], num_microbatches=4)
+    loaded = pdcompile.schedules.from_torch_csv(str(path))
+    costs = chain([1.0] * 4, [10] * 4, [10] * 4, [10] * 4)  # cheap links: replicas would pay
+    plan = pdcompile.plan(costs, "2", solver="dynprog", schedule=loaded)
+    assert [s.replicas for s in plan.stages] == [1, 1] and plan.num_microbatches == 4

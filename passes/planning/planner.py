@@ -167,7 +167,8 @@ def _allowed_replicas(
     config: PlanConfig, rules: PipelineSchedule, searched: int
 ) -> tuple[int, ...]:
     """The replica counts a stage may have: `replica_counts` (those above the devices drop),
-    and with a count given, those the schedule accepts at it.
+    and with a count given, those the schedule accepts at it; without, those it runs at some
+    count from `searched` on.
 
     Raises:
         PartitionError: none is left.
@@ -190,7 +191,21 @@ def _allowed_replicas(
                 f"{tuple(config.replica_counts or ())} with {config.num_microbatches} "
                 f"microbatches; add 1 or counts dividing {config.num_microbatches}"
             )
+    else:  # a count the planner settles: the replica counts the schedule runs at some count
+        allowed = tuple(r for r in allowed if _runs_some_count(rules, r, searched))
+        if not allowed:
+            raise PartitionError(f"{rules.name} runs no stage of 1 to {counts[-1]} replicas")
     return allowed
+
+
+def _runs_some_count(rules: PipelineSchedule, replicas: int, at_least: int) -> bool:
+    """Whether `rules` runs a stage of `replicas` at some count from `at_least` on (a kind of
+    fixed orders, such as a loaded CSV, runs one replica per stage only)."""
+    try:
+        rules.accepted_microbatches([replicas], at_least)
+    except ScheduleError:
+        return False
+    return True
 
 
 def _check_solved(result: Plan, config: PlanConfig, allowed: tuple[int, ...]) -> None:
