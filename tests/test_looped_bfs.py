@@ -1,8 +1,8 @@
 """`looped-bfs` against torch's `ScheduleLoopedBFS`: the same orders, item for item.
 
-Torch computes each rank's order in `_calculate_single_rank_operations` from three fields of
-the schedule (its local stages, the group size, the microbatch count), so it is called on a
-stand-in holding just those: no process group, no stage modules.
+Torch's constructor computes every rank's `pipeline_order` from what it reads of its stages
+(the group's size and rank, the stage count and indices), so it runs on stand-ins holding just
+those: no process group, no stage modules.
 """
 
 from __future__ import annotations
@@ -15,18 +15,23 @@ from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
 from pdcompile.scheduling import Placement, get_schedule
 
 
+def stand_in(rank: int, ranks: int, stages: int, index: int) -> types.SimpleNamespace:
+    """What torch's constructor reads of a stage."""
+    return types.SimpleNamespace(group_size=ranks, group_rank=rank, num_stages=stages,
+                                 submod=None, stage_index=index, is_first=index == 0,
+                                 is_last=index == stages - 1)  # fmt: skip
+
+
 def torch_orders(ranks: int, chunks: int, num_microbatches: int) -> dict[int, list[tuple]]:
-    """Torch's `pipeline_order` of `ranks` x `chunks` stages, its idle slots dropped."""
-    fake = types.SimpleNamespace(
-        _stages=[None] * chunks, pp_group_size=ranks, _n_microbatches=num_microbatches
-    )
-    orders = {}
-    for rank in range(ranks):
-        ops = ScheduleLoopedBFS._calculate_single_rank_operations(fake, rank)
-        orders[rank] = [
-            (a.computation_type.value, a.stage_index, a.microbatch_index) for a in ops if a
-        ]
-    return orders
+    """Torch's `pipeline_order` of `ranks` x `chunks` stages round-robin (rank 0's schedule
+    object, which computes every rank's), its idle slots dropped."""
+    stages = ranks * chunks
+    mine = [stand_in(0, ranks, stages, s) for s in range(0, stages, ranks)]
+    order = ScheduleLoopedBFS(mine, num_microbatches).pipeline_order
+    return {
+        rank: [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in ops if a]
+        for rank, ops in order.items()
+    }
 
 
 @pytest.mark.parametrize(("ranks", "chunks", "m"), [(2, 2, 4), (4, 2, 8), (3, 3, 5), (4, 1, 6)])
