@@ -29,7 +29,6 @@ only as p grows (v-min 0.375x at p = 16; v-half 0.55x from p = 20).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 
@@ -42,6 +41,7 @@ from spawn import run_ranks
 import pdcompile
 from pdcompile import Cluster, Plan, Stage
 from pdcompile.compiling.pipelined_module import PipelinedModule
+from pdcompile.runtime import memory_probe
 from pdcompile.runtime.distributed import init_process_group
 from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.runtime.local import LocalPipeline
@@ -223,7 +223,8 @@ def shares(peaks: dict[str, int]) -> dict[str, float]:
 
 
 def test_the_probe_measures_the_papers_share_of_1f1b_locally() -> None:
-    """The local executor runs the 4 ranks in this process, each with its own probe."""
+    """The local executor runs the 4 ranks in this process, each with its own probe; each
+    rank's measured peak is the simulator's (`Plan.rank_memory`, what the planner charges)."""
     _, _, x, y = _case()
     peaks = {}
     for kind in KINDS:
@@ -233,7 +234,10 @@ def test_the_probe_measures_the_papers_share_of_1f1b_locally() -> None:
         module.measure_memory()
         for _ in range(2):
             module.train_step(x, y)
-        peaks[kind] = max(m.peak.activations for m in module.measured_memory.values())
+        measured = module.measured_memory
+        peaks[kind] = max(m.peak.activations for m in measured.values())
+        for rank, c in memory_probe.compare(module.plan, measured).items():
+            assert abs(c.error) <= 0.01, (kind, rank, c.describe())
     for kind, share in shares(peaks).items():
         assert share == pytest.approx(COUNTS[kind](4) / 4, abs=0.01), (kind, share)
 
@@ -258,18 +262,9 @@ def _measure(rank: int, world_size: int, init_file: str, kinds: list[str]) -> di
     return peaks
 
 
-@pytest.fixture
-def _only_in_its_tier(request: pytest.FixtureRequest) -> None:
-    """Four spawned ranks: `-m schedules` (or PDCOMPILE_SCHEDULES=1) runs it."""
-    marks = request.config.option.markexpr or ""
-    if "schedules" not in marks and os.environ.get("PDCOMPILE_SCHEDULES") != "1":
-        pytest.skip("the schedules tier: run it with -m schedules (.ci/run does)")
-
-
-@pytest.mark.schedules
 @pytest.mark.timeout(300)
-@pytest.mark.usefixtures("_only_in_its_tier")
 def test_the_probe_measures_the_papers_share_of_1f1b_on_four_gloo_ranks() -> None:
+    """The same on 4 spawned gloo ranks, one process each, every kind in one group."""
     per_rank = run_ranks(_measure, 4, KINDS, timeout_s=240)
     peaks = {kind: max(rank[kind] for rank in per_rank) for kind in KINDS}
     for kind, share in shares(peaks).items():
