@@ -283,23 +283,31 @@ def check_local_training(kind: str, chunks: int | None = None) -> None:
     assert_trained(params, m, kind)
 
 
-def _train_on_ranks(rank: int, world_size: int, init_file: str, configs: list) -> list[dict]:
-    """Every (kind, module that registers it, chunks) in one spawned group, each from a fresh
-    MLP."""
+def train_mlp_on_rank(
+    rank: int, device: torch.device, kind: str, chunks: int | None = None
+) -> tuple[int, dict]:
+    """The MLP planned for `kind` (`mlp_program`) trained `STEPS` steps on this rank of a
+    spawned group, from a fresh model, under the plan's own orders: (M, this rank's stage
+    parameters)."""
+    program, m = mlp_program(kind, chunks)
+    _, x, y, loss_fn = mlp_case()
+    pipeline = DistributedPipeline(
+        program, rank=rank, schedule=program.plan.rules, num_microbatches=m, loss_fn=loss_fn,
+        optimizer=SGD, device=device, timeout_s=60,
+    )  # fmt: skip
+    for _ in range(STEPS):
+        pipeline.train_step((x,), y)
+    return m, stage_parameters(pipeline)
+
+
+def _train_on_ranks(rank: int, world_size: int, init_file: str, configs: list) -> list[tuple]:
+    """Every (kind, module that registers it, chunks) in one spawned group."""
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
     torch.set_num_threads(1)
     results = []
     for kind, module, chunks in configs:
         importlib.import_module(module)  # a kind a test file registers: registered here too
-        program, m = mlp_program(kind, chunks)
-        _, x, y, loss_fn = mlp_case()
-        pipeline = DistributedPipeline(
-            program, rank=rank, schedule=program.plan.rules, num_microbatches=m, loss_fn=loss_fn,
-            optimizer=SGD, device=device, timeout_s=60,
-        )  # fmt: skip
-        for _ in range(STEPS):
-            pipeline.train_step((x,), y)
-        results.append((m, stage_parameters(pipeline)))
+        results.append(train_mlp_on_rank(rank, device, kind, chunks))
     dist.destroy_process_group()
     return results
 

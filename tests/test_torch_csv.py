@@ -23,22 +23,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as ts
-from pipeline_support import mlp_case, stage_parameters
 from spawn import run_ranks
 from test_schedule_conformance import (
-    SGD,
-    STEPS,
     _mlp_costs,
     assert_trained,
     check_local_training,
-    mlp_program,
+    train_mlp_on_rank,
 )
 
 import pdcompile
 from pdcompile import ScheduleError
 from pdcompile.runtime import validate_schedule
 from pdcompile.runtime.distributed import init_process_group
-from pdcompile.runtime.executor import DistributedPipeline
 from pdcompile.scheduling import build_schedule, get_schedule
 from pdcompile.scheduling.registry import SCHEDULES
 from pdcompile.scheduling.torch_csv import TorchCsvSchedule
@@ -252,18 +248,10 @@ def _train_loaded(rank: int, world_size: int, init_file: str, paths: list[str]) 
     """Each file loaded on this rank too (a plan names its kind), trained from a fresh MLP."""
     device = init_process_group(rank, world_size, init_file=init_file, timeout_s=60)
     torch.set_num_threads(1)
-    results = []
-    for path in paths:
-        rules = pdcompile.schedules.from_torch_csv(path)
-        program, m = mlp_program(rules.name)
-        _, x, y, loss_fn = mlp_case()
-        pipeline = DistributedPipeline(
-            program, rank=rank, schedule=rules, num_microbatches=m, loss_fn=loss_fn,
-            optimizer=SGD, device=device, timeout_s=60,
-        )  # fmt: skip
-        for _ in range(STEPS):
-            pipeline.train_step((x,), y)
-        results.append((m, stage_parameters(pipeline)))
+    results = [
+        train_mlp_on_rank(rank, device, pdcompile.schedules.from_torch_csv(path).name)
+        for path in paths
+    ]
     dist.destroy_process_group()
     return results
 
