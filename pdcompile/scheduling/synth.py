@@ -170,7 +170,7 @@ class _Greedy:
     """One run of the list scheduler on `placement` (docs in the module)."""
 
     def __init__(self, placement: Placement, fitting: Fitting, knobs: Knobs) -> None:
-        self.p, self.fit, self.knobs = placement, fitting, knobs
+        self.p, self.knobs = placement, knobs
         stages = placement.num_stages
         self.times = fitting.times or ((1.0, 1.0, 1.0),) * stages
         self.message = fitting.message_s or (0.0,) * stages
@@ -246,8 +246,11 @@ class _Greedy:
         best = None
         for s, k in self.inputs[rank]:
             arrives = self._arrival(s, k, backward=True)
-            if arrives is not None and (best is None or arrives < best[0]):
-                best = (max(arrives, self.done[(F, s, k)]), (I, s, k))
+            if arrives is None:
+                continue
+            ready = max(arrives, self.done[(F, s, k)])
+            if best is None or ready < best[0]:
+                best = (ready, (I, s, k))
         return best
 
     def _ready_forward(self, rank: int) -> tuple[float, Item] | None:
