@@ -9,6 +9,11 @@
    where they pay, each schedule its own partition) and under `synth`. Per case: synth's step
    and peak, the best registered schedule's step among those whose peak is at most synth's
    ("at equal or lower peak memory"), and the shortest registered step at any memory.
+   `--pipeline` plans every kind with one replica per stage (`replica_counts=[1]`), where the
+   order is all that differs; without it the planner may replicate (on 10 GB/s the GPT's best
+   plan is data parallelism, where every kind is the same). `bound`: no order on synth's
+   partition can be faster (`fill_bound`), so `1 - bound / best` is the most any synthesised
+   order could gain there.
 2. `--run`: the GPT with its heavy head compiled with `schedule="synth"` on 4 spawned gloo
    ranks (profiled here, one thread each): the median `train_step` against the plan's
    simulated step (the same on 1f1b for comparison). On a machine with fewer cores than ranks
@@ -47,8 +52,24 @@ def profiles(vocab: int) -> dict[str, CostGraph]:
     return {"gnmt": CostGraph.from_pipedream(GNMT, batch_size=64), f"gpt-{vocab}": costs}
 
 
-def compare(costs: CostGraph, p: int, m: int) -> dict:
-    """Every synchronous schedule's plan (step, peak) and synth's."""
+def fill_bound(plan: pdcompile.Plan) -> float:
+    """Seconds no schedule on `plan`'s stages beats: for each stage, the forwards before its
+    first (the longest chain of earlier stages' forward times) plus its own forwards and
+    backwards for its share of the microbatches on one replica. Links and the optimizer count
+    nothing."""
+    fill = {}
+    for s in plan.stages:  # stages are in pipeline (topological) order
+        fill[s.index] = max(
+            (fill[src] + plan.stages[src].forward_s for src, _ in s.recv_bytes), default=0.0
+        )
+    share = {s.index: -(-plan.num_microbatches // s.replicas) for s in plan.stages}
+    return max(fill[s.index] + share[s.index] * (s.forward_s + s.backward_s) for s in plan.stages)
+
+
+def compare(costs: CostGraph, p: int, m: int, pipeline: bool = False) -> dict:
+    """Every synchronous schedule's plan (step, peak) and synth's (one replica per stage with
+    `pipeline`)."""
+    counts = {"replica_counts": [1]} if pipeline else {}
     found = {}
     for kind in pdcompile.schedules():
         rules = pdcompile.scheduling.get_schedule(kind)
@@ -59,12 +80,13 @@ def compare(costs: CostGraph, p: int, m: int) -> dict:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 plan = pdcompile.plan(costs, Cluster.parse(f"{p}@10GB/s"), schedule=kind,
-                                      num_microbatches=m)  # fmt: skip
+                                      num_microbatches=m, **counts)  # fmt: skip
         except pdcompile.PdcompileError as exc:
             found[kind] = {"skipped": str(exc)[:80]}
             continue
         found[kind] = {"step_time": plan.step_time, "peak": max(plan.rank_memory),
-                       "plan_s": time.perf_counter() - start}  # fmt: skip
+                       "plan_s": time.perf_counter() - start, "bound": fill_bound(plan),
+                       "replicas": [s.replicas for s in plan.stages]}  # fmt: skip
     return found
 
 
@@ -132,30 +154,36 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--run", action="store_true", help="also run it on 4 gloo ranks")
+    parser.add_argument("--pipeline", action="store_true", help="one replica per stage")
     parser.add_argument("--json", default="benchmarks/results/synth.json")
     args = parser.parse_args()
-    table = Table(title="synth against the registered schedules (simulated, 10 GB/s)")
-    for column in ("profile", "p", "M", "synth", "best at <= its peak", "gain",
-                   "best at any memory", "gain", "planned in"):  # fmt: skip
+    kind = "one replica per stage" if args.pipeline else "replicas where they pay"
+    table = Table(title=f"synth against the registered schedules (simulated, 10 GB/s, {kind})")
+    columns = ("profile", "p", "M", "synth", "replicas", "best at <= its peak", "gain",
+               "best at any memory", "gain", "bound", "most possible", "planned in")  # fmt: skip
+    for column in columns:
         table.add_column(column)
     rows = []
     for name, costs in profiles(args.vocab).items():
         for p in args.ranks:
             for m in (2 * p, 4 * p):
-                found = compare(costs, p, m)
+                found = compare(costs, p, m, args.pipeline)
                 if "step_time" not in found.get("synth", {}):
                     continue
                 s = summary(found)
                 rows.append({"profile": name, "p": p, "m": m, "found": found, **s})
                 within, best = s["best_within"], s["best"]
+                bound = s["synth"]["bound"]
+                best_step = found[within or best]["step_time"]
                 table.add_row(
-                    name, str(p), str(m), _cell(s["synth"]),
+                    name, str(p), str(m), _cell(s["synth"]), str(s["synth"]["replicas"]),
                     f"{within} {_cell(found[within])}" if within else "-",
                     f"{s['gain_within']:.1%}" if within else "-",
                     f"{best} {_cell(found[best])}", f"{s['gain_any']:.1%}",
+                    f"{bound * 1e3:.1f} ms", f"{1 - bound / best_step:.1%}",
                     f"{s['synth']['plan_s']:.1f} s",
                 )  # fmt: skip
-    Console().print(table)
+    Console(width=220).print(table)
     out = {"args": vars(args), "rows": rows}
     if args.run:
         out["run"] = run(args.vocab)
