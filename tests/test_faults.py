@@ -55,6 +55,7 @@ from fault_relaunch import (
     torn,
 )
 from spawn import RankFailed, RankOutcome, run_ranks
+from tiers import only_in_tier
 
 import pdcompile
 from pdcompile import CostGraph, Plan
@@ -301,12 +302,9 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _only_in_its_tier(request: pytest.FixtureRequest) -> None:
-    """Minutes of spawning: `-m faults` (or PDCOMPILE_FAULTS=1) runs it, the default run not."""
-    marks = request.config.option.markexpr or ""
-    if "faults" not in marks and os.environ.get("PDCOMPILE_FAULTS") != "1":
-        pytest.skip("the faults tier: run it with -m faults (.ci/run does)")
+    only_in_tier(request, "faults", "minutes of spawning")
 
 
 @pytest.mark.timeout(1800)

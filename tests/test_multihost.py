@@ -12,7 +12,8 @@ two network namespaces joined by a shaped veth pair, c10d rendezvous across it.
 - The harness's promises: nothing is left behind when the body fails; without root the tier is
   skipped with the reason.
 
-The `multihost` tier (`pytest -m multihost`), run by the default command too. It needs root;
+The `multihost` tier (`pytest tests/test_multihost.py -m multihost`, run by .ci/run after the
+README's command; `PDCOMPILE_MULTIHOST=1` runs it in any run). It needs root;
 elsewhere it is skipped with the reason. Every wait is bounded; the harness kills every process
 it started and deletes the namespaces, whatever happens.
 """
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from multihost_worker import MICROBATCHES, OPTIMIZER, batch, example, model
 from netns_hosts import IP, HostsUnavailable, TwoHosts
 from pipeline_support import microbatches, one_thread, pipedream_reference
+from tiers import only_in_tier
 
 import pdcompile
 from pdcompile import Cluster, Plan
@@ -53,6 +55,11 @@ TIMEOUT = 6  # compile(timeout=): seconds any wait of a step may last (a loaded 
 MARGIN = 30
 NAMED = ("PipelineTimeoutError", "StageCommError")
 STEPS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _only_in_its_tier(request: pytest.FixtureRequest) -> None:
+    only_in_tier(request, "multihost", "a minute of torchrun launches across namespaces")
 
 
 @contextlib.contextmanager

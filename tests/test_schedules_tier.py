@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from pipeline_support import OPTIMIZERS, accumulate_reference, stage_parameters
 from spawn import run_ranks
 from test_schedules_modern import CASES, SOLVER, assert_comparable
+from tiers import only_in_tier
 
 import pdcompile
 from pdcompile import Cluster, PartitionError, Plan
@@ -44,12 +44,9 @@ KINDS = sorted(
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _only_in_its_tier(request: pytest.FixtureRequest) -> None:
-    """Minutes of spawning: `-m schedules` (or PDCOMPILE_SCHEDULES=1) runs it."""
-    marks = request.config.option.markexpr or ""
-    if "schedules" not in marks and os.environ.get("PDCOMPILE_SCHEDULES") != "1":
-        pytest.skip("the schedules tier: run it with -m schedules (.ci/run does)")
+    only_in_tier(request, "schedules", "minutes of spawning")
 
 
 @functools.cache

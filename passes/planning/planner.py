@@ -22,6 +22,7 @@ from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.recompute_choice import limited, plan_recompute
 from pdcompile.passes.planning.schedule_choice import plan_auto
 from pdcompile.passes.planning.solver_kit import SOLVERS
+from pdcompile.passes.planning.stage_split import split_to
 from pdcompile.scheduling import PipelineSchedule
 from pdcompile.scheduling.base import MAX_MICROBATCHES
 
@@ -333,7 +334,9 @@ def _virtual_plan(
     budget: float | None,
 ) -> Plan:  # fmt: skip
     """The solver's 1F1B plan (`inner`'s) of one stage per rank `ranks` gives each stage, on a
-    cluster of as many devices on the slowest link, `budget` bytes each."""
+    cluster of as many devices on the slowest link, `budget` bytes each; where the solver
+    leaves devices unused (a heavy node bounds every cut), its stages split until each has
+    one (`stage_split`)."""
     cluster = config.cluster
     slowest = cluster.levels[-1]
     virtual = Cluster(
@@ -345,11 +348,13 @@ def _virtual_plan(
     one_each = config.replace(cluster=virtual, schedule="1f1b", replica_counts=(1,), chunks=1,
                               recompute=False)  # fmt: skip
     found = inner(cost_graph, one_each)
+    if found.num_stages < len(ranks):
+        found = split_to(found, len(ranks), cost_graph)
     if found.num_stages != len(ranks):
         chunks = len(ranks) // cluster.num_devices
         raise PartitionError(
             f"solver {config.solver!r} cut the graph into {found.num_stages} stages, but "
-            f"chunks={chunks} on {cluster.num_devices} ranks needs {len(ranks)}; use fewer "
-            "chunks or solver 'uniform'"
+            f"chunks={chunks} on {cluster.num_devices} ranks needs {len(ranks)} (the graph has "
+            f"too few nodes to cut so many); use fewer chunks"
         )
     return found
