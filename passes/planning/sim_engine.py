@@ -78,8 +78,14 @@ class Engine:
 
     def __init__(self, plan: Plan, schedule: Schedule, rules: PipelineSchedule) -> None:
         self.plan, self.schedule = plan, schedule
-        cluster = plan.cluster
         self.actions = schedule.actions
+        self._prices(plan)
+        self._state(rules)
+        self._memory(plan, rules)
+
+    def _prices(self, plan: Plan) -> None:
+        """Seconds per action and message, and the cluster's links."""
+        cluster = plan.cluster
         # a compute kind's seconds: the stage's fields the action table names, summed
         self.seconds = {(s.index, row.letter): sum(getattr(s, f) for f in row.seconds)
                         for s in plan.stages for row in TABLE if row.is_compute}  # fmt: skip
@@ -101,6 +107,9 @@ class Engine:
         self.routes: dict[tuple[int, int], tuple[int, int, int]] = {}  # rank pair -> link
         self.latency: dict[tuple[int, int], float] = {}  # rank pair -> seconds per message
         self.fb_overlap = cluster.runtime.fb_overlap
+
+    def _state(self, rules: PipelineSchedule) -> None:
+        """Where every rank is, the event heap, the messages and collectives under way."""
         self.hidden: dict[tuple[int, int], float] = {}  # (rank, action index) -> seconds saved
         self.position = dict.fromkeys(self.actions, 0)
         self.clock = dict.fromkeys(self.actions, 0.0)  # when each rank last stopped
@@ -113,10 +122,12 @@ class Engine:
         self.events: list[Event] = []
         self.release = dict.fromkeys(self.actions, 0.0)  # when each rank starts the next call
         self.bound = math.inf
-        # memory per rank and per (rank, stage): weights, activations in flight, weight copies
         # replicas reducing from their last backward: when each is halfway through it
         self.triggers = {} if rules.streaming else overlap_triggers(self.actions)
         self.reduce_ready: dict[tuple[int, int], float] = {}
+
+    def _memory(self, plan: Plan, rules: PipelineSchedule) -> None:
+        """Memory per rank and per (rank, stage): weights, activations in flight, copies."""
         self.kept = {s.index: s.activation_bytes for s in plan.stages}
         # what a split backward's I leaves for its W (of the activations; recomputing, of
         # those I's forward made again) and what a recomputing backward holds while it runs
