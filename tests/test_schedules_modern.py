@@ -169,7 +169,7 @@ def test_plan_places_v_stages_per_rank() -> None:
     assert placed[("zb-h1", None)] == [0, 1, 2, 3]
     with pytest.raises(pdcompile.PartitionError, match="multiple of 4"):
         pdcompile.plan(costs, "4", schedule="interleaved-1f1b", num_microbatches=6)
-    with pytest.raises(pdcompile.PartitionError, match="needs 16 .*too few nodes.*use fewer chunks"):
+    with pytest.raises(pdcompile.PartitionError, match="needs 16 .*too few nodes"):
         pdcompile.plan(costs, "4", solver="uniform", schedule="zb-h1", chunks=4)
 
 
