@@ -100,6 +100,7 @@ def _rank_0_hangs_while_profiling(rank: int, world_size: int, init_file: str) ->
     return "none", "", 0.0
 
 
+@pytest.mark.faults  # waits out a stopped or dead rank's timeout: the faults tier
 def test_a_loading_rank_waits_for_a_hanging_rank_0_once_and_names_it() -> None:
     """It waited `startup_timeout` in the load, then as long again for the plan (30 s measured
     for startup_timeout=15 under torchrun)."""

@@ -100,6 +100,7 @@ def _stuck(rank: int, world_size: int, init_file: str, root: str) -> dict:
     return result
 
 
+@pytest.mark.faults  # waits out a stopped or dead rank's timeout: the faults tier
 def test_a_stopped_rank_ends_a_save_and_a_load_after_the_step_timeout(tmp_path: Path) -> None:
     ranks = run_ranks(_stuck, 2, str(tmp_path), timeout_s=150)
     for rank, result in enumerate(ranks):

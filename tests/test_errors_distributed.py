@@ -189,6 +189,7 @@ def _mismatches_then_hang(rank: int, world_size: int, init_file: str) -> dict:
     return result
 
 
+@pytest.mark.faults  # waits out a stopped or dead rank's timeout: the faults tier
 def test_mismatched_plans_and_a_hanging_rank() -> None:
     outcomes = run_ranks(_mismatches_then_hang, 2, timeout_s=240, allow_failures=True)
     assert outcomes[1].error == "exit", outcomes[1]  # it hung until rank 0 released it

@@ -55,7 +55,6 @@ from fault_relaunch import (
     torn,
 )
 from spawn import RankFailed, RankOutcome, run_ranks
-from tiers import only_in_tier
 
 import pdcompile
 from pdcompile import CostGraph, Plan
@@ -300,11 +299,6 @@ def _table(rows: list[Row]) -> str:
             lines.append(f"| {point}, SIG{sig} rank {victim} | rank {o.rank} | {error} | "
                          f"{seconds:.1f} | {names} | {tail}")  # fmt: skip
     return "\n".join(lines)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _only_in_its_tier(request: pytest.FixtureRequest) -> None:
-    only_in_tier(request, "faults", "minutes of spawning")
 
 
 @pytest.mark.timeout(1800)

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from multihost_worker import MICROBATCHES, OPTIMIZER, batch, example, model
 from netns_hosts import IP, HostsUnavailable, TwoHosts
 from pipeline_support import microbatches, one_thread, pipedream_reference
-from tiers import only_in_tier
 
 import pdcompile
 from pdcompile import Cluster, Plan
@@ -55,11 +54,6 @@ TIMEOUT = 6  # compile(timeout=): seconds any wait of a step may last (a loaded 
 MARGIN = 30
 NAMED = ("PipelineTimeoutError", "StageCommError")
 STEPS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _only_in_its_tier(request: pytest.FixtureRequest) -> None:
-    only_in_tier(request, "multihost", "a minute of torchrun launches across namespaces")
 
 
 @contextlib.contextmanager

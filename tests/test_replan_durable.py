@@ -118,6 +118,7 @@ def test_a_restarted_job_resumes_on_the_plan_it_moved_to(tmp_path) -> None:
             torch.testing.assert_close(tensor, expected[name], msg=name)
 
 
+@pytest.mark.faults  # waits out a stopped or dead rank's timeout: the faults tier
 def test_a_rank_dying_while_the_move_checkpoints_names_the_move(tmp_path) -> None:
     died = run_ranks(_durable, 2, str(tmp_path), True, timeout_s=90, allow_failures=True)
     assert died[1].message == "exit code 3" and died[0].error is not None

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from pipeline_support import OPTIMIZERS, accumulate_reference, stage_parameters
 from spawn import run_ranks
 from test_schedules_modern import CASES, SOLVER, assert_comparable
-from tiers import only_in_tier
 
 import pdcompile
 from pdcompile import Cluster, PartitionError, Plan
@@ -42,11 +41,6 @@ KINDS = sorted(
     k for k in pdcompile.schedules()
     if get_schedule(k).synchronous and type(get_schedule(k)).__module__.startswith("pdcompile.")
 )  # fmt: skip
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _only_in_its_tier(request: pytest.FixtureRequest) -> None:
-    only_in_tier(request, "schedules", "minutes of spawning")
 
 
 @functools.cache

@@ -23,6 +23,7 @@ _spec.loader.exec_module(soak)
 TIMEOUT_S = 240  # hard limit of the whole tiny soak (about 50 s on a loaded 2-core machine)
 
 
+@pytest.mark.faults  # a job stopped and resumed against an uninterrupted one: the faults tier
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     command = [sys.executable, str(SCRIPT), "--minibatches", "40", "--every", "10",
