@@ -27,6 +27,8 @@ where `auto`'s (and `1f1b`'s) time to the target crosses DDP's (log-log interpol
 the rates; the unshaped link sits at its rate measured by DDP's all-reduce probe). Writes
 `results.json`, `table.txt` and `time_to_accuracy.png` (one line per method) to `--out`
 (default `out/time_to_accuracy`, git-ignored). `--quick`: 1.25 Gbit/s and unshaped, one seed.
+`--merge A/results.json B/results.json ...` runs nothing (no root needed): it joins earlier
+runs' rates (a later file's rate replaces an earlier's) into one table, crossover and picture.
 
 The task (benchmarks/tta_worker.py `Task`): an MLP 64-2048-2048-2048-2048-10 (12.7 M parameters,
 51 MB of gradients) on scikit-learn's bundled digits (1437 training rows, 360 validation), 32
@@ -385,6 +387,8 @@ def arguments() -> argparse.Namespace:
         help="keep pdcompile's default cache (else a fresh one per rate)",
     )
     parser.add_argument("--no-bisect", action="store_true")
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS",
+                        help="join earlier runs' results.json files; run nothing")  # fmt: skip
     parser.add_argument("--out", default=str(HERE.parent / "out" / "time_to_accuracy"))
     args = parser.parse_args()
     args.rates = args.rates or (QUICK_RATES if args.quick else RATES)
@@ -396,8 +400,30 @@ def arguments() -> argparse.Namespace:
     return args
 
 
+def merged(paths: list[str]) -> dict:
+    """Earlier runs' results joined: their rates slowest link first (the unshaped last), the
+    methods in the order first seen, the planner's crossover of the last run that has one."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    results = {**runs[-1], "rates": {}, "jobs": {}, "merged": paths,
+               "load_before": [r["load_before"] for r in runs],
+               "load_after": [r.get("load_after") for r in runs]}  # fmt: skip
+    results["methods"] = list(dict.fromkeys(m for r in runs for m in r["methods"]))
+    for run in runs:
+        results["rates"].update(run["rates"])
+        results["jobs"].update(run["jobs"])
+        if run.get("planner_crossover"):
+            results["planner_crossover"] = run["planner_crossover"]
+    order = sorted(results["rates"], key=lambda r: parse_rate(r) or math.inf)
+    results["rates"] = {r: results["rates"][r] for r in order}
+    results["measured_crossover"] = measured_crossovers(results)
+    return results
+
+
 def main() -> None:
     args = arguments()
+    if args.merge:
+        report(merged(args.merge), Path(args.out) / time.strftime("merged-%Y%m%d-%H%M%S"))
+        return
     if reason := unavailable():
         raise SystemExit(f"cannot make two hosts here: {reason}")
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
