@@ -246,3 +246,19 @@ def test_a_row_count_the_model_cannot_run_is_left_out_with_a_warning() -> None:
         costs = pdcompile.analyze(pdcompile.trace(model, (x,)), (x,), profile=False,
                                   rows=(1, 2, 4), calibration=False)  # fmt: skip
     assert costs.rows == (2, 4) and "left_out" in costs.meta["row_profiles"]["1"]
+
+
+def test_node_points_are_kept_until_the_node_changes() -> None:
+    """`CostGraph.node_points` keeps a node's anchored points for the planner's many prices, and
+    reads them again once a time, the points or the batch size change."""
+    g = curved()
+    first = g.node_points("fc1")
+    assert g.node_points("fc1") is first  # kept
+    assert first[1] == pytest.approx((1.2e-3, 2.4e-3, 1.2e-3, 1.2e-3))  # anchored at 4 rows
+    g.graph.nodes["fc1"]["forward_s"] *= 2  # an edit in place (the closed loop's `rescaled`)
+    doubled = g.node_points("fc1")
+    assert [p[0] for p in doubled] == pytest.approx([2 * p[0] for p in first])
+    g.graph.nodes["fc1"]["row_s"] = tuple((2 * a, b, c, d) for a, b, c, d in first)
+    assert g.node_points("fc1")[0][0] == pytest.approx(doubled[0][0])  # anchored at 4 rows
+    g.batch_size = 16  # the same times read as 16 rows': the curve moves to meet them there
+    assert g.node_points("fc1")[2][0] == pytest.approx(g.graph.nodes["fc1"]["forward_s"])

@@ -87,11 +87,7 @@ def row_sums(cost_graph: CostGraph, nodes: Sequence[str]) -> list[list[float]] |
     if not rows or batch is None:
         return None
     g = cost_graph.graph
-    points = [
-        node_points(rows, batch, g.nodes[n]["row_s"], [g.nodes[n][t] for t in TIME_ATTRS])
-        for n in nodes
-        if g.nodes[n]["kind"] != "input"
-    ]
+    points = [cost_graph.node_points(n) for n in nodes if g.nodes[n]["kind"] != "input"]
     loss = cost_graph.loss_node in nodes and cost_graph.loss_s > 0
     loss_points = (
         node_points(rows, batch, cost_graph.loss_row_s,

@@ -53,6 +53,7 @@ from pdcompile.core.row_curves import (
     check_rows,
     curve_at,
     describe,
+    node_points,
 )
 from pdcompile.core.text import human_bytes, human_seconds
 
@@ -122,6 +123,7 @@ class CostGraph:
             )
         self.loss_row_s = check_points("loss_row_s", loss_row_s, len(self.rows), len(LOSS_PARTS))
         self._index: dict[str, int] = {}
+        self._points: dict[str, tuple[tuple, tuple]] = {}  # node -> (what it was read from, points)
         if graph is None:
             return
         for node, data in graph.nodes(data=True):
@@ -274,6 +276,18 @@ class CostGraph:
             own = 0.0 if data["kind"] == "input" else data["forward_s"] + data["backward_s"]
             times.append(own + loss if node == loss_node else own)
         return times
+
+    def node_points(self, node: str) -> tuple[tuple[float, ...], ...]:
+        """`node`'s four times at each of `rows` (`row_curves.node_points`: its points anchored
+        at its times), kept until its times, points, `rows` or `batch_size` change: a planner
+        prices the same nodes in many stages."""
+        data = self.graph.nodes[node]
+        source = (self.rows, self.batch_size, data["row_s"], tuple(data[t] for t in TIME_ATTRS))
+        kept = self._points.get(node)
+        if kept is None or kept[0] != source:
+            kept = (source, node_points(*source))
+            self._points[node] = kept
+        return kept[1]
 
     def totals(self) -> dict[str, float]:
         """Sums over all nodes (`math.fsum`) of every time (`optimizer_s` too), byte and flop
