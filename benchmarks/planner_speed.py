@@ -7,7 +7,8 @@ Rows (seconds, median of `--repeats` runs in this process, after one warm-up whe
   solver's own time (`plan.solve_time_s`) and the whole `plan()` (simulation of the plan too).
 - `dynprog` on a 1,000-layer synthetic chain on 1,024 devices, flat and as 128 servers of 8.
 - `dynprog` on a 20,000-node chain on 4 devices.
-- `schedule="auto"` with `global_batch_size` on the zoo GPT (8 blocks, 163 nodes) on 4@10GB/s.
+- `schedule="auto"` with `global_batch_size` on the zoo GPT (8 blocks, 163 nodes) and on a
+  Hugging Face Llama of 13 blocks (1,042 nodes, through torch.export) on 4@10GB/s.
 - the `pipedream` solver on resnet50, 16 devices at 1.25 GB/s, against the original optimizer's
   13.7 s (benchmarks/pipedream_solver.py): the optimizer alone and the whole `plan()`.
 - a cold `pdcompile.trace` of a small model in a fresh interpreter: whether torch._dynamo or
@@ -46,6 +47,7 @@ BEFORE = {
     "chain_128x8": ("1.6 s (docs), solver only", 2.0),
     "chain_20000": ("39 rounds x 20,000 ends (111 s)", 10.0),
     "auto_gpt": ("tens of seconds", 10.0),
+    "auto_hf": ("22.0 s (1,042 nodes, before CostGraph.node_points)", 30.0),
     "pipedream": ("67x (was 86x)", None),
     "trace": ("imports both, 1.2 s idle", None),
 }
@@ -106,24 +108,37 @@ def dynprog_rows(repeats: int) -> list[dict]:
     return rows
 
 
-def auto_row(repeats: int) -> dict:
+def auto_rows(repeats: int) -> list[dict]:
+    """`schedule="auto"` with `global_batch_size` on the zoo GPT and on a Hugging Face Llama of
+    13 blocks (1,042 nodes, captured through torch.export), analytic costs."""
     import torch
+    import transformers
 
     torch.manual_seed(0)
     config = pdcompile.zoo.GPTConfig(dropout=0.0, n_layer=8)
-    gpt = pdcompile.zoo.GPT(config).train()
     tokens = torch.randint(0, config.vocab_size, (8, 32))
-    gm = pdcompile.trace(gpt, (tokens,))
-    costs = pdcompile.analyze(gm, (tokens,), profile=False, progress=False)
+    gm = pdcompile.trace(pdcompile.zoo.GPT(config).train(), (tokens,))
+    gpt = pdcompile.analyze(gm, (tokens,), profile=False, progress=False)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=13, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )).train()  # fmt: skip
+    ids = {"input_ids": torch.randint(0, 128, (8, 16))}
+    gm = pdcompile.trace(llama, (), example_kwargs=ids)
+    hf = pdcompile.analyze(gm, (), example_kwargs=ids, profile=False, progress=False)
     cluster = Cluster.parse("4@10GB/s", runtime=RuntimeCosts(message_s=1e-4))
-    batch = 2 * cluster.num_devices * costs.batch_size
-    seconds, plan = _median(_quiet(lambda: pdcompile.plan(
-        costs, cluster, schedule="auto", global_batch_size=batch)), repeats)  # fmt: skip
-    return {
-        "key": "auto_gpt", "what": f"auto, global_batch_size={batch}: zoo GPT "
-        f"({len(costs.nodes)} nodes), 4@10GB/s", "seconds": seconds, "plan_s": seconds,
-        "answer": f"{plan.schedule} M={plan.num_microbatches} {plan.step_time:.9g} s/step",
-    }  # fmt: skip
+    rows = []
+    for key, name, costs in (("auto_gpt", "zoo GPT", gpt), ("auto_hf", "HF Llama", hf)):
+        batch = 2 * cluster.num_devices * costs.batch_size
+        seconds, plan = _median(_quiet(lambda c=costs, b=batch: pdcompile.plan(
+            c, cluster, schedule="auto", global_batch_size=b)), repeats)  # fmt: skip
+        rows.append({
+            "key": key, "what": f"auto, global_batch_size={batch}: {name} "
+            f"({len(costs.nodes)} nodes), 4@10GB/s", "seconds": seconds, "plan_s": seconds,
+            "answer": f"{plan.schedule} M={plan.num_microbatches} {plan.step_time:.9g} s/step",
+        })  # fmt: skip
+    return rows
 
 
 def pipedream_row(repeats: int) -> dict:
@@ -170,7 +185,7 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/planner_speed.json")
     args = parser.parse_args()
     load = os.getloadavg()
-    rows = [*dynprog_rows(args.repeats), auto_row(args.repeats), pipedream_row(args.repeats),
+    rows = [*dynprog_rows(args.repeats), *auto_rows(args.repeats), pipedream_row(args.repeats),
             trace_row(args.repeats)]  # fmt: skip
     table = Table(title=f"planner speed, medians of {args.repeats} (load average "
                   f"{load[0]:.1f}, {os.cpu_count()} CPUs)")  # fmt: skip

@@ -111,7 +111,12 @@ class VPlacement(abc.ABC):
         """The V: stages s and 2p - 1 - s on rank s."""
         if chunks != 2:
             raise ScheduleError(f"{self.name} runs two stages per rank (chunks=2), got {chunks}")
-        return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
+        return v_position(stage, num_ranks)
+
+
+def v_position(stage: int, p: int) -> int:
+    """The rank (its position in the V) running `stage` of a V of 2p stages."""
+    return stage if stage < p else 2 * p - 1 - stage
 
 
 def split_order(mine: Sequence[int], warmup: int, defer: int) -> list[tuple[str, int]]:

@@ -43,7 +43,7 @@ from typing import NamedTuple
 from pdcompile.core.errors import ScheduleError
 from pdcompile.scheduling.action_kinds import F, I, W
 from pdcompile.scheduling.base import PipelineSchedule
-from pdcompile.scheduling.chunks import VPlacement
+from pdcompile.scheduling.chunks import VPlacement, v_position
 from pdcompile.scheduling.placement import Item
 
 PERIOD = 6  # slots from one microbatch's block to the next: a rank's F, I, W of two stages
@@ -59,11 +59,6 @@ class Block(NamedTuple):
 
 
 BlockOf = Callable[[int, int], Block]  # (p, turn) -> the kind's block
-
-
-def rank_of(stage: int, p: int) -> int:
-    """The position in the V of the rank running `stage`."""
-    return stage if stage < p else 2 * p - 1 - stage
 
 
 def repeatable(block_of: BlockOf, p: int) -> Block:
@@ -107,19 +102,19 @@ class _Timeline:
                 self._put((I, s, k), block.backward[s] + PERIOD * k)
 
     def _put(self, item: Item, slot: int) -> None:
-        assert slot not in self.taken[rank_of(item[1], self.p)], (item, slot)  # collision-free
+        assert slot not in self.taken[v_position(item[1], self.p)], (item, slot)  # collision-free
         self.slot[item] = slot
-        self.taken[rank_of(item[1], self.p)][slot] = item
+        self.taken[v_position(item[1], self.p)][slot] = item
 
     def _take(self, item: Item) -> None:
-        del self.taken[rank_of(item[1], self.p)][self.slot.pop(item)]
+        del self.taken[v_position(item[1], self.p)][self.slot.pop(item)]
 
     def fill(self, weights: Iterable[Item]) -> None:
         """Put each W in the first free slot of its rank after its I and after the rank's
         W's of older I's (and its stage's W of the previous microbatch)."""
         free = [0] * self.p  # per rank, the first slot the next W may take
         for w in sorted(weights, key=lambda w: self.slot[(I, w[1], w[2])]):
-            r, previous = rank_of(w[1], self.p), self.slot.get((W, w[1], w[2] - 1), -1)
+            r, previous = v_position(w[1], self.p), self.slot.get((W, w[1], w[2] - 1), -1)
             slot = max(free[r], self.slot[(I, w[1], w[2])] + 1, previous + 1)
             while slot in self.taken[r]:
                 slot += 1
@@ -130,7 +125,7 @@ class _Timeline:
         """Take out the W's after each rank's last forward (to be filled in again last)."""
         last = [max(s for s, it in mine.items() if it[0] == F) for mine in self.taken]
         drain = [
-            it for it, s in self.slot.items() if it[0] == W and s > last[rank_of(it[1], self.p)]
+            it for it, s in self.slot.items() if it[0] == W and s > last[v_position(it[1], self.p)]
         ]
         for w in drain:
             self._take(w)
@@ -155,7 +150,7 @@ class _Timeline:
         horizon = max(self.slot.values()) + 1
         held = [self.levels(r, horizon) for r in range(self.p)]
         for slot, item in sorted((s, it) for it, s in self.slot.items()):
-            r, kind = rank_of(item[1], self.p), item[0]
+            r, kind = v_position(item[1], self.p), item[0]
             start = max((self.slot[x] + 1 for x in _inputs(item, self.p)), default=0)
             for earlier in range(start, slot):
                 if earlier in self.taken[r]:
