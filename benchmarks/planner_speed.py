@@ -47,7 +47,7 @@ BEFORE = {
     "chain_128x8": ("1.6 s (docs), solver only", 2.0),
     "chain_20000": ("39 rounds x 20,000 ends (111 s)", 10.0),
     "auto_gpt": ("tens of seconds", 10.0),
-    "auto_hf": ("22.0 s (1,042 nodes, before CostGraph.node_points)", 30.0),
+    "auto_hf": ("new row", 30.0),
     "pipedream": ("67x (was 86x)", None),
     "trace": ("imports both, 1.2 s idle", None),
 }
