@@ -33,13 +33,12 @@ from pdcompile.scheduling import (
     Action,
     PipelineSchedule,
     Schedule,
-    build_schedule,
     forward_schedule,
     get_schedule,
     replica_orders,
 )
 from pdcompile.scheduling.action_kinds import needs_microbatch
-from pdcompile.scheduling.builder import Layout
+from pdcompile.scheduling.builder import Layout, build
 from pdcompile.scheduling.reduce_overlap import overlap_triggers
 
 
@@ -54,7 +53,7 @@ def program_edges(program: StagedProgram) -> dict[tuple[int, int], bool]:
 
 def program_schedule(
     program: StagedProgram,
-    kind: str | PipelineSchedule,
+    rules: PipelineSchedule,
     num_microbatches: int,
     clip: bool = False,
     skip_nonfinite: bool = False,
@@ -64,10 +63,8 @@ def program_schedule(
     stream for a streaming schedule)."""
     ranks = [stage.ranks for stage in program.plan.stages]
     ties = [tie.stages for tie in program.ties]
-    edges = program_edges(program)
-    schedule = build_schedule(
-        kind, ranks, edges, num_microbatches, ties, clip, skip_nonfinite, num_steps
-    )
+    layout = Layout(ranks, program_edges(program), num_microbatches, ties, clip, skip_nonfinite)
+    schedule = build(rules, layout, num_steps)
     validate_schedule(schedule)
     return schedule
 

@@ -29,8 +29,9 @@ from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.sim_engine import Engine
 from pdcompile.passes.planning.timeline import Event, to_chrome_trace
 from pdcompile.passes.planning.validate import check_layout, check_num_microbatches
-from pdcompile.scheduling import PipelineSchedule, Schedule, build_schedule, get_schedule
+from pdcompile.scheduling import PipelineSchedule, Schedule, get_schedule
 from pdcompile.scheduling.action_kinds import is_compute
+from pdcompile.scheduling.builder import Layout, build
 
 __all__ = ["MAX_ACTIONS", "Simulation", "simulate"]
 
@@ -115,12 +116,12 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     _check(plan, cluster)
     plan = _on(plan, cluster).with_(schedule=rules.name, num_microbatches=m)
     ranks = [s.ranks for s in plan.stages]
-    edges = plan.edges
     ties = [stages for stages, _ in plan.ties]
-    updates = (plan.clip, plan.skip_nonfinite and not rules.streaming)
+    skip = plan.skip_nonfinite and not rules.streaming
+    layout = Layout(ranks, plan.edges, m, ties, plan.clip, skip)
     if not rules.streaming:
         _check_size(plan, rules, 1)
-        engine = Engine(plan, build_schedule(rules, ranks, edges, m, ties, *updates), rules)
+        engine = Engine(plan, build(rules, layout), rules)
         engine.run_call(math.inf)
         return _result(engine, dict.fromkeys(engine.release, 0.0), engine.release)
     replicas = [s.replicas for s in plan.stages]
@@ -130,8 +131,7 @@ def run(plan: Plan, rules: PipelineSchedule, m: int, cluster: Cluster) -> Simula
     ahead = max(r * w for r, w in zip(replicas, rules.warmups(replicas, m), strict=True))
     steps = calls + -(-ahead // m) + 1
     _check_size(plan, rules, steps)
-    schedule = build_schedule(rules, ranks, edges, m, ties, *updates, num_steps=steps)
-    engine = Engine(plan, schedule, rules)
+    engine = Engine(plan, build(rules, layout, num_steps=steps), rules)
     start = engine.release
     for call in range(1, calls + 1):
         start = engine.release

@@ -106,20 +106,25 @@ def build_schedule(
             not accept, `skip_nonfinite` with an asynchronous schedule, several steps of a
             synchronous one.
     """
-    rules = get_schedule(schedule)
+    layout = Layout(ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
+    return build(get_schedule(schedule), layout, num_steps)
+
+
+def build(rules: PipelineSchedule, layout: Layout, num_steps: int = 1) -> Schedule:
+    """`build_schedule` under the schedule object `rules`, for `layout`: what the simulator and
+    the executors call with the schedule they hold."""
     if num_steps < 1 or (num_steps > 1 and not rules.streaming):
         raise ScheduleError(
             f"{rules.name} cannot build {num_steps} steps as one schedule: only streaming "
             "schedules run several steps without draining; build one"
         )
-    layout = Layout(ranks, edges, num_microbatches, ties, clip, skip_nonfinite)
     orders = replica_orders(rules, layout)
-    total = num_microbatches * num_steps
+    total = layout.num_microbatches * num_steps
     first = next(iter(orders.values())).schedule
     if rules.streaming:  # one stage per rank, its rounds' updates inside its order
         actions = {rank: order.actions(total) for (rank, _), order in sorted(orders.items())}
     else:
-        placement = Placement(first.ranks, dict(edges), num_microbatches, total)
+        placement = Placement(first.ranks, dict(layout.edges), layout.num_microbatches, total)
         actions = _ranked(rules, orders, rules.rank_orders(placement), total)
     return Schedule(rules.name, total, first.replicas, first.ranks, actions)
 
