@@ -85,7 +85,7 @@ def annotate_memory(
         raise CostError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
     _annotate_weights(gm, optimizer)
     recorder = _SaveRecorder(gm)
-    args = [inputs[p.target] for p in gm.graph.find_nodes(op="placeholder")]
+    args = [compact(inputs[p.target]) for p in gm.graph.find_nodes(op="placeholder")]
     precision = _precision(gm, args, autocast)
     with preserved_state(gm), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), precision():
@@ -94,7 +94,7 @@ def annotate_memory(
             kept = _kept_for_weight_grads(gm, recorder.values, recorder.saved_by)
         if loss_fn is not None and targets is not None:
             (out,) = gm.graph.find_nodes(op="output")
-            loss = _loss_bytes(output, loss_fn, targets, recorder.state, recorder.charged)
+            loss = _loss_bytes(output, loss_fn, compact(targets), recorder.state, recorder.charged)
             out.meta[ACTIVATION_BYTES] += loss
     for node in gm.graph.nodes:
         node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] = 0
@@ -103,6 +103,19 @@ def annotate_memory(
             node, nbytes = recorder.charged[key]
             node.meta[WEIGHT_GRAD_ACTIVATION_BYTES] += nbytes
     return gm
+
+
+def compact(value: Any) -> Any:
+    """`value` with each tensor copied into a storage of its own size: autograd's saves are
+    charged by storage, and an example that is a view of a larger tensor (`x[:16]` of a
+    dataset) would charge every microbatch the whole of it."""
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() <= t.nbytes:
+            return t
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    return pytree.tree_map(copy, value)
 
 
 def _annotate_weights(gm: fx.GraphModule, optimizer: str) -> None:
