@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,10 +82,13 @@ def _step_times(run, steps: int) -> tuple[float, float, float]:
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps, faults / steps
 
 
-def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str) -> None:
+def _rank(
+    rank: int, world_size: int, init_file: str, steps: int, rounds: int, out: str,
+    deepspeed: str | None,
+) -> None:  # fmt: skip
     torch.set_num_threads(1)
-    device = init_process_group(rank, world_size, init_file=init_file, timeout_s=300)
-    results = {name: _compare(make, rank, device, steps, rounds) for name, make in CASES.items()}
+    device = init_process_group(rank, world_size, init_file=init_file, timeout_s=600)
+    results = {name: _compare(name, rank, device, steps, rounds, deepspeed) for name in CASES}
     gathered = [None, None]
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -93,11 +97,14 @@ def _rank(rank: int, world_size: int, init_file: str, steps: int, rounds: int, o
     dist.destroy_process_group()
 
 
-def _compare(make, rank: int, device: torch.device, steps: int, rounds: int) -> dict:
-    """Both runtimes on one model, alternating round by round."""
+def _compare(
+    name: str, rank: int, device: torch.device, steps: int, rounds: int, deepspeed: str | None
+) -> dict:
+    """The runtimes on one model, alternating round by round (DeepSpeed's in processes of its
+    own, started from rank 0 between the others' rounds)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    model, x, y, loss_fn = make()
+    model, x, y, loss_fn = CASES[name]()
     sgd = lambda p: torch.optim.SGD(p, lr=0.01)  # noqa: E731
     ours = DistributedPipeline(
         two_stage_program(model, x), rank=rank, schedule="1f1b",
@@ -126,10 +133,33 @@ def _compare(make, rank: int, device: torch.device, steps: int, rounds: int) -> 
     our_step()  # warm up both
     torch_step()
     times: dict[str, list[tuple[float, float, float]]] = {"pdcompile": [], "torch": []}
+    if deepspeed:
+        times["deepspeed"] = []
     for _ in range(rounds):
         times["pdcompile"].append(_step_times(our_step, steps))
         times["torch"].append(_step_times(torch_step, steps))
+        if deepspeed:
+            times["deepspeed"].append(_deepspeed_round(name, rank, steps, deepspeed))
     return {"times": times, "pipedream": _pipedream(model, x, y, loss_fn, rank, device, steps)}
+
+
+def _deepspeed_round(name: str, rank: int, steps: int, python: str) -> tuple[float, float, float]:
+    """One round of `benchmarks/deepspeed_pipe.py` under `python` (rank 0 starts it while rank 1
+    waits): this rank's wall and CPU seconds per step there (page faults not counted: 0)."""
+    shared: list = [None]
+    dist.barrier()
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "deepspeed.json")
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_pipe.py")
+            env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+            subprocess.run([python, script, "--model", name, "--steps", str(steps), "--out", out],
+                           check=True, env=env, capture_output=True)  # fmt: skip
+            with open(out) as f:
+                shared = [json.load(f)]
+    dist.broadcast_object_list(shared, src=0)
+    mine = shared[0][rank]
+    return mine["wall"], mine["cpu"], 0.0
 
 
 def _pipedream(model, x, y, loss_fn, rank, device, steps) -> dict:
@@ -167,12 +197,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--default-malloc", action="store_true")
+    parser.add_argument(
+        "--deepspeed", metavar="PYTHON",
+        help="also run DeepSpeed's pipeline engine with this interpreter (a venv of its own: "
+        "benchmarks/deepspeed_pipe.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     keep_freed_memory(args.default_malloc)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out),
-                 nprocs=2, join=True)  # fmt: skip
+        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.rounds, out,
+                              args.deepspeed), nprocs=2, join=True)  # fmt: skip
         with open(out) as f:
             per_rank = json.load(f)
     console = Console()
@@ -180,13 +215,13 @@ def main() -> None:
     table = Table(title=f"2 gloo ranks, 1 thread each, 2 stages, 8 microbatches, {malloc} "
                         "(medians)")  # fmt: skip
     columns = ("model", "runtime", "wall / step", "CPU / step (both ranks)",
-               "page faults / step", "paired ratio to torch (time, CPU)")  # fmt: skip
+               "page faults / step", "paired ratio pdcompile / it (time, CPU)")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     summary = {}
     for name in CASES:
         medians, per_round = {}, {}
-        for runtime in ("pdcompile", "torch"):
+        for runtime in per_rank[0][name]["times"]:
             first, second = (per_rank[r][name]["times"][runtime] for r in range(2))
             walls = [t[0] for t in first]
             cpus = [a[1] + b[1] for a, b in zip(first, second, strict=True)]
@@ -194,21 +229,25 @@ def main() -> None:
             per_round[runtime] = (walls, cpus)
             medians[runtime] = (statistics.median(walls), statistics.median(cpus),
                                 statistics.median(faults))  # fmt: skip
-        # each round ran both runtimes back to back: the median of per-round ratios is the
+        # each round ran the runtimes back to back: the median of per-round ratios is the
         # comparison least disturbed by a noisy machine
-        ratios = [
-            statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
-            for ours, theirs in zip(per_round["pdcompile"], per_round["torch"], strict=True)
-        ]
+        ratios = {
+            peer: [
+                statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+                for ours, theirs in zip(per_round["pdcompile"], rounds, strict=True)
+            ]
+            for peer, rounds in per_round.items()
+        }
         for runtime, (wall, cpu, faults) in medians.items():
-            paired = f"{ratios[0]:.2f}x, {ratios[1]:.2f}x" if runtime == "pdcompile" else "1"
+            paired = f"{ratios[runtime][0]:.2f}x, {ratios[runtime][1]:.2f}x"
             table.add_row(name, runtime, f"{wall * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms",
-                          f"{faults:.0f}", paired)  # fmt: skip
+                          f"{faults:.0f}" if runtime != "deepspeed" else "-", paired)  # fmt: skip
         stages = [per_rank[r][name]["pipedream"] for r in range(2)]
         ideal = 1 / max(s["compute_per_minibatch"] for s in stages)
         achieved = min(s["throughput"] for s in stages)
         summary[name] = {
-            "medians": medians, "paired_time_ratio": ratios[0], "paired_cpu_ratio": ratios[1],
+            "medians": medians, "paired_time_ratio": ratios["torch"][0],
+            "paired_cpu_ratio": ratios["torch"][1], "paired_ratios": ratios,
             "pipedream_throughput": achieved, "pipedream_ideal": ideal,
             "pipedream_fraction": achieved / ideal,
         }  # fmt: skip

@@ -6,13 +6,16 @@
 
 A `(Linear(width, width), ReLU) x layers` MLP on `--ranks` spawned gloo ranks (one stage each,
 a `FileStore` rendezvous), `--microbatches` microbatches of `--rows` rows per step, SGD with
-momentum. Per rank: `Plan.rank_memory` (the model: weights and activations; message buffers
-are not in it yet), the memory probe's peak, and the RSS (`/proc/self/statm`) after the
-compile, after `--warmup` steps and after all steps, and its peak (VmHWM); growth is the RSS
-after all steps less the RSS after the compile; "late" the RSS after all steps less the RSS
-after the warm-up (a leak or a cache that keeps growing); "peak growth" the peak less the RSS
-after the compile. `--no-pool`: a fresh buffer per message (before `runtime/message_pool.py`);
-`--glibc-default`: glibc's moving mmap threshold (before `runtime/host_heap.py`).
+momentum. Per rank: `Plan.rank_memory` (the model: weights, activations and the message
+buffers), the memory probe's peak (its parts) and its message buffers in use at once, and the
+RSS (`/proc/self/statm`) after the compile, after `--warmup` steps and after all steps, and its
+peak (VmHWM); growth is the RSS after all steps less the RSS after the compile; "late" the RSS
+after all steps less the RSS after the warm-up (a leak or a cache that keeps growing); "peak
+growth" the peak less the RSS after the compile; "beyond plan" the peak growth less what the
+plan adds after the compile (`Plan.rank_memory` less the rank's parameters, resident since the
+compile): what the model leaves out. `--no-pool`: a fresh buffer per message (before
+`runtime/message_pool.py`); `--glibc-default`: glibc's moving mmap threshold (before
+`runtime/host_heap.py`).
 """
 
 from __future__ import annotations
@@ -77,9 +80,12 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, out: str) -> None
                 warm = samples[-1]
         plan = pipe.plan
         measured = pipe.measured_memory[rank].peak.total
+        messages = pipe.measured_memory[rank].messages
         dist.barrier()
     row = {
         "rank": rank, "plan": plan.rank_memory[rank], "probe": measured, "rss0": samples[0],
+        "params": sum(s.param_bytes for s in plan.stages if rank in s.ranks),
+        "messages": messages,
         "warm": warm, "end": samples[-1], "samples": samples, "hwm": hwm(), "times": times,
     }  # fmt: skip
     Path(out, f"{rank}.json").write_text(json.dumps(row))
@@ -115,11 +121,15 @@ def main() -> None:
           f"{args.microbatches} microbatches of {args.rows} rows, {args.steps} steps, "
           f"pool {'off' if args.no_pool else 'on'}, "
           f"mmap threshold {'glibc' if args.glibc_default else 'fixed'} (MiB)")  # fmt: skip
-    print("rank  plan   probe  RSS0    growth  late  peak growth  median step")
+    print("rank  plan   probe  messages  RSS0    growth  late  peak growth  beyond plan  "
+          "median step")  # fmt: skip
     for r in rows:
+        peak = r["hwm"] - r["rss0"]
+        beyond = peak - (r["plan"] - r["params"])  # the parameters are in RSS0 already
         print(f"{r['rank']:4d}  {r['plan'] / MIB:5.1f}  {r['probe'] / MIB:5.1f}  "
+              f"{r['messages'] / MIB:8.2f}  "
               f"{r['rss0'] / MIB:6.1f}  {(r['end'] - r['rss0']) / MIB:6.1f}  "
-              f"{(r['end'] - r['warm']) / MIB:5.1f}  {(r['hwm'] - r['rss0']) / MIB:6.1f}  "
+              f"{(r['end'] - r['warm']) / MIB:5.1f}  {peak / MIB:6.1f}       {beyond / MIB:6.1f}  "
               f"{sorted(r['times'])[len(r['times']) // 2] * 1e3:8.0f} ms")  # fmt: skip
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "ranks": rows}, indent=1))

@@ -3,8 +3,10 @@ torch.distributed (gloo on CPUs, NCCL on GPUs), started by `torchrun` or by test
 
 Each rank builds the same validated schedule from the program and walks its own actions in
 order: a receive waits (with a timeout) for its message, a send never waits, an all-reduce
-waits for its group. At the end of a call, the rank waits for its sends whose receives the peers
-have posted by then (short waits that release their buffers); the others stay in flight.
+waits for its group. Receives are posted a window ahead (`RECEIVES_AHEAD`), so the buffers
+held stay bounded however many microbatches a step has. At the end of a call, the rank waits
+for its sends whose receives the peers have posted by then (short waits that release their
+buffers); the others stay in flight.
 Every rank passes the same batch to `train_step`; stage 0 uses the inputs, the last stage the
 targets, and every rank gets the loss back: each last-stage rank sends its share to the others
 (messages, not an all-reduce: no rank waits for a slower one to finish its step). A rank whose
@@ -15,12 +17,14 @@ timeout.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from pdcompile.core.errors import PipelineTimeoutError
+from pdcompile.core.message_buffers import RECEIVES_AHEAD
 from pdcompile.lowering.staged_program import Channel, StagedProgram
 from pdcompile.runtime.comm import Key
 from pdcompile.runtime.distributed import DistributedComm
@@ -112,29 +116,42 @@ class DistributedPipeline(Pipeline):
         mine = actions.get(self.rank, ())
         end = len(mine) if stop is None else stop[self.rank]
         position.setdefault(self.rank, 0)
-        if stop is not None:  # the messages from this rank the peers receive in this call
-            received = {
-                peer: {a.key for a in acts[position[peer] : stop[peer]] if a.kind == RECV
-                       and a.peer == self.rank}
-                for peer, acts in actions.items() if peer != self.rank
-            }  # fmt: skip
+        peers = _exchanges(actions, self.rank, position, stop)
         runner = self.ranks[self.rank]
-        for a in mine[position[self.rank] : end]:  # receives posted early: no sender waits
-            if a.kind == RECV:
-                runner.expect(a)
+        # receives posted ahead, a window of them: a sender's bytes move while this rank
+        # computes, and the buffers held stay bounded however many microbatches the step has
+        ahead = (a for a in mine[position[self.rank] : end] if a.kind == RECV)
+        for a in itertools.islice(ahead, RECEIVES_AHEAD):
+            runner.expect(a)
         try:
             while position[self.rank] < end:
                 action = mine[position[self.rank]]
                 runner.run(action)
                 runner.finish(action)
                 position[self.rank] += 1
+                if action.kind == RECV and action.peer != self.rank:
+                    self._received(action, peers[action.peer])
+                    if (following := next(ahead, None)) is not None:
+                        runner.expect(following)
         except Exception as exc:
             self._abort(mine[position[self.rank] : end], exc)
             raise
         if stop is None:  # the peers post every receive of these actions
             self.comm.flush()
         else:  # a send left pending by an earlier call has its receive in this one, or later
-            self.comm.settle(lambda peer, key: key in received[peer])
+            self.comm.settle(lambda peer, key: key in peers[peer].receives)
+
+    def _received(self, action: Action, peer: _Exchange) -> None:
+        """The message of `action` came: its peer had then received every message of this
+        rank it receives before sending it, so those sends are complete and their buffers
+        free (gloo says a send is complete only to a wait, which returns at once now). A
+        message sent in an earlier call (streaming schedules) tells nothing more."""
+        sent_at = peer.sends.get(action.key)
+        if sent_at is None:
+            return
+        self.comm.settle(
+            lambda to, key: to == action.peer and peer.receives.get(key, sent_at) < sent_at
+        )
 
     def _abort(self, rest: Sequence[Action], exc: Exception) -> None:
         """Send the error's text in place of every message still owed in `rest` (from the
@@ -181,3 +198,31 @@ class DistributedPipeline(Pipeline):
         """The key of a step's loss from the last stage to `receiver` (each source rank
         sends its own: gloo tells them apart by the sender)."""
         return ("loss", step, self.program.num_stages - 1, self.stage_of[receiver])
+
+
+class _Exchange(NamedTuple):
+    """Where a peer's actions of a call receive each message of this rank and send each of its
+    own to it: key -> index."""
+
+    receives: dict[Key, int]
+    sends: dict[Key, int]
+
+
+def _exchanges(
+    actions: Mapping[int, Sequence[Action]],
+    rank: int,
+    position: Mapping[int, int],
+    stop: Mapping[int, int] | None,
+) -> dict[int, _Exchange]:
+    """Per peer of `rank`, its `_Exchange` over its actions of the call (from `position`, to
+    `stop` or its end)."""
+    out = {}
+    for peer, acts in actions.items():
+        if peer == rank:
+            continue
+        start = position.get(peer, 0)
+        exchange = out[peer] = _Exchange({}, {})
+        for i, a in enumerate(acts[start : len(acts) if stop is None else stop[peer]], start):
+            if a.peer == rank and a.kind in (RECV, SEND):
+                (exchange.receives if a.kind == RECV else exchange.sends)[a.key] = i
+    return out

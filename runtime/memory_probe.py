@@ -19,7 +19,9 @@ per action when off). Per rank, over all its stages, it follows:
 - **message buffers**: receives posted early and sends not known complete
   (`DistributedComm.buffer_bytes`), and received stage inputs (with their gradients) the worker
   keeps for the gradients it sends back, where autograd did not save them. Reported beside the
-  total, which the simulator's model (`Plan.rank_memory`) does not count them in.
+  total: the simulator's model counts what the runtime keeps of them (`IN_USE` per message
+  size, `Simulation.message_memory`) in `Plan.rank_memory`, apart from what the parts are compared
+  with (`Simulation.held_memory`).
 
 The total (parameters + buffers + gradients + optimizer state + versions + saved activations)
 is taken after every action and at every save and release of an activation; its peak is kept
@@ -356,7 +358,8 @@ class RankComparison:
             f"flight {human_bytes(self.comparable - self.weights)} (activations, weight copies, "
             "less the gradients before the first backward)",
             f"  predicted peak {human_bytes(self.predicted)}{recomputed}",
-            f"  message buffers (not modelled) peak {human_bytes(m.messages)}",
+            f"  message buffers in use, peak {human_bytes(m.messages)} (apart from the parts; "
+            "the model counts 8 per message size in its peak)",
         ]
         lines += [
             f"  stage {s.index}: predicted peak {human_bytes(s.memory_bytes)} (weights "

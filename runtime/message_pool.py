@@ -8,15 +8,16 @@ the plan said 24 MiB (`benchmarks/runtime_memory.py`). Here the buffers of a siz
 of slabs allocated `SLOTS` at a time (one allocation each, out of the heap's holes) and given
 back when the message is done with: a send once it completed, a receive once its values were
 copied out (the stage keeps them; a slot it kept would be overwritten by a later message). The
-pool holds at most as many slots as were in use at once, rounded up to a slab: the message
-buffers in flight, which the memory model counts (docs/memory.md).
+pool holds at most as many slots as were in use at once, rounded up to a slab, and of a slab
+only the pages of slots once used are resident: what the memory model counts
+(`pdcompile/core/message_buffers.py`, docs/memory.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-SLOTS = 16  # buffers per slab
+from pdcompile.core.message_buffers import SLOTS
 
 
 class MessagePool:

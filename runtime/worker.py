@@ -206,7 +206,8 @@ class StageWorker:
             # under autocast, activations travel in the dtype the channel was captured in
             values = [_as_channel(state.outputs[c.name], c) for c in channels]
         else:
-            values = [_grad_of(state.inputs[c.name]) for c in channels]
+            # the inputs' gradients leave: the microbatch needs those inputs no more here
+            values = [_grad_of(state.inputs.pop(c.name)) for c in channels]
         self.comm.send(a.peer, key, values, channels, rows)
 
     def _push(self, a: Action) -> None:

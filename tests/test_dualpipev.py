@@ -193,7 +193,7 @@ def test_the_closed_forms_are_the_simulated_step_and_the_walked_memory(p: int) -
         assert sim.time_per_step == pytest.approx(step, rel=1e-12), (m, f, i, w)
         bubble = RULES.bubble(2 * p, m, f, i + w, weight_s=w, chunks=2)
         assert sim.bubble_fraction == pytest.approx([bubble] * p, rel=1e-9)
-        held = [(peak - 2 * (WEIGHT - GRAD)) // ACT for peak in sim.peak_memory]
+        held = [(peak - 2 * (WEIGHT - GRAD)) // ACT for peak in sim.schedule_memory]
         walked = [w.in_flight for w in walks(RULES, (1,) * 2 * p, m, 2)]
         assert held == walked[:p] == [RULES.in_flight_bound([1] * 2 * p, 0, m, chunks=2)] * p
         assert held[0] == 2 * p + 1

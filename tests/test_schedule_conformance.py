@@ -163,13 +163,14 @@ def check_closed_forms(kind: str) -> int:
             for rank in range(p):
                 held = rules.in_flight_bound([1] * stages, rank, m, chunks=v)
                 if rules.synchronous:  # its stages' weights, activations and gradients
-                    activations, grads = divmod(sim.peak_memory[rank] - v * (WEIGHT - GRAD), ACT)
+                    held_bytes = sim.schedule_memory[rank] - v * (WEIGHT - GRAD)
+                    activations, grads = divmod(held_bytes, ACT)
                     assert activations == held, (ranks, m, rank)
                     assert grads in range(0, v * GRAD + 1, GRAD), (ranks, m, rank)
                 else:  # a stream: at most, and exactly in the steady state of M >= S
                     versions = rules.stashed_versions_bound([1] * stages, rank, m)
                     bound = WEIGHT + held * ACT + versions * PARAM
-                    assert sim.peak_memory[rank] <= bound, (ranks, m, rank)
+                    assert sim.schedule_memory[rank] <= bound, (ranks, m, rank)
             compared += 1
     assert compared, f"{kind} gives closed forms but no layout was compared"
     return compared
@@ -195,9 +196,9 @@ def check_memory_counts(kind: str) -> int:
                 assert (got.in_flight + got.deferred, got.versions) == (in_flight, versions)
                 exact = max(got.charges(WEIGHT, GRAD, PARAM, ACT, ACT))
                 if rules.synchronous or m >= stages:
-                    assert sim.peak_memory[s] == exact, (stages, m, s, got)
+                    assert sim.schedule_memory[s] == exact, (stages, m, s, got)
                 else:
-                    assert sim.peak_memory[s] <= exact, (stages, m, s, got)
+                    assert sim.schedule_memory[s] <= exact, (stages, m, s, got)
             compared += 1
     for replicas, bytes_, least in itertools.product(REPLICAS, BYTES, (1, 5, 9)):
         acts, kept = zip(*bytes_[: len(replicas)], strict=True)

@@ -150,8 +150,8 @@ def test_zb_h1_idles_a_third_of_1f1b_and_zb_h2_reaches_the_fill() -> None:
     h2 = pdcompile.simulate(plan, schedule="zb-h2", num_microbatches=m)
     assert h1.time_per_step - m * 5.0 == 2 * (p - 1)
     assert h2.time_per_step - m * 5.0 == p - 1
-    assert h2.peak_memory == [WEIGHT + (2 * p - 1) * ACT] * p
-    assert h1.peak_memory == [WEIGHT + p * ACT] * p  # 1F1B's peak (its stage 0) everywhere
+    assert h2.schedule_memory == [WEIGHT + (2 * p - 1) * ACT] * p
+    assert h1.schedule_memory == [WEIGHT + p * ACT] * p  # 1F1B's peak (its stage 0) everywhere
 
 
 def test_plan_places_v_stages_per_rank() -> None:

@@ -112,8 +112,8 @@ def test_simulated_peaks_are_the_papers_counts(kind: str, p: int, m: int) -> Non
     """Every rank holds the paper's count (two chunks a microbatch) at its peak; 1F1B's first
     rank holds p: the share is count / p."""
     count = COUNTS[kind](p)
-    assert v_shaped(kind, p, m).peak_memory == [2 * count * ACT] * p
-    assert max(one_f_one_b(p, m).peak_memory) == p * 2 * ACT
+    assert v_shaped(kind, p, m).schedule_memory == [2 * count * ACT] * p
+    assert max(one_f_one_b(p, m).schedule_memory) == p * 2 * ACT
 
 
 @pytest.mark.parametrize("kind", sorted(COUNTS))

@@ -75,20 +75,20 @@ def test_in_flight_activations_and_versions(stages, m):
     for s in range(stages):
         assert in_flight(gpipe, s) == m
         # gpipe: every forward before the first backward, so before the gradients
-        assert gpipe.peak_memory[s] == WEIGHT - grads + m * ACT
+        assert gpipe.schedule_memory[s] == WEIGHT - grads + m * ACT
         held = min(stages - s, m)
         assert in_flight(one, s) == held
         # 1f1b holds as many again after its first backward where a forward follows it
         after = held if m > held else held - 1
-        assert one.peak_memory[s] == max(WEIGHT - grads + held * ACT, WEIGHT + after * ACT)
+        assert one.schedule_memory[s] == max(WEIGHT - grads + held * ACT, WEIGHT + after * ACT)
         # two copies: the weights this step computes on and those the next one will
         copies = 2 if s < stages - 1 else 1
-        assert two.peak_memory[s] == WEIGHT + copies * PARAM + held * ACT
+        assert two.schedule_memory[s] == WEIGHT + copies * PARAM + held * ACT
         # pipedream: w_s + 1 microbatches in flight, each on its own stashed version, at a
         # forward after the update that freed the gradients
-        assert dream.peak_memory[s] == WEIGHT - grads + (stages - s) * (ACT + PARAM)
+        assert dream.schedule_memory[s] == WEIGHT - grads + (stages - s) * (ACT + PARAM)
     # everything released at the end, the gradients by the update
-    assert [m for _, m in one.memory[0]][-1] == WEIGHT - grads
+    assert [m for _, m in one.memory[0]][-1] == WEIGHT - grads + one.message_memory[0]
 
 
 @pytest.mark.parametrize("kind", ["pipedream", "2bw"])
@@ -515,7 +515,8 @@ def test_simulated_weight_copies_are_the_workers(kind):
     plan = pdcompile.evaluate(program.plan, costs, schedule=kind, num_microbatches=4)
     plan = plan.with_(stages=tuple(dataclasses.replace(s, activation_bytes=0) for s in plan.stages))
     sim = simulate(plan)
-    simulated = [(sim.peak_memory[s.index] - s.weight_bytes) // s.param_bytes for s in plan.stages]
+    held = sim.schedule_memory
+    simulated = [(held[s.index] - s.weight_bytes) // s.param_bytes for s in plan.stages]
     pipeline = LocalPipeline(program, schedule=kind, num_microbatches=4, loss_fn=loss_fn,
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01))  # fmt: skip
     held = dict.fromkeys(pipeline.workers, 0)

@@ -38,6 +38,7 @@ from typing import Any
 from pdcompile.core.cluster import Cluster, parse_bytes
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
+from pdcompile.core.message_buffers import stage_bytes
 from pdcompile.core.text import human_bytes, human_seconds
 from pdcompile.passes.planning.evaluation import price, simulated
 from pdcompile.passes.planning.microbatch_count import fastest_fitting
@@ -299,7 +300,8 @@ def least_memory(costs: CostGraph, like: Plan) -> Plan:
     forward's activations during its backward). Simulated: its peaks are exact."""
     order = costs.nodes
     charge = _RecomputingCharge(costs, like)
-    low, high = 0.0, float(charge(0, len(order), charge.devices - 1)) * 2 + 1
+    whole = charge(0, len(order), charge.devices - 1)  # no messages: bound a cut's by the largest
+    low, high = 0.0, float(whole + stage_bytes(max(charge.into), 0)) * 2 + 1
     best = _greedy_cut(charge, len(order), high)
     for _ in range(40):
         middle = (low + high) / 2
@@ -357,7 +359,7 @@ class _RecomputingCharge:
         kept = self.into[j] + self.sources[k] - self.sources[j]
         held = counts.charges(self.weights[k] - self.weights[j], self.grads[k] - self.grads[j],
                               self.params[k] - self.params[j], kept, kept)  # fmt: skip
-        return max(held) + self.acts[k] - self.acts[j]
+        return max(held) + self.acts[k] - self.acts[j] + stage_bytes(self.into[j], self.into[k])
 
 
 def _prefix_sums(costs: CostGraph, key: str) -> list[int]:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from pdcompile.core.errors import ScheduleError
+from pdcompile.core.message_buffers import held_bytes
 from pdcompile.passes.planning.action_costs import (
     LOSS_BYTES,
     scalar_allreduce_s,
@@ -42,6 +44,19 @@ from pdcompile.scheduling.action_kinds import (
     needs_microbatch,
 )
 from pdcompile.scheduling.reduce_overlap import overlap_triggers
+
+
+def message_buffers(plan: Plan, ranks: Iterable[int]) -> dict[int, int]:
+    """Per rank, the bytes of message buffers the runtime keeps (`held_bytes`): `IN_USE` per size
+    of the messages it sends or receives, to or from another rank (gradients travel back at
+    their activations' size)."""
+    sizes: dict[int, list[int]] = {r: [] for r in ranks}
+    for stage in plan.stages:
+        for src, size in stage.recv_bytes:
+            senders = plan.stages[src].ranks
+            for r in {*senders, *stage.ranks} - ({*senders} & {*stage.ranks}):
+                sizes[r].append(size)
+    return {r: held_bytes(s) for r, s in sizes.items()}
 
 
 class _Link:
@@ -150,10 +165,14 @@ class Engine:
         self.used = dict.fromkeys(self.actions, 0)
         for (r, _), used in self.stage_used.items():
             self.used[r] += used
-        self.memory = {r: [(0.0, self.used[r])] for r in self.actions}
-        # of it, what a recomputing B holds inside it only (a CPU run does not measure it)
-        self.transient = dict.fromkeys(self.actions, 0)
         self.held_peak = dict(self.used)
+        # of it, what the memory probe's parts do not see: the message buffers the runtime
+        # keeps (reported apart), and what a recomputing B holds inside it only
+        self.messages = message_buffers(plan, self.actions)
+        self.transient = dict(self.messages)
+        for r, held in self.messages.items():
+            self.used[r] += held
+        self.memory = {r: [(0.0, self.used[r])] for r in self.actions}
 
     # -- the event loop ---------------------------------------------------------------------
 

@@ -50,9 +50,11 @@ class Simulation:
     steady-state call); `bubble_fraction[rank]`: the share of that span the rank spends
     outside compute (`F`, `B`, `I`, `W`); `memory[rank]`: (time, bytes in use) after each change;
     `peak_memory[rank]`: its maximum; `stage_memory[stage]`: the peak of that stage's own
-    share of its rank (the largest over its replicas); `held_memory[rank]`: the peak without
-    what a recomputing backward holds inside it only (what a CPU run's memory probe can see:
-    docs/memory.md).
+    share of its rank (the largest over its replicas); `message_memory[rank]`: of the memory,
+    the message buffers the runtime keeps from the first message on
+    (`pdcompile/core/message_buffers.py`); `held_memory[rank]`: the peak without them and
+    without what a recomputing backward holds inside it only (what a CPU run's memory probe's
+    parts see: docs/memory.md).
     """
 
     plan: Plan
@@ -64,6 +66,13 @@ class Simulation:
     memory: list[list[tuple[float, int]]]
     stage_memory: list[int]
     held_memory: list[int] = field(default_factory=list)
+    message_memory: list[int] = field(default_factory=list)
+
+    @property
+    def schedule_memory(self) -> list[int]:
+        """Per rank, the peak less the message buffers: what the schedule's actions hold."""
+        buffers = self.message_memory or [0] * len(self.peak_memory)
+        return [peak - held for peak, held in zip(self.peak_memory, buffers, strict=True)]
 
     def to_chrome_trace(self, path: str | Path | None = None) -> dict[str, Any]:
         """The timeline as Chrome trace-event JSON (opens in Perfetto), written to `path`."""
@@ -213,4 +222,5 @@ def _result(engine: Engine, start: dict[int, float], end: dict[int, float]) -> S
         bubble_fraction=bubble, peak_memory=[max(b for _, b in m) for m in memory],
         memory=memory, stage_memory=stage_memory,
         held_memory=[engine.held_peak.get(r, 0) for r in range(count)],
+        message_memory=[engine.messages.get(r, 0) for r in range(count)],
     )  # fmt: skip

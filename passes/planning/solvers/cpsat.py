@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from pdcompile.core.cluster import Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
+from pdcompile.core.message_buffers import IN_USE, stage_bytes
 from pdcompile.passes.planning.cost_model import Pricing
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.solver_kit import SEARCH, make_plan, register_solver
@@ -98,6 +99,7 @@ class _Model:
         self.params = [int(x) for x in p.params]
         self.activations = [int(x) for x in p.activations]
         self.grads = [int(x) for x in p.grad]
+        self.sizes = [int(x) for x in p.cut]  # bytes into each position: message sizes
         from ortools.sat.python import cp_model
 
         self.model = cp_model.CpModel()
@@ -228,6 +230,7 @@ class _Model:
         deepest warm-up up to the pipeline's (the thermometer `deep`, at least s's warm-up)."""
         weights, params = self._diff("weights", s), self._diff("params", s)
         acts, grads = self._diff("activations", s), self._diff("grads", s)
+        messages = self._message_buffers(s)
         if s == 0:
             self._memory_counts()
         marks = self._warmup_marks(s) if self.by_warmup or self.by_deepest else []
@@ -243,9 +246,23 @@ class _Model:
                     deeper = [self.deep[x - 1]] if x else []
                     # a pending W at all its activations (the runtime keeps nearly all)
                     for usage in counts.charges(weights, grads, params, acts, acts):
-                        self.model.add(usage <= memory).only_enforce_if(
+                        self.model.add(usage + messages <= memory).only_enforce_if(
                             when + marks[w : w + 1] + deeper
                         )
+
+    def _message_buffers(self, s: int) -> Any:
+        """Stage s's message buffers (`stage_bytes` of the bytes into and out of it)."""
+        into, out = self._at("sizes", 0, s), self._at("sizes", 0, s + 1)
+        if isinstance(into, int) and isinstance(out, int):
+            return stage_bytes(into, out)
+        model = self.model
+        same = model.new_bool_var(f"same{s}")
+        shared = model.new_int_var(0, max(self.sizes), f"shared{s}")
+        model.add(into == out).only_enforce_if(same)
+        model.add(into != out).only_enforce_if(~same)
+        model.add(shared == out).only_enforce_if(same)
+        model.add(shared == 0).only_enforce_if(~same)
+        return IN_USE * (into + out - shared)  # the sizes' buffers shared where they are equal
 
     def hint(self, bounds: list[int], replicas: list[int]) -> None:
         """Warm start from a plan: stage s is positions bounds[s]..bounds[s + 1] on replicas[s]."""

@@ -41,6 +41,7 @@ import numpy as np
 from pdcompile.core.cluster import Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
+from pdcompile.core.message_buffers import stage_bytes
 from pdcompile.passes.planning.cost_model import Pricing
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.solver_kit import SEARCH, make_plan, register_solver
@@ -80,12 +81,13 @@ class Prefix:
 
 def _stage_memory(p: Prefix, j: int, ks: np.ndarray, counts: MemoryCounts) -> np.ndarray:
     """The bytes `counts` charge a replica of each stage [j, k), k in `ks` (a microbatch whose
-    W is pending at all its activations: the runtime keeps nearly all, docs/memory.md)."""
+    W is pending at all its activations: the runtime keeps nearly all, docs/memory.md), and
+    its message buffers."""
     activations = p.activations[ks] - p.activations[j]
     return np.maximum(*counts.charges(
         p.weights[ks] - p.weights[j], p.grad[ks] - p.grad[j], p.params[ks] - p.params[j],
         activations, activations,
-    ))  # fmt: skip
+    )) + stage_bytes(p.cut[j], p.cut[ks])  # fmt: skip
 
 
 def tie_positions(cost_graph: CostGraph, order: list[str]) -> list[list[int]]:

@@ -34,6 +34,7 @@ import numpy as np
 from pdcompile.core.cluster import Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
+from pdcompile.core.message_buffers import stage_bytes
 from pdcompile.passes.planning.cost_model import Pricing
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.solver_kit import SEARCH, make_plan, register_solver
@@ -177,7 +178,7 @@ class _Model:
     def parts(self, pi: np.ndarray, pj: np.ndarray) -> dict[str, np.ndarray]:
         a = self.arrays
         diff = {name: a[name][pj] - a[name][pi] for name in _SUMS[:-1]}
-        diff["cut"] = a["cut"][pi]
+        diff["cut"], diff["out"] = a["cut"][pi], a["cut"][pj]
         return diff
 
     def time(self, parts: dict[str, np.ndarray], r: int, ms: np.ndarray) -> np.ndarray:
@@ -196,7 +197,7 @@ class _Model:
             memory = np.maximum(*counts.charges(
                 parts["weights"][:, None], parts["grad"][:, None], parts["params"][:, None],
                 acts, acts,
-            ))  # fmt: skip
+            )) + stage_bytes(parts["cut"], parts["out"])[:, None]  # fmt: skip
             time = np.where(memory <= self.memory, time, np.inf)
         return time
 
