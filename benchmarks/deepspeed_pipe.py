@@ -30,9 +30,21 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 from cases import CASES
 
 from runtime import MICROBATCHES, _First, _Last, two_stage_program
+
+
+class _Spread(nn.Module):
+    """DeepSpeed hands a stage the tuple it received as one argument: spread it."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, values: tuple[torch.Tensor, ...] | torch.Tensor) -> torch.Tensor:
+        return self.stage(*values) if isinstance(values, tuple) else self.stage(values)
 
 
 def _port() -> int:
@@ -52,7 +64,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     model, x, y, loss_fn = CASES[args.model]()
     program = two_stage_program(model, x)
     names = [c.name for c in program.channels]
-    layers = [_First(program.stages[0], names), _Last(program.stages[1], names)]
+    layers = [_First(program.stages[0], names), _Spread(_Last(program.stages[1], names))]
     net = PipelineModule(layers=layers, num_stages=2, loss_fn=loss_fn, partition_method="uniform")
     rows = x.shape[0] // MICROBATCHES
     config = {
