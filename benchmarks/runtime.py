@@ -1,12 +1,15 @@
 """Runtime benchmark: pdcompile's `1f1b` against torch.distributed.pipelining's `Schedule1F1B`.
 
     python benchmarks/runtime.py [--steps 10] [--rounds 5] [--json out.json] [--default-malloc]
+        [--deepspeed DSVENV/bin/python]
 
 Two gloo ranks with one thread each run the same 2-stage split (pdcompile's stage modules; torch
 runs them through thin adapters taking and returning positional tensors) with 8 microbatches,
-alternating the two runtimes round by round in the same processes. Per runtime: the median over
+alternating the two runtimes round by round in the same processes; with `--deepspeed`,
+DeepSpeed's pipeline engine too, in processes of its own started from rank 0 after each round
+(`benchmarks/deepspeed_pipe.py`, which says how to install it). Per runtime: the median over
 rounds of wall time and CPU time per step (rank 0's CPU plus rank 1's), and the median over
-rounds of the ratio of the two runtimes in the same round, and the minor page faults per step.
+rounds of the ratio of pdcompile to each in the same round, and the minor page faults per step.
 The ranks run with glibc's malloc keeping freed memory (`cases.KEEP_FREED_MEMORY`;
 `--default-malloc` runs without), as both runtimes share the processes. Then `pipedream` runs for
 the same steps with its action timeline recorded: steady-state throughput (minibatches per second
