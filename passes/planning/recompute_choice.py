@@ -44,7 +44,7 @@ from pdcompile.passes.planning.evaluation import price, simulated
 from pdcompile.passes.planning.microbatch_count import fastest_fitting
 from pdcompile.passes.planning.plan_config import PlanConfig, Planner
 from pdcompile.passes.planning.plans import Plan, Stage
-from pdcompile.passes.planning.stage_sums import producer_bytes
+from pdcompile.passes.planning.stage_sums import edge_bytes, producer_bytes
 from pdcompile.scheduling import get_schedule
 
 AUTO = "auto"
@@ -301,7 +301,7 @@ def least_memory(costs: CostGraph, like: Plan) -> Plan:
     order = costs.nodes
     charge = _RecomputingCharge(costs, like)
     whole = charge(0, len(order), charge.devices - 1)  # no messages: bound a cut's by the largest
-    low, high = 0.0, float(whole + stage_bytes(max(charge.into), 0)) * 2 + 1
+    low, high = 0.0, float(whole + stage_bytes(max(charge.edges), max(charge.edges))) * 2 + 1
     best = _greedy_cut(charge, len(order), high)
     for _ in range(40):
         middle = (low + high) / 2
@@ -337,6 +337,7 @@ class _RecomputingCharge:
             last = max((position[v] for v in g.successors(u)), default=position[u])
             for i in range(position[u] + 1, last + 1):
                 self.into[i] += producer_bytes(costs, u)
+        self.edges = edge_bytes(costs, order)  # of the edges across each boundary
         self.params = _prefix_sums(costs, "param_bytes")
         self.grads = _prefix_sums(costs, "grad_bytes")
         optimizer = _prefix_sums(costs, "optimizer_bytes")
@@ -359,7 +360,7 @@ class _RecomputingCharge:
         kept = self.into[j] + self.sources[k] - self.sources[j]
         held = counts.charges(self.weights[k] - self.weights[j], self.grads[k] - self.grads[j],
                               self.params[k] - self.params[j], kept, kept)  # fmt: skip
-        return max(held) + self.acts[k] - self.acts[j] + stage_bytes(self.into[j], self.into[k])
+        return max(held) + self.acts[k] - self.acts[j] + stage_bytes(self.edges[j], self.edges[k])
 
 
 def _prefix_sums(costs: CostGraph, key: str) -> list[int]:

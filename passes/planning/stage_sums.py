@@ -13,6 +13,7 @@ gradients, and charged to the stage after the boundary.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -186,6 +187,20 @@ def kept_activations(
 def producer_bytes(cost_graph: CostGraph, node: str) -> int:
     """Bytes a node's output sends across a boundary (once, however many nodes read it)."""
     return max((b for _, _, b in cost_graph.graph.out_edges(node, data="bytes")), default=0)
+
+
+def edge_bytes(cost_graph: CostGraph, order: list[str]) -> list[int]:
+    """Per boundary b = 0..len(order) of `order`, the bytes of the edges across it (from before
+    position b to it or after), each edge counted: a bound on the messages a stage from
+    boundary j to k receives and sends (`message_buffers.stage_bytes`), which are per pair of
+    stages, a tensor sent to each stage that reads it."""
+    position = {n: i for i, n in enumerate(order)}
+    diff = [0] * (len(order) + 2)
+    for u, v, nbytes in cost_graph.graph.edges(data="bytes"):
+        if position[u] < position[v]:
+            diff[position[u] + 1] += nbytes
+            diff[position[v] + 1] -= nbytes
+    return list(itertools.accumulate(diff[: len(order) + 1]))
 
 
 def cut_bytes(cost_graph: CostGraph, stage_of: dict[str, int], num_stages: int) -> list[int]:

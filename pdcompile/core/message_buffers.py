@@ -27,6 +27,8 @@ def held_bytes(sizes: Iterable[int]) -> int:
 
 
 def stage_bytes(into: Any, out: Any) -> Any:
-    """`held_bytes` of a stage alone on its ranks that receives `into` bytes a microbatch and
-    sends `out` (gradients travel back at those sizes): numbers or numpy arrays alike."""
-    return IN_USE * (into + out * (into != out))
+    """A bound on `held_bytes` of a stage alone on its ranks that receives at most `into` bytes
+    a microbatch and sends at most `out` (gradients travel back at those sizes; the solvers
+    pass the bytes of the edges across its two boundaries): numbers, numpy arrays or linear
+    expressions alike."""
+    return IN_USE * (into + out)

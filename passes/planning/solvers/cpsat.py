@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from pdcompile.core.cluster import Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
-from pdcompile.core.message_buffers import IN_USE, stage_bytes
+from pdcompile.core.message_buffers import stage_bytes
 from pdcompile.passes.planning.cost_model import Pricing
 from pdcompile.passes.planning.plans import Plan
 from pdcompile.passes.planning.solver_kit import SEARCH, make_plan, register_solver
@@ -99,7 +99,7 @@ class _Model:
         self.params = [int(x) for x in p.params]
         self.activations = [int(x) for x in p.activations]
         self.grads = [int(x) for x in p.grad]
-        self.sizes = [int(x) for x in p.cut]  # bytes into each position: message sizes
+        self.edges = [int(x) for x in p.edges]  # bytes of the edges across each boundary
         from ortools.sat.python import cp_model
 
         self.model = cp_model.CpModel()
@@ -251,18 +251,8 @@ class _Model:
                         )
 
     def _message_buffers(self, s: int) -> Any:
-        """Stage s's message buffers (`stage_bytes` of the bytes into and out of it)."""
-        into, out = self._at("sizes", 0, s), self._at("sizes", 0, s + 1)
-        if isinstance(into, int) and isinstance(out, int):
-            return stage_bytes(into, out)
-        model = self.model
-        same = model.new_bool_var(f"same{s}")
-        shared = model.new_int_var(0, max(self.sizes), f"shared{s}")
-        model.add(into == out).only_enforce_if(same)
-        model.add(into != out).only_enforce_if(~same)
-        model.add(shared == out).only_enforce_if(same)
-        model.add(shared == 0).only_enforce_if(~same)
-        return IN_USE * (into + out - shared)  # the sizes' buffers shared where they are equal
+        """Stage s's message buffers, bounded by the edges across its two boundaries."""
+        return stage_bytes(self._at("edges", 0, s), self._at("edges", 0, s + 1))
 
     def hint(self, bounds: list[int], replicas: list[int]) -> None:
         """Warm start from a plan: stage s is positions bounds[s]..bounds[s + 1] on replicas[s]."""

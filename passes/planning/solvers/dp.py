@@ -48,6 +48,7 @@ from pdcompile.passes.planning.solver_kit import SEARCH, make_plan, register_sol
 from pdcompile.passes.planning.solvers.bisection import ring_pace, solve_bisection
 from pdcompile.passes.planning.solvers.orders import linear_orders
 from pdcompile.passes.planning.solvers.reach import solve_reach
+from pdcompile.passes.planning.stage_sums import edge_bytes
 from pdcompile.scheduling.base import MemoryCounts
 
 # the reach tables grow with the devices (a Python step per device count): past this many
@@ -77,6 +78,7 @@ class Prefix:
                 diff[position[u] + 1] += nbytes
                 diff[last + 1] -= nbytes
         self.cut = np.cumsum(diff)[: len(order) + 1]  # cut[j]: bytes into position j
+        self.edges = np.array(edge_bytes(cost_graph, order))  # of every edge across j
 
 
 def _stage_memory(p: Prefix, j: int, ks: np.ndarray, counts: MemoryCounts) -> np.ndarray:
@@ -87,7 +89,7 @@ def _stage_memory(p: Prefix, j: int, ks: np.ndarray, counts: MemoryCounts) -> np
     return np.maximum(*counts.charges(
         p.weights[ks] - p.weights[j], p.grad[ks] - p.grad[j], p.params[ks] - p.params[j],
         activations, activations,
-    )) + stage_bytes(p.cut[j], p.cut[ks])  # fmt: skip
+    )) + stage_bytes(p.edges[j], p.edges[ks])  # fmt: skip
 
 
 def tie_positions(cost_graph: CostGraph, order: list[str]) -> list[list[int]]:

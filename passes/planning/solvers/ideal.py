@@ -47,8 +47,9 @@ MAX_TRANSITIONS = 3_000_000_000  # about 15 s at ~0.2 G transitions/s
 _CHUNK = 1 << 22  # (pair, device count) cells relaxed at once: bounds numpy temporaries
 
 
-# per ideal: sums over its nodes, and `cut`: bytes produced inside it and consumed outside
-_SUMS = ("compute", "grad", "weights", "params", "activations", "cut")
+# per ideal: sums over its nodes, `cut`: bytes produced inside it and consumed outside (each
+# tensor once), and `edges`: the bytes of every edge leaving it (a bound on its messages)
+_SUMS = ("compute", "grad", "weights", "params", "activations", "cut", "edges")
 
 
 @dataclass
@@ -85,6 +86,8 @@ class _Graph:
         self.pred_mask = [sum(1 << p for p in ps) for ps in self.preds]
         self.succ_mask = [sum(1 << index[s] for s in g.successors(n)) for n in self.nodes]
         self.out = [producer_bytes(cost_graph, n) for n in self.nodes]
+        self.edges_out = [sum(b for _, _, b in g.out_edges(n, data="bytes")) for n in self.nodes]
+        self.edges_in = [sum(b for _, _, b in g.in_edges(n, data="bytes")) for n in self.nodes]
         attrs = [g.nodes[n] for n in self.nodes]
         self.compute = cost_graph.compute_times()  # the loss at the output's node
         self.grad = [a["grad_bytes"] for a in attrs]
@@ -98,10 +101,11 @@ class _Graph:
     def sums(self, mask: int) -> tuple:
         members = [i for i in range(len(self.nodes)) if mask >> i & 1]
         cut = sum(self.out[i] for i in members if self.succ_mask[i] & ~mask)
+        edges = sum(self.edges_out[i] for i in members) - sum(self.edges_in[i] for i in members)
         return (
             sum(self.compute[i] for i in members), sum(self.grad[i] for i in members),
             sum(self.weights[i] for i in members), sum(self.params[i] for i in members),
-            sum(self.activations[i] for i in members), cut,
+            sum(self.activations[i] for i in members), cut, edges,
         )  # fmt: skip
 
     def extend(self, sums: tuple, mask: int, v: int) -> tuple:
@@ -109,9 +113,10 @@ class _Graph:
         new = mask | 1 << v
         cut = sums[5] + (self.out[v] if self.succ_mask[v] & ~new else 0)
         cut -= sum(self.out[u] for u in self.preds[v] if not self.succ_mask[u] & ~new)
+        edges = sums[6] + self.edges_out[v] - self.edges_in[v]  # its predecessors are inside
         return (
             sums[0] + self.compute[v], sums[1] + self.grad[v], sums[2] + self.weights[v],
-            sums[3] + self.params[v], sums[4] + self.activations[v], cut,
+            sums[3] + self.params[v], sums[4] + self.activations[v], cut, edges,
         )  # fmt: skip
 
 
@@ -119,7 +124,7 @@ def _enumerate(cost_graph: CostGraph, limit: int) -> _Lattice | int:
     """The ideals holding every data source, plus the empty one; their count if over `limit`."""
     graph = _Graph(cost_graph)
     lattice = _Lattice()
-    lattice.add(0, (0.0, 0, 0, 0, 0, 0))
+    lattice.add(0, (0.0, 0, 0, 0, 0, 0, 0))
     lattice.levels.append([0])
     if graph.sources:
         j = lattice.add(graph.sources, graph.sums(graph.sources))
@@ -177,8 +182,8 @@ class _Model:
 
     def parts(self, pi: np.ndarray, pj: np.ndarray) -> dict[str, np.ndarray]:
         a = self.arrays
-        diff = {name: a[name][pj] - a[name][pi] for name in _SUMS[:-1]}
-        diff["cut"], diff["out"] = a["cut"][pi], a["cut"][pj]
+        diff = {name: a[name][pj] - a[name][pi] for name in _SUMS[:-2]}
+        diff["cut"], diff["into"], diff["out"] = a["cut"][pi], a["edges"][pi], a["edges"][pj]
         return diff
 
     def time(self, parts: dict[str, np.ndarray], r: int, ms: np.ndarray) -> np.ndarray:
@@ -197,7 +202,7 @@ class _Model:
             memory = np.maximum(*counts.charges(
                 parts["weights"][:, None], parts["grad"][:, None], parts["params"][:, None],
                 acts, acts,
-            )) + stage_bytes(parts["cut"], parts["out"])[:, None]  # fmt: skip
+            )) + stage_bytes(parts["into"], parts["out"])[:, None]  # fmt: skip
             time = np.where(memory <= self.memory, time, np.inf)
         return time
 
