@@ -139,7 +139,7 @@ class DistributedPipeline(Pipeline):
         if stop is None:  # the peers post every receive of these actions
             self.comm.flush()
         else:  # a send left pending by an earlier call has its receive in this one, or later
-            self.comm.settle(lambda peer, key: key in peers[peer].receives)
+            self.comm.settle(lambda peer, key: peer in peers and key in peers[peer].receives)
 
     def _received(self, action: Action, peer: _Exchange) -> None:
         """The message of `action` came: its peer had then received every message of this
@@ -214,13 +214,15 @@ def _exchanges(
     position: Mapping[int, int],
     stop: Mapping[int, int] | None,
 ) -> dict[int, _Exchange]:
-    """Per peer of `rank`, its `_Exchange` over its actions of the call (from `position`, to
-    `stop` or its end)."""
+    """Per peer `rank` sends to or receives from in the call, its `_Exchange` over its actions
+    of the call (from `position`, to `stop` or its end)."""
+    mine = actions.get(rank, ())
+    start = position.get(rank, 0)
+    peers = {a.peer for a in mine[start : len(mine) if stop is None else stop[rank]]
+             if a.kind in (RECV, SEND) and a.peer != rank}  # fmt: skip
     out = {}
-    for peer, acts in actions.items():
-        if peer == rank:
-            continue
-        start = position.get(peer, 0)
+    for peer in peers:
+        acts, start = actions[peer], position.get(peer, 0)
         exchange = out[peer] = _Exchange({}, {})
         for i, a in enumerate(acts[start : len(acts) if stop is None else stop[peer]], start):
             if a.peer == rank and a.kind in (RECV, SEND):

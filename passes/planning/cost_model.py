@@ -115,12 +115,6 @@ def get_cost_model(name: str | CostModel = "pdcompile") -> CostModel:
     return name if isinstance(name, CostModel) else COST_MODELS.get(name)
 
 
-def option_rules(options: dict[str, Any]) -> PipelineSchedule:
-    """The schedule of a solver's `options`: the object `plan()` passes, or a name looked up."""
-    schedule = options["schedule"]
-    return schedule if isinstance(schedule, PipelineSchedule) else get_schedule(schedule)
-
-
 @dataclass(frozen=True)
 class Pricing:
     """What a solver prices candidate stages with: the cluster, the schedule's rules, the cost
@@ -134,9 +128,9 @@ class Pricing:
     @classmethod
     def of(cls, cluster: Cluster, options: dict[str, Any]) -> Pricing:
         """From a solver's `options` (`schedule`, `num_microbatches`, optional `cost_model`)."""
+        rules = get_schedule(options["schedule"])
         prices = get_cost_model(options.get("cost_model", "pdcompile"))
-        cluster = cluster if isinstance(cluster, Cluster) else Cluster.coerce(cluster)
-        return cls(cluster, option_rules(options), prices, options["num_microbatches"])
+        return cls(Cluster.coerce(cluster), rules, prices, options["num_microbatches"])
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.cluster, self.rules, self.prices, self.microbatches))

@@ -19,10 +19,9 @@ from pdcompile.core.cluster import Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
 from pdcompile.core.registry import Registry
-from pdcompile.passes.planning.cost_model import option_rules
 from pdcompile.passes.planning.evaluation import price
 from pdcompile.passes.planning.plans import RENAMED_SOLVERS, Plan, Stage, consecutive_ranks
-from pdcompile.scheduling import PipelineSchedule
+from pdcompile.scheduling import PipelineSchedule, get_schedule
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 # options `plan()` adds for every solver: the schedule, the microbatches searched with, the
@@ -81,7 +80,7 @@ def make_plan(
         Stage(index=i, nodes=tuple(nodes), replicas=r, ranks=ranks[i])
         for i, (nodes, r) in enumerate(groups)
     )
-    rules = option_rules(options)
+    rules = get_schedule(options["schedule"])
     m = settled_microbatches(
         rules, [r for _, r in groups], options["num_microbatches"],
         even=options.get("even_microbatches", False),
@@ -108,7 +107,6 @@ def settled_microbatches(
     microbatch k, so 8 over 3 replicas split 3/3/2 and the third idles; 9 split 3/3/3). Past
     that the split stays uneven, and `plan()` warns.
 
-    >>> from pdcompile.scheduling import get_schedule
     >>> settled_microbatches(get_schedule("1f1b"), [1, 3], 8, even=True)
     9
     """
