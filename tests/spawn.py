@@ -4,7 +4,7 @@
 each); each calls `fn(rank, world_size, init_file, *args)`, where `init_file` is a fresh path for
 a `FileStore` rendezvous. `fn` must be a module-level function: the child imports its module (by
 name, or else from its file) with the tests directory on `sys.path`. Results travel back pickled,
-so they must be picklable (tensors are).
+so they must be picklable (tensors are). `free_port()` is a port for a TCP rendezvous.
 """
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import itertools
 import os
 import pickle
 import queue
+import random
+import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,6 +30,28 @@ from typing import Any
 import torch.multiprocessing as mp
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+_PORTS = itertools.count(random.randrange(10_000, 30_000, 97))  # below the ephemeral range
+_PORTS_LOCK = threading.Lock()
+
+
+def free_port() -> int:
+    """A loopback port free now that this process never handed out before.
+
+    The kernel hands ports of its ephemeral range (32768-60999 on Linux) to every outgoing
+    connection and every `bind(0)`, gloo's among them: a port found free there may be taken by
+    a concurrent job's socket before rank 0 listens on it. Below that range only an explicit bind
+    takes a port.
+    """
+    with _PORTS_LOCK:
+        for port in _PORTS:
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    raise AssertionError("unreachable: the port counter is endless")
 
 
 @dataclass

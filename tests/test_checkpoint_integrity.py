@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import run_ranks
+from spawn import free_port, run_ranks
 from torch.distributed.checkpoint import FileSystemReader
 
 from pdcompile.core.errors import CheckpointError
@@ -335,9 +334,6 @@ def _meet_without_address(rank: int, world_size: int, init_file: str, port: int)
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket table")
 def test_without_an_address_the_rendezvous_listens_on_loopback_only() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ranks = run_ranks(_meet_without_address, 2, port, timeout_s=90)
+    ranks = run_ranks(_meet_without_address, 2, free_port(), timeout_s=90)
     assert [r["total"] for r in ranks] == [3.0, 3.0]
     assert ranks[0]["listening"] == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::

@@ -211,14 +211,15 @@ def _counted(monkeypatch: pytest.MonkeyPatch, function: Callable, counts: dict) 
             monkeypatch.setattr(module, name, counted)
 
 
+@pytest.mark.parametrize("solver", ["uniform", "dynprog"])
 def test_one_local_compile_builds_its_schedule_twice_and_reads_its_settings_once(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, solver: str
 ) -> None:
     model, x, y, loss_fn = mlp_case()
-    options = dict(loss_fn=loss_fn, optimizer=SGD, cluster="4", solver="uniform", profile=False)
+    options = dict(loss_fn=loss_fn, optimizer=SGD, cluster="4", solver=solver, profile=False)
     pdcompile.compile(model, (x,), **options)  # every module the call imports, imported
     counts: collections.Counter[str] = collections.Counter()
-    _counted(monkeypatch, builder.build_schedule, counts)
+    _counted(monkeypatch, builder.build, counts)  # what build_schedule, simulator, runtime call
     _counted(monkeypatch, registry.get_schedule, counts)
     coerce = Cluster.coerce.__func__
 
@@ -228,9 +229,10 @@ def test_one_local_compile_builds_its_schedule_twice_and_reads_its_settings_once
 
     monkeypatch.setattr(Cluster, "coerce", classmethod(counted_coerce))
     pipe = pdcompile.compile(model, (x,), **options)
-    # the plan's simulation and the run's schedule; the settings' look-up and the simulator's
-    assert counts["build_schedule"] <= 2, counts
-    assert counts["get_schedule by name"] <= 3, counts
+    # builds: the plan's simulation and the run's schedule; look-ups: the settings', the
+    # executor's (of the object) and, for a one-stage plan, its comparison with `blocks`
+    assert counts["build"] == 2, counts
+    assert counts["get_schedule"] <= 3 and counts["get_schedule by name"] <= 2, counts
     assert counts["Cluster.coerce"] == 1, counts
     ref, ref_loss = accumulate_reference(model, x, y, loss_fn, SGD,
                                          pipe.pipeline.num_microbatches, 1)  # fmt: skip

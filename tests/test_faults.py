@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,7 +53,7 @@ from fault_relaunch import (
     relaunched,
     torn,
 )
-from spawn import RankFailed, RankOutcome, run_ranks
+from spawn import RankFailed, RankOutcome, free_port, run_ranks
 
 import pdcompile
 from pdcompile import CostGraph, Plan
@@ -152,12 +151,6 @@ def _faulted(
     return "none", False, "", float("nan")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(fn, *args: object, awaited: list[int]) -> list[RankOutcome]:
     """`fn` on `WORLD` fresh ranks (a free port each time), the `awaited` ones' outcomes; a rank
     that never ended is "hung"."""
@@ -186,7 +179,7 @@ class Row:
 def _uninterrupted(root: str, planned: tuple[CostGraph, Plan], point: str) -> list[dict]:
     """The job of `point`'s cases without a fault, by rank (its checkpoints in root/<point>)."""
     auto = os.path.join(root, f"uninterrupted-{point}", "auto")
-    outcomes = _spawn(relaunched, point, _free_port(), planned, auto, None,
+    outcomes = _spawn(relaunched, point, free_port(), planned, auto, None,
                       awaited=list(range(WORLD)))  # fmt: skip
     failed = [f"rank {o.rank}: {o.error}: {o.message}\n{o.traceback}" for o in outcomes if not o.ok]
     assert not failed, f"the uninterrupted run ({point}) failed:\n" + "\n".join(failed)
@@ -204,10 +197,10 @@ def _run(case, planned, root: str, references: dict[str, list[dict]]) -> Row:
         shutil.copytree(os.path.join(root, "uninterrupted-step", "auto", name),
                         os.path.join(auto, name))  # fmt: skip
     survivors = [r for r in range(WORLD) if r != victim]
-    row = Row(case, _spawn(_faulted, case, _free_port(), planned, folder, awaited=survivors))
+    row = Row(case, _spawn(_faulted, case, free_port(), planned, folder, awaited=survivors))
     faulted_s = time.monotonic() - start
     _check_folder(row, folder)
-    relaunch = _spawn(relaunched, point, _free_port(), planned, auto,
+    relaunch = _spawn(relaunched, point, free_port(), planned, auto,
                       STEPS - 1 if point == "re-plan" else None,
                       awaited=list(range(WORLD)))  # fmt: skip
     _check_relaunch(row, relaunch, references["re-plan" if point == "re-plan" else "step"])

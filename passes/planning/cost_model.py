@@ -127,10 +127,18 @@ class Pricing:
 
     @classmethod
     def of(cls, cluster: Cluster, options: dict[str, Any]) -> Pricing:
-        """From a solver's `options` (`schedule`, `num_microbatches`, optional `cost_model`)."""
-        rules = get_schedule(options["schedule"])
+        """From a solver's `options` (`schedule`, `num_microbatches`, optional `cost_model`).
+
+        `plan()` hands solvers a `Cluster` and a `PipelineSchedule`, resolved once; spellings
+        (a cluster's text, a schedule's name) are resolved here for a solver called directly.
+        """
+        rules = options["schedule"]
+        if not isinstance(rules, PipelineSchedule):
+            rules = get_schedule(rules)
+        if not isinstance(cluster, Cluster):
+            cluster = Cluster.coerce(cluster)
         prices = get_cost_model(options.get("cost_model", "pdcompile"))
-        return cls(Cluster.coerce(cluster), rules, prices, options["num_microbatches"])
+        return cls(cluster, rules, prices, options["num_microbatches"])
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.cluster, self.rules, self.prices, self.microbatches))

@@ -19,9 +19,10 @@ from pdcompile.core.cluster import Cluster
 from pdcompile.core.cost_graph import CostGraph
 from pdcompile.core.errors import PartitionError
 from pdcompile.core.registry import Registry
+from pdcompile.passes.planning.cost_model import Pricing
 from pdcompile.passes.planning.evaluation import price
 from pdcompile.passes.planning.plans import RENAMED_SOLVERS, Plan, Stage, consecutive_ranks
-from pdcompile.scheduling import PipelineSchedule, get_schedule
+from pdcompile.scheduling import PipelineSchedule
 
 Solver = Callable[[CostGraph, Cluster, dict[str, Any]], Plan]
 # options `plan()` adds for every solver: the schedule, the microbatches searched with, the
@@ -69,7 +70,7 @@ def make_plan(
     priced (`evaluation.price`; `plan()` simulates the one it returns) at the microbatch count
     `settled_microbatches` gives from `options["num_microbatches"]` (`plan()` refuses a count
     the caller gave that the schedule does not accept)."""
-    cluster = cluster if isinstance(cluster, Cluster) else Cluster.coerce(cluster)
+    cluster, rules, _, _ = Pricing.of(cluster, options)
     ranks = consecutive_ranks([r for _, r in groups])
     if ranks and ranks[-1] and ranks[-1][-1] >= cluster.num_devices:
         raise PartitionError(
@@ -80,7 +81,6 @@ def make_plan(
         Stage(index=i, nodes=tuple(nodes), replicas=r, ranks=ranks[i])
         for i, (nodes, r) in enumerate(groups)
     )
-    rules = get_schedule(options["schedule"])
     m = settled_microbatches(
         rules, [r for _, r in groups], options["num_microbatches"],
         even=options.get("even_microbatches", False),
