@@ -446,28 +446,10 @@ def annotate_profile(
                            measured_at=found.measured_at)  # fmt: skip
         _tell(f"{settings.origin()} (cache=False or --no-cache measures again)", progress)
     else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(num_threads)
-        try:
-            profile, unsettled = _measure_settled(
-                gm, inputs, device, warmup, repeats, progress, loaded=loaded_by > 0
-            )
-        finally:
-            torch.set_num_threads(threads)
-        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        settings = replace(settings, measured_at=now, unsettled=tuple(unsettled))
-        if unsettled:
-            warnings.warn(
-                f"profile unsettled after {EXTRA_ROUNDS + 1} rounds of {repeats} repeats: "
-                f"{profile.describe(unsettled)} (allowed: {MAX_SLOWDOWN}x); another process "
-                f"was probably using the {device.type}. These times are used but not cached: "
-                "profile on an idle machine (the next run measures again), or raise repeats",
-                UnsettledProfileWarning,
-                stacklevel=2,
-            )
-        elif path:
+        profile, settings = _measured(gm, inputs, settings, progress)
+        if path and not settings.unsettled:
             settings = replace(settings, cache_path=str(path))
-            write_cache(path, key, settings, profile.cached(now))
+            write_cache(path, key, settings, profile.cached(settings.measured_at))
     settings = replace(settings, whole_s=profile.whole, backward_scale=profile.scale,
                        noisy=profile.noisy_report())  # fmt: skip
     for node in gm.graph.nodes:
@@ -477,3 +459,34 @@ def annotate_profile(
         node.meta[MEASURED_SPREAD] = tuple(profile.spread.get(node.name, (0.0, 0.0))[:2])
     gm.meta[PROFILE] = settings
     return gm
+
+
+def _measured(
+    gm: fx.GraphModule,
+    inputs: Mapping[str, torch.Tensor],
+    settings: ProfileSettings,
+    progress: bool,
+) -> tuple[_Profile, ProfileSettings]:
+    """The profile measured now under `settings` (its threads, repeats and load), and the
+    settings with the time and the unsettled nodes; warns when some stayed unsettled."""
+    device = next(iter(inputs.values())).device
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.num_threads)
+    try:
+        profile, unsettled = _measure_settled(
+            gm, inputs, device, settings.warmup, settings.repeats, progress,
+            loaded=settings.loaded_by > 0,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    if unsettled:
+        warnings.warn(
+            f"profile unsettled after {EXTRA_ROUNDS + 1} rounds of {settings.repeats} repeats: "
+            f"{profile.describe(unsettled)} (allowed: {MAX_SLOWDOWN}x); another process "
+            f"was probably using the {device.type}. These times are used but not cached: "
+            "profile on an idle machine (the next run measures again), or raise repeats",
+            UnsettledProfileWarning,
+            stacklevel=3,
+        )
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return profile, replace(settings, measured_at=now, unsettled=tuple(unsettled))

@@ -697,9 +697,26 @@ def optimize_pipedream(
     if not math.isfinite(time_per_stage):
         raise _infeasible(states, machines, opts)
 
-    # the printed tables: the top level's, then one per stage of the level above, innermost last
+    tables, ranges = _tables(states, levels, machines)
+    data_parallel = _data_parallel_time(states, machines, links)
+    return PipeDreamResult(
+        time_per_stage=time_per_stage,
+        single_machine_time=float(states.compute[-1]),
+        data_parallel_time=data_parallel,
+        speedup_vs_dp=data_parallel / time_per_stage,
+        num_states=n,
+        levels=tables,
+        stages=_flat_stages(cost_graph, states, ranges),
+    )
+
+
+def _tables(
+    states: _States, levels: Sequence[_Level], machines: Sequence[int]
+) -> tuple[tuple[tuple[Row, ...], ...], list[tuple[int, int, int]]]:
+    """The printed tables (the top level's, then one per stage of the level above, innermost
+    last) and the innermost stages as (first state, end state, devices)."""
     tables: list[tuple[Row, ...]] = []
-    ranges = [(0, n, 1)]
+    ranges = [(0, len(states.compute), 1)]
     for depth in reversed(range(len(machines))):
         inner = []
         for start, end, devices in ranges:
@@ -707,20 +724,16 @@ def optimize_pipedream(
             tables.append(tuple(rows))
             inner += [(a, b, devices * r) for a, b, _, r in rows]
         ranges = inner
+    return tuple(tables), ranges
 
-    single = float(states.compute[-1])
-    data_parallel = single
+
+def _data_parallel_time(states: _States, machines: Sequence[int], links: Sequence[float]) -> float:
+    """PipeDream's data-parallel time per minibatch on every machine: the compute, then each
+    level's ring all-reduce of all the weights, divided among that level's machines."""
+    data_parallel = float(states.compute[-1])
     within = 1
     for m, bandwidth in zip(machines, links, strict=True):
         allreduce = ((4 * (m - 1) * states.parameter[-1]) / (bandwidth * m)) / within
         data_parallel = (data_parallel + allreduce) / m
         within = m
-    return PipeDreamResult(
-        time_per_stage=time_per_stage,
-        single_machine_time=single,
-        data_parallel_time=float(data_parallel),
-        speedup_vs_dp=float(data_parallel / time_per_stage),
-        num_states=n,
-        levels=tuple(tables),
-        stages=_flat_stages(cost_graph, states, ranges),
-    )
+    return float(data_parallel)
