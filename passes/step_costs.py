@@ -63,6 +63,7 @@ from pdcompile.core.ir import (
     PARAM_TABLE,
     iter_tensors,
 )
+from pdcompile.core.regular_file import read_regular_text
 from pdcompile.graph.state import preserved_state
 from pdcompile.passes.device_model import DeviceModel
 from pdcompile.passes.flop_rules import flop_counter
@@ -350,7 +351,7 @@ def _read(path: Path | None) -> dict[str, Any]:
     if path is None:
         return empty
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_regular_text(path))
         if doc.get("format") != _CACHE_FORMAT:
             return empty
         steps = {str(k): float(v) for k, v in doc["steps"].items()}

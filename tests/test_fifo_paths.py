@@ -1,6 +1,7 @@
 """Loaders refuse a path that is not a regular file, never opening it to block (issue 31): a FIFO
-given as a plan, costs, PipeDream profile or trace is a named error at once; one standing where a
-profile or calibration cache file belongs is ignored (the cache measures again)."""
+given as a plan, costs, PipeDream profile, trace, torch schedule CSV or written program is a named
+error at once; one standing where a profile, calibration or optimizer-step cache file belongs is
+ignored (the cache measures again)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ def test_a_fifo_in_place_of_a_cache_file_is_ignored(tmp_path: Path) -> None:
     os.mkfifo(framework_cost.cache_file(tmp_path, framework_cost.cache_key(
         torch.device("cpu"), 1)))  # fmt: skip
     assert framework_cost.read_cached("cpu", 1, cache=tmp_path) is None
+
+
+def test_a_fifo_as_a_torch_schedule_csv_or_a_written_program_is_a_named_error(
+    fifo: str, tmp_path: Path
+) -> None:
+    from pdcompile.core.errors import CodegenError
+    from pdcompile.lowering.staged_program import StagedProgram
+    from pdcompile.scheduling.torch_csv import from_torch_csv
+
+    with pytest.raises(ScheduleError, match="a FIFO, not a regular file"):
+        from_torch_csv(fifo)
+    folder = tmp_path / "program"
+    folder.mkdir()
+    os.mkfifo(folder / "program.json")
+    with pytest.raises(CodegenError, match=r"program\.json: it is a FIFO, not a regular file"):
+        StagedProgram.load(folder, torch.nn.Linear(2, 2))
+
+
+def test_a_fifo_in_place_of_the_optimizer_step_cache_is_ignored(tmp_path: Path) -> None:
+    from pdcompile.passes import step_costs
+
+    path = tmp_path / "optimizer-0123.json"
+    os.mkfifo(path)
+    assert step_costs._read(path) == {"steps": {}, "adds": {}}

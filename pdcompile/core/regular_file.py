@@ -2,7 +2,8 @@
 for a plan or cache path someone replaced with one), and a device can be endless. Torch-free.
 
 Every loader of a user-given or cached path (`Plan.load`, `CostGraph.load`,
-`CostGraph.from_pipedream`, traces, the profile, calibration and cluster caches) reads through
+`CostGraph.from_pipedream`, traces, torch schedule CSVs, `StagedProgram.load`, the profile,
+calibration, optimizer-step and cluster caches) reads through
 `read_regular_text`; a path that is not a regular file raises `NotRegularFile`, an `OSError`, so
 each loader's own handling of unreadable files names it (a named error, or a cache ignored).
 """

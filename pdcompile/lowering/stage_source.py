@@ -25,6 +25,7 @@ from torch.package import sys_importer
 from pdcompile.capture.graph_module import CapturedGraphModule
 from pdcompile.core.errors import CodegenError
 from pdcompile.core.ir import dtype_name
+from pdcompile.core.regular_file import read_regular_text
 from pdcompile.core.text import human_bytes, human_seconds
 from pdcompile.core.version import __version__
 from pdcompile.lowering.stage_modules import (
@@ -203,9 +204,9 @@ def write_program(program: StagedProgram, directory: Path) -> Path:
 def _forward(path: Path) -> Any:
     """The `forward` function defined in a written file."""
     try:
-        source = path.read_text()
-    except OSError as e:
-        raise CodegenError(f"cannot read {path}: {e.strerror or e}") from None
+        source = read_regular_text(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise CodegenError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     namespace: dict[str, Any] = {}
     # compiled under the file's own name, so tracebacks show its lines
     exec(compile(source, str(path), "exec", dont_inherit=True), namespace)
@@ -280,10 +281,10 @@ def load_program(directory: Path, model: nn.Module) -> StagedProgram:
     """Rebuild a StagedProgram from `write_program`'s folder and the original model."""
     path = directory / "program.json"
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
+        data = json.loads(read_regular_text(path))
+    except (OSError, UnicodeDecodeError) as e:
         raise CodegenError(
-            f"cannot read {path}: {e.strerror or e}; write it with write_source"
+            f"cannot read {path}: {getattr(e, 'strerror', None) or e}; write it with write_source"
         ) from None
     except json.JSONDecodeError as e:
         raise CodegenError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None

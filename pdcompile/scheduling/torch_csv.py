@@ -23,11 +23,13 @@ process that did not (another rank, a later session) loads it again before readi
 from __future__ import annotations
 
 import csv
+import io
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pdcompile.core.errors import ScheduleError
+from pdcompile.core.regular_file import read_regular_text
 from pdcompile.scheduling.action_kinds import (
     SPLIT,
     B,
@@ -131,9 +133,8 @@ def from_torch_csv(path: str | Path, name: str | None = None) -> TorchCsvSchedul
     path = Path(path)
     source = f"torch schedule CSV {str(path)!r}"
     try:
-        with path.open(newline="") as handle:
-            rows = list(csv.reader(handle))
-    except OSError as exc:
+        rows = list(csv.reader(io.StringIO(read_regular_text(path), newline="")))
+    except (OSError, UnicodeDecodeError) as exc:
         raise ScheduleError(f"cannot read {source}: {exc}") from None
     orders = {rank: _row_items(row, rank, source) for rank, row in enumerate(rows)}
     rules = TorchCsvSchedule(orders, source)
