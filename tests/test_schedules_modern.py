@@ -171,6 +171,8 @@ def test_plan_places_v_stages_per_rank() -> None:
         pdcompile.plan(costs, "4", schedule="interleaved-1f1b", num_microbatches=6)
     with pytest.raises(pdcompile.PartitionError, match="needs 16 .*too few nodes"):
         pdcompile.plan(costs, "4", solver="uniform", schedule="zb-h1", chunks=4)
+    with pytest.raises(pdcompile.PartitionError, match="needs 4000000000 .*too few nodes"):
+        pdcompile.plan(costs, "4", schedule="interleaved-1f1b", chunks=10**9)  # at once
 
 
 # -- the models, cut in stages ---------------------------------------------------------------

@@ -286,6 +286,12 @@ def _plan_chunks(inner: Planner, cost_graph: CostGraph, config: PlanConfig, chun
     raises it, one that overshoots (or no plan at all) lowers it; the fastest fitting plan is
     returned, else the one overshooting least."""
     cluster = config.cluster
+    if cluster.num_devices * chunks > len(cost_graph.nodes):  # before a layout of that size
+        raise PartitionError(
+            f"chunks={chunks} on {cluster.num_devices} ranks needs "
+            f"{cluster.num_devices * chunks} stages, but the graph has too few nodes to cut so "
+            f"many ({len(cost_graph.nodes)}); use fewer chunks"
+        )
     ranks, m = chunk_layout(config.rules, cluster.num_devices, chunks, config.num_microbatches)
     place = functools.partial(_placed, inner, cost_graph, config.replace(num_microbatches=m), ranks)
     if cluster.memory is None:
