@@ -9,6 +9,7 @@ import pytest
 
 from pdcompile.core.errors import PdcompileError
 from pdcompile.passes.planning.timeline import Event
+from pdcompile.pictures import gantt
 from pdcompile.pictures.gantt import KINDS, bubble_fraction, plot_timelines, rows, time_unit
 
 MS = 1e-3
@@ -92,3 +93,13 @@ def test_bad_paths_empty_panels_and_missing_matplotlib_are_clear(tmp_path, monke
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(PdcompileError, match=r"pdcompile\[plot\]"):
         plot_timelines([("x", two_stage_gpipe())], tmp_path / "g.png")
+
+
+def test_a_chart_too_large_to_draw_is_refused_at_once(tmp_path: Path) -> None:
+    many = [Event(0, "F", 0, k, k * MS, (k + 1) * MS) for k in range(gantt.MAX_DRAWN_EVENTS + 1)]
+    with pytest.raises(PdcompileError, match=r"200,001 actions in 1 rank rows is too large"):
+        plot_timelines([("many", many)], tmp_path / "many.png")
+    wide = [Event(r, "F", r, 0, 0.0, MS) for r in range(gantt.MAX_DRAWN_RANKS + 1)]
+    with pytest.raises(PdcompileError, match=r"in 513 rank rows is too large to draw"):
+        plot_timelines([("wide", wide)], tmp_path / "wide.png")
+    assert not list(tmp_path.iterdir())

@@ -34,6 +34,10 @@ _BRACKETS = {row.letter: row.brackets for row in TABLE if row.brackets}
 _FORMATS = (".png", ".svg")
 _FONT = 7  # points, of the microbatch numbers
 _WIDTH_IN = 12  # figure width, inches
+# what one chart draws at most: beyond, matplotlib takes minutes and no box is visible; a row is
+# 0.45 inch at 150 dpi, so 512 rows are 35,000 pixels (Agg draws at most 65,536)
+MAX_DRAWN_EVENTS = 200_000
+MAX_DRAWN_RANKS = 512
 
 
 def bubble_fraction(events: Iterable[Event], span: float | None = None) -> float:
@@ -82,8 +86,8 @@ def plot_timelines(panels: Sequence[tuple[str, Sequence[Event]]], path: str | Pa
     so a measured run and its simulation compare by length.
 
     Raises:
-        PdcompileError: `path` is not .png or .svg, a panel has no events, or matplotlib is
-            missing.
+        PdcompileError: `path` is not .png or .svg, a panel has no events, the chart is too
+            large (`MAX_DRAWN_EVENTS`, `MAX_DRAWN_RANKS`), or matplotlib is missing.
     """
     path = Path(path)
     if path.suffix.lower() not in _FORMATS:
@@ -92,6 +96,7 @@ def plot_timelines(panels: Sequence[tuple[str, Sequence[Event]]], path: str | Pa
     for title, events in panels:
         if not events:
             raise PdcompileError(f"panel {title!r} has no events to draw")
+    _check_size(panels)
     try:
         import matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -127,6 +132,19 @@ def plot_timelines(panels: Sequence[tuple[str, Sequence[Event]]], path: str | Pa
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
         fig.savefig(path, dpi=150)
+
+
+def _check_size(panels: Sequence[tuple[str, Sequence[Event]]]) -> None:
+    """Refuse a chart too large to draw (`MAX_DRAWN_EVENTS`, `MAX_DRAWN_RANKS`)."""
+    drawn = sum(len(events) for _, events in panels)
+    ranks = sum(len({e.rank for e in events}) for _, events in panels)
+    if drawn > MAX_DRAWN_EVENTS or ranks > MAX_DRAWN_RANKS:
+        raise PdcompileError(
+            f"a Gantt chart of {drawn:,} actions in {ranks:,} rank rows is too large to draw "
+            f"(pdcompile.pictures.gantt.MAX_DRAWN_EVENTS = {MAX_DRAWN_EVENTS:,}, MAX_DRAWN_RANKS "
+            f"= {MAX_DRAWN_RANKS}): draw fewer microbatches (--microbatches) or ranks; the "
+            "Chrome trace (--trace) holds any size"
+        )
 
 
 def _draw_panel(
