@@ -80,3 +80,19 @@ def test_a_fifo_in_place_of_the_optimizer_step_cache_is_ignored(tmp_path: Path) 
     path = tmp_path / "optimizer-0123.json"
     os.mkfifo(path)
     assert step_costs._read(path) == {"steps": {}, "adds": {}}
+
+
+def test_the_command_line_names_a_fifo_as_one_not_as_a_missing_file(tmp_path: Path, capsys) -> None:
+    costs, module = tmp_path / "costs.json", tmp_path / "model.py"
+    os.mkfifo(costs)
+    os.mkfifo(module)
+    commands = [
+        ["plan", str(costs), "--cluster", "2"],
+        ["bench-solvers", str(costs), "--cluster", "2"],
+        ["plan", f"{module}:make", "--cluster", "2"],
+        ["bench-solvers", "docs/pictures/chain8.json", "--cluster", "2", "--plugin", str(module)],
+    ]
+    for command in commands:
+        assert main(command) != 0, command
+        err = capsys.readouterr().err
+        assert "it is a FIFO, not a regular file" in err and "no such file" not in err, err

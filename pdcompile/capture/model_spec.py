@@ -20,6 +20,7 @@ from typing import Any
 import torch.nn as nn
 
 from pdcompile.core.errors import SpecError
+from pdcompile.core.regular_file import open_regular
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,12 @@ def import_user_module(location: str, what: str) -> ModuleType:
     """
     if location.endswith(".py") or os.sep in location or "/" in location:
         path = os.path.abspath(location)
-        if not os.path.isfile(path):
-            raise SpecError(f"{what}: no such file {location!r}")
+        try:
+            os.close(open_regular(path))  # a FIFO would block the import
+        except FileNotFoundError:
+            raise SpecError(f"{what}: no such file {location!r}") from None
+        except OSError as e:
+            raise SpecError(f"{what}: {location!r}: {e.strerror or e}") from None
         digest = hashlib.sha1(path.encode()).hexdigest()[:8]
         name = f"_pdcompile_user_{Path(path).stem}_{digest}"
         if name in sys.modules:

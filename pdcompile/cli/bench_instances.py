@@ -144,7 +144,7 @@ def _read_instance(text: str, analytic: bool) -> list[Instance]:
         make = synthetic_chain if kind == "chain" else synthetic_dag
         return [Instance(text, make(size, seed), "synthetic")]
     path = Path(text)
-    if path.suffix == ".json" and path.is_file():
+    if path.suffix == ".json" and path.exists():  # CostGraph.load names a FIFO or a folder
         return [Instance(path.stem, CostGraph.load(path), str(path))]
     if path.exists():
         files = _pipedream_files(path)

@@ -74,7 +74,7 @@ def _cost_file(path: str) -> Any:
         loader = CostGraph.from_pipedream
     else:
         return None
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # the loader names what else it is (a folder, a FIFO)
         raise SpecError(f"no such file {path!r} (expected a CostGraph .json or a PipeDream .txt)")
     return loader(path)
 
