@@ -10,7 +10,8 @@ Each exercises something the suite lacks: per-layer-type rotary embeddings built
 attention and top-1 experts (llama4), multi-head latent attention with grouped routing
 (deepseek_v3), two towers and a contrastive loss (clip), a selective scan (mamba), sequence
 pooling (funnel), interpolated position embeddings (dinov2), a convolutional feature encoder and
-CTC (wav2vec2_ctc), two-stream relative attention (xlnet).
+CTC (wav2vec2_ctc), two-stream relative attention (xlnet), item assignment into a mask in the
+model's own forward (longformer).
 """
 
 from __future__ import annotations
@@ -138,6 +139,14 @@ def funnel() -> Case:
     return Case(model, (), {"input_ids": ids, "attention_mask": mask}, targets, token_loss)
 
 
+def longformer() -> Case:
+    """Item assignment into a mask in the model's own forward (`global_attention_mask[:, 0] =
+    1`); the encoder branches on traced shapes (`if padding_len > 0`) and its attention on
+    tensor values (`.item()`), so the whole encoder is one automatic leaf."""
+    return _encoder("LongformerForSequenceClassification", "LongformerConfig", 612, "cls",
+                    attention_window=4)  # fmt: skip
+
+
 # ---- vision, speech, multimodal ----
 
 
@@ -216,7 +225,7 @@ UNSEEN: dict[str, Architecture] = {
     for a in [
         *(Architecture(f.__name__, "decoder", f)
           for f in (gemma3, granitemoe, llama4, deepseek_v3, cohere2, mamba, xlnet)),
-        *(Architecture(f.__name__, "encoder", f) for f in (modernbert, funnel)),
+        *(Architecture(f.__name__, "encoder", f) for f in (modernbert, funnel, longformer)),
         Architecture("dinov2", "vision", dinov2),
         Architecture("wav2vec2_ctc", "speech", wav2vec2_ctc),
         Architecture("clip", "multimodal", clip),

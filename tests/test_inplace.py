@@ -57,6 +57,23 @@ class _WritesIntoAView(nn.Module):
         return self.b(h)
 
 
+class _AssignsItems(nn.Module):
+    """Item assignment, as Hugging Face models build masks (`mask[:, 0] = 1`, Longformer): into
+    a fresh tensor, and of a computed value into an intermediate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        mask = torch.zeros_like(h)
+        mask[:, 0] = 1
+        g = self.b(h * (1 + mask))
+        g[:, 1:3] = h[:, :2] * 2
+        return self.c(torch.relu(g))
+
+
 class _InceptionStyle(nn.Module):
     """Branches of conv + BatchNorm + in-place ReLU, concatenated (torchvision's Inception)."""
 
@@ -121,6 +138,41 @@ def test_capture_rewrites_every_inplace_spelling_and_costs_run() -> None:
     for profile in (False, True):
         costs = pdcompile.analyze(gm, (x,), profile=profile, cache=False, progress=False)
         assert costs.totals()["backward_s"] > 0
+
+
+def test_item_assignment_is_traced_by_fx_and_trains_like_gradient_accumulation() -> None:
+    """fx's Proxy had no `__setitem__`: `mask[:, 0] = 1` failed symbolic tracing outright."""
+    torch.manual_seed(0)
+    model, x, y = _AssignsItems(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    gm = pdcompile.trace(model, (x,), method="fx")
+    assert gm.meta["pdcompile.capture"] == "fx" and _no_inplace_left(gm)
+    torch.testing.assert_close(gm(x), model(x))
+    pipe = pdcompile.compile(model, (x,), loss_fn=F.cross_entropy, optimizer=_sgd, cluster="2",
+                             solver="uniform", profile=False, num_microbatches=2)  # fmt: skip
+    assert pipe.plan.num_stages == 2
+    losses = [pipe.train_step(x, y) for _ in range(3)]
+    ref, ref_loss = accumulate_reference(model, x, y, F.cross_entropy, _sgd, 2, 3)
+    assert losses[-1] == pytest.approx(ref_loss, rel=1e-5)
+    for key, tensor in ref.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[key], tensor, msg=key)
+
+
+def test_a_written_program_keeps_item_assignment_one_call(tmp_path) -> None:
+    """The rewritten assignment (`assigned`) is one node; re-tracing the written source must not
+    trace into it (its own `result[key] = value`)."""
+    from pdcompile.graph.mutation import assigned
+
+    torch.manual_seed(0)
+    model, x = _AssignsItems(), torch.randn(8, 8)
+    gm = pdcompile.trace(model, (x,), method="fx")
+    costs = pdcompile.analyze(gm, (x,), profile=False, progress=False)
+    program = pdcompile.codegen(gm, pdcompile.plan(costs, "2", solver="uniform"))
+    program.write_source(tmp_path)
+    loaded = pdcompile.StagedProgram.load(tmp_path, model)
+    calls = [n for s in loaded.stages for n in s.graph.nodes if n.target is assigned]
+    assert len(calls) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
 
 
 def test_costs_of_a_graph_with_inplace_nodes_left_run() -> None:

@@ -16,6 +16,7 @@ changes its inputs, and buffer updates are state the stage that owns the buffer 
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,13 @@ import torch.fx as fx
 
 from pdcompile.core.errors import TraceError
 from pdcompile.core.ir import iter_tensors
-from pdcompile.graph.mutation import AUGMENTED, inplace_position, target_name, written_input
+from pdcompile.graph.mutation import (
+    AUGMENTED,
+    assigned,
+    inplace_position,
+    target_name,
+    written_input,
+)
 
 
 def inplace_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
@@ -124,6 +131,8 @@ def _out_of_place(node: fx.Node) -> Any:
     """The out-of-place twin of an in-place method, function or operator, or None."""
     if node.op == "call_function" and node.target in AUGMENTED:
         return AUGMENTED[node.target]
+    if node.op == "call_function" and node.target is operator.setitem:
+        return assigned
     name = target_name(node).removesuffix("_")
     if node.op == "call_method":
         return name if hasattr(torch.Tensor, name) else None

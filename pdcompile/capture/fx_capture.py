@@ -8,6 +8,7 @@ becomes a leaf and tracing starts again, so every leaf sits as deep in the hiera
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import sys
 import traceback
@@ -93,6 +94,14 @@ def _user_frames(frames: traceback.StackSummary) -> traceback.StackSummary:
     ])  # fmt: skip
 
 
+class _Proxy(fx.Proxy):
+    """fx's Proxy, with item assignment (`mask[:, 0] = 1`): an `operator.setitem` node, which
+    `functionalize` rewrites out of place."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, policy: LeafPolicy, inputs: BoundInputs) -> None:
         super().__init__()
@@ -114,6 +123,9 @@ class _Tracer(fx.Tracer):
             if user:
                 node.stack_trace = "".join(user.format()).strip()
         return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.policy.is_leaf(m, module_qualified_name)

@@ -28,6 +28,14 @@ AUGMENTED = {
 }  # fmt: skip
 
 
+def assigned(tensor: torch.Tensor, key: Any, value: Any) -> torch.Tensor:
+    """`operator.setitem` out of place: a copy of `tensor` with `copy[key] = value` (autograd
+    flows to `tensor` outside `key` and to `value` inside it)."""
+    result = tensor.clone()
+    result[key] = value
+    return result
+
+
 def target_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
 

@@ -12,6 +12,7 @@ leaf, as torch.fx rebuilds a GraphModule from its code. Tensor data is never wri
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,19 @@ class _KeepModules(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
+
+
+def _retrace(root: nn.Module) -> fx.Graph:
+    """The graph of `root`'s written forward: every call of a module or of a Python function the
+    code imports stays one node, as it was in the graph written (`assigned`, a model's own
+    helpers fx kept whole), instead of being traced into."""
+    forward = type(root).forward
+    functions = tuple(
+        f
+        for f in forward.__globals__.values()
+        if isinstance(f, types.FunctionType) and f is not forward
+    )
+    return _KeepModules(autowrap_functions=functions).trace(root)
 
 
 def _source(gm: fx.GraphModule, header: str) -> str:
@@ -224,7 +238,7 @@ def _load_graph_module(entry: dict[str, Any], directory: Path, training: bool) -
     root = _source_module(directory / entry["file"], entry["class_name"])
     for target, nested in entry["graph_modules"].items():
         install(root, target, _load_graph_module(nested, directory, training))
-    return CapturedGraphModule(root, _KeepModules().trace(root), entry["class_name"], training)
+    return CapturedGraphModule(root, _retrace(root), entry["class_name"], training)
 
 
 def _load_stage(
@@ -263,7 +277,7 @@ def _load_stage(
         out_spec = pytree.treespec_loads(entry["out_spec"])
         # traced as a flat list of leaves, then given the real structure back
         root._out_spec = pytree.tree_structure([0] * out_spec.num_leaves)
-    graph = _KeepModules().trace(root)
+    graph = _retrace(root)
     if out_spec is not None:
         graph._codegen = TreeOutputCodeGen(out_spec)
     stage = CapturedGraphModule(root, graph, entry["class_name"], training)
