@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from support import captured, example, flat, fresh_like
@@ -94,3 +96,24 @@ def test_export_that_fixes_the_batch_size_names_the_fix() -> None:
 
     with pytest.raises(pdcompile.TraceError, match="fixes the batch size"):
         pdcompile.trace(FixedBatch(), (torch.randn(4, 3),), method="export")
+
+
+class _BranchesOnAValue(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print("the model's own line", file=sys.stderr)
+        h = self.a(x)
+        return h * 2 if (h > 0).any().item() else h
+
+
+def test_a_failed_export_keeps_its_partial_graph_off_the_terminal(capsys) -> None:
+    """torch.export printed the partial graph of a failed export to stderr (twice per try),
+    above the TraceError; it stays on the cause, and the model's own output still shows."""
+    with pytest.raises(pdcompile.TraceError, match="data-dependent") as caught:
+        pdcompile.trace(_BranchesOnAValue(), (torch.randn(8, 4),), method="export")
+    err = capsys.readouterr().err
+    assert "def forward(self" not in err and "the model's own line" in err
+    assert "def forward(self" in caught.value.__cause__.partial_fx_graph

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -165,10 +167,28 @@ def _export(model: nn.Module, inputs: BoundInputs, batch: Any) -> torch.export.E
     args, _ = inputs.call(inputs.tensors)
     with _explicit_keywords(model, inputs) as kwargs:
         model_output(model, args, kwargs)  # registers output dataclasses; may fail here
-        with warnings.catch_warnings():  # torch's own deprecation, raised inside export
-            warnings.filterwarnings("ignore", LEAFSPEC_WARNING, FutureWarning)
+        with warnings.catch_warnings(), _without_partial_graph():
+            warnings.filterwarnings("ignore", LEAFSPEC_WARNING, FutureWarning)  # torch's own
             return torch.export.export(model, args, kwargs, strict=False,
                                        dynamic_shapes=_dynamic_shapes(inputs, batch))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _without_partial_graph() -> Iterator[None]:
+    """torch.export prints a failed export's partial graph to stderr before it raises: thousands
+    of lines for a real model, twice when the batch is tried both ways, above the TraceError
+    that says what failed. The graph stays on the exception (`partial_fx_graph`, the cause of
+    the TraceError); whatever else was written to stderr meanwhile is passed on."""
+    written, partial = io.StringIO(), ""
+    try:
+        with contextlib.redirect_stderr(written):
+            yield
+    except Exception as e:
+        partial = str(getattr(e, "partial_fx_graph", None) or "")
+        raise
+    finally:
+        text = written.getvalue()
+        sys.stderr.write(text.replace(f"{partial}\n", "") if partial else text)  # printed twice
 
 
 def _fixed_batch(program: torch.export.ExportedProgram, inputs: BoundInputs) -> str | None:
