@@ -147,6 +147,8 @@ def test_item_assignment_is_traced_by_fx_and_trains_like_gradient_accumulation()
     gm = pdcompile.trace(model, (x,), method="fx")
     assert gm.meta["pdcompile.capture"] == "fx" and _no_inplace_left(gm)
     torch.testing.assert_close(gm(x), model(x))
+    written = [n for n in gm.graph.nodes if n.name.startswith("setitem")]
+    assert len(written) == 2 and "mask[:, 0] = 1" in written[0].meta["stack_trace"]
     pipe = pdcompile.compile(model, (x,), loss_fn=F.cross_entropy, optimizer=_sgd, cluster="2",
                              solver="uniform", profile=False, num_microbatches=2)  # fmt: skip
     assert pipe.plan.num_stages == 2

@@ -71,14 +71,15 @@ def failing_submodule(model: nn.Module, error: BaseException) -> str | None:
 
 _TORCH = os.path.dirname(os.path.abspath(fx.__file__))[: -len(os.sep + "fx")]
 # torch.fx's filter (fx.experimental.symbolic_shapes.uninteresting_files) by path: calling it
-# imports torch._dynamo and torch._inductor to read their modules' file names
+# imports torch._dynamo and torch._inductor to read their modules' file names; and this file
+# (`_Proxy.__setitem__` records item assignments)
 _SKIPPED = {os.path.join(_TORCH, *p.split("/")) for p in (
-    "__init__.py", "_compile.py", "fx/_symbolic_trace.py", "fx/interpreter.py",
+    "__init__.py", "_compile.py", "fx/_symbolic_trace.py", "fx/interpreter.py", "fx/proxy.py",
     "fx/experimental/recording.py", "fx/experimental/sym_node.py",
     "fx/experimental/symbolic_shapes.py", "export/_trace.py", "_inductor/sizevars.py",
     "_library/custom_ops.py", "_library/fake_impl.py", "_logging/_internal.py",
     "_logging/structured.py", "_subclasses/fake_tensor.py", "_subclasses/meta_utils.py",
-)} | {"<string>"}  # fmt: skip
+)} | {"<string>", os.path.abspath(__file__)}  # fmt: skip
 _SKIPPED_DIRS = tuple(os.path.join(_TORCH, d) + os.sep for d in ("_dynamo", "_higher_order_ops"))
 
 
