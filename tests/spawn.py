@@ -44,14 +44,14 @@ def free_port() -> int:
     takes a port.
     """
     with _PORTS_LOCK:
-        for port in _PORTS:
+        while True:
+            port = next(_PORTS)
             with socket.socket() as probe:
                 try:
                     probe.bind(("127.0.0.1", port))
                 except OSError:
                     continue
             return port
-    raise AssertionError("unreachable: the port counter is endless")
 
 
 @dataclass

@@ -107,6 +107,7 @@ def settled_microbatches(
     microbatch k, so 8 over 3 replicas split 3/3/2 and the third idles; 9 split 3/3/3). Past
     that the split stays uneven, and `plan()` warns.
 
+    >>> from pdcompile.scheduling import get_schedule
     >>> settled_microbatches(get_schedule("1f1b"), [1, 3], 8, even=True)
     9
     """
